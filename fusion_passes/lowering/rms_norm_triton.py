@@ -1,0 +1,142 @@
+"""One Triton kernel for RMSNorm and residual-add + RMSNorm over the last dim.
+
+Unfused: r = x + residual (rounded to x.dtype), then rms_norm(r): two passes over the rows,
+    reading x, residual, writing r, then reading r again and writing y.
+Fused:   one pass per row, all arithmetic in fp32, rounding exactly where rms_norm_reference.py does:
+    r   = to_x_dtype(f32(x) + f32(residual))          stored as new_residual (add form only)
+    n   = f32(r) * rsqrt(sum(f32(r)^2) / N + eps)
+    cast_before_weight (Llama form):  y = to_x_dtype(f32(to_x_dtype(n)) * f32(weight))
+    otherwise:                        y = to_x_dtype(n * (f32(weight) + weight_offset))
+
+Each program holds whole rows in registers (BLOCK_N = next_power_of_2(N) columns, masked), so x
+and residual are read once and y, r written once: the kernel moves the minimum number of bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
+
+# Elements one program works on at once (ROWS_PER_PROGRAM * BLOCK_N). 4096 keeps ~16 fp32 values
+# per thread at 8 warps: 32 B of bf16 per thread per load, enough bytes in flight to saturate HBM
+# without spilling. Rows narrower than this are packed several to a program so that small hidden
+# sizes do not launch one tiny program per row.
+_ELEMENTS_PER_PROGRAM = 4096
+# Threads per program: one warp per 512 elements (16 per thread), from 1 up to 32 warps (the most
+# a program may have). Hidden 7168 (BLOCK_N 8192) gets 16 warps, 4096 and 3072 get 8.
+_ELEMENTS_PER_WARP = 512
+_MAX_WARPS = 32
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
+    residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
+    weight_ptr,  # *weight.dtype [N]: per-column scale
+    out_ptr,  # *x.dtype [M, N] contiguous: the normalised, scaled rows y
+    residual_out_ptr,  # *x.dtype [M, N] contiguous: r = x + residual (written only when HAS_RESIDUAL)
+    M,  # number of rows (tokens)
+    N,  # row length (hidden size): the reduced dimension
+    stride_x,  # elements between the starts of consecutive rows of x
+    stride_residual,  # elements between the starts of consecutive rows of residual
+    eps,  # added to mean(r^2) before the rsqrt
+    weight_offset,  # added to f32(weight) in the fp32-weight form (1.0 for Qwen3-Next), else 0.0
+    HAS_RESIDUAL: tl.constexpr,  # add residual first and store r (the add_rms_norm form)
+    CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form: round n to x.dtype before scaling by weight
+    BLOCK_N: tl.constexpr,  # next_power_of_2(N): one block holds a whole row
+    ROWS_PER_PROGRAM: tl.constexpr,  # rows each program normalises, as a [ROWS, BLOCK_N] block
+):
+    rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    # int64 row offsets: M * N passes 2^31 elements at e.g. 300k tokens of hidden 7168.
+    rows = rows.to(tl.int64)[:, None]
+    dtype = out_ptr.dtype.element_ty
+
+    r = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + rows * stride_residual + cols[None, :], mask=mask, other=0.0)
+        # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
+        r_rounded = (r + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + rows * N + cols[None, :], r_rounded, mask=mask)
+        r = r_rounded.to(tl.float32)
+
+    # Masked columns hold 0, so they add nothing to the sum; divide by the true N.
+    rstd = tl.rsqrt(tl.sum(r * r, axis=1) / N + eps)
+    n = r * rstd[:, None]
+    w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if CAST_BEFORE_WEIGHT:
+        y = n.to(dtype).to(tl.float32) * w
+    else:
+        y = n * (w + weight_offset)
+    tl.store(out_ptr + rows * N + cols[None, :], y.to(dtype), mask=mask)
+
+
+def _launch_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS_PER_PROGRAM, num_warps) for rows of n elements; independent of the row count,
+    so a dynamic token count never re-specialises the kernel."""
+    block_n = triton.next_power_of_2(n)
+    rows_per_program = max(1, _ELEMENTS_PER_PROGRAM // block_n)
+    elements = rows_per_program * block_n
+    num_warps = min(_MAX_WARPS, max(1, elements // _ELEMENTS_PER_WARP))
+    return block_n, rows_per_program, num_warps
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View t as [M, N] rows with unit column stride (copying only when no such view exists)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+    residual: torch.Tensor | None = None,
+    *,
+    wrap: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of x (or of x + residual) over the last dim, as rms_norm_reference /
+    add_rms_norm_reference compute it. Returns (normed, new_residual); new_residual = x + residual
+    rounded to x.dtype, or None when residual is None. Outputs are new contiguous tensors of x's
+    shape and dtype. `wrap` (e.g. torch.library.wrap_triton) is applied to the kernel before launch
+    so make_fx can trace the call into a graph."""
+    check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    n = x.shape[-1]
+    x_rows = _as_rows(x)
+    m = x_rows.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        # Never read or written (HAS_RESIDUAL=False): x stands in for the residual pointers.
+        residual_rows, residual_out = x_rows, None
+    else:
+        residual_rows = _as_rows(residual)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_n, rows_per_program, num_warps = _launch_config(n)
+    kernel = (wrap or (lambda k: k))(_rms_norm_kernel)
+    kernel[(triton.cdiv(m, rows_per_program),)](
+        x_rows,
+        residual_rows,
+        weight,
+        out,
+        x_rows if residual_out is None else residual_out,
+        m,
+        n,
+        x_rows.stride(0),
+        residual_rows.stride(0),
+        eps,
+        weight_offset,
+        HAS_RESIDUAL=residual is not None,
+        CAST_BEFORE_WEIGHT=cast_before_weight,
+        BLOCK_N=block_n,
+        ROWS_PER_PROGRAM=rows_per_program,
+        num_warps=num_warps,
+    )
+    return out, residual_out

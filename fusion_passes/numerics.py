@@ -1,0 +1,64 @@
+"""The one per-dtype tolerance table, and the comparisons every check uses (in float64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """rtol/atol for elementwise closeness of one op's output; rel_norm bounds
+    ||actual - expected|| / ||expected|| for a whole model's output."""
+
+    rtol: float
+    atol: float
+    rel_norm: float
+
+
+# Elementwise: about two units in the last place of the dtype (bf16 has 8 bits of mantissa,
+# 2 * 2**-8 = 7.8e-3, so 1.6e-2 also covers one rounding flip of the output); a reduction in a
+# different order (Triton's tree vs ATen's) moves fp32 results by ~1e-6 relative.
+# Whole models: errors accumulate over layers; the bound is what a correct rewrite stays under.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(rtol=1e-5, atol=1e-5, rel_norm=1e-5),
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1.6e-2, rel_norm=2e-2),
+    torch.float16: Tolerance(rtol=2e-3, atol=2e-3, rel_norm=4e-3),
+    torch.float64: Tolerance(rtol=1e-12, atol=1e-12, rel_norm=1e-12),
+}
+
+
+def tolerance(dtype: torch.dtype) -> Tolerance:
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance defined for {dtype}")
+    return TOLERANCES[dtype]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_abs: float
+    max_rel: float
+    rel_norm: float
+    ok: bool
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> Comparison:
+    """Compare in float64 with the tolerance of ``dtype`` (default: expected's dtype).
+
+    NaN where the other has none, or a shape/dtype difference, is a failure."""
+    tol = tolerance(dtype or expected.dtype)
+    if actual.shape != expected.shape:
+        return Comparison(float("inf"), float("inf"), float("inf"), False)
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    if not torch.equal(torch.isnan(a), torch.isnan(e)):
+        return Comparison(float("nan"), float("nan"), float("nan"), False)
+    a, e = torch.nan_to_num(a), torch.nan_to_num(e)
+    diff = (a - e).abs()
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    max_rel = (diff / e.abs().clamp_min(tol.atol)).max().item() if diff.numel() else 0.0
+    denom = e.norm().item()
+    rel_norm = diff.norm().item() / denom if denom > 0 else diff.norm().item()
+    ok = bool(torch.all(diff <= tol.atol + tol.rtol * e.abs()).item())
+    return Comparison(max_abs, max_rel, rel_norm, ok)

@@ -1,0 +1,5 @@
+"""WHAT is detected: one module per fusion family. Each lists the unfused spellings found in real
+model code and maps them to ONE canonical op of ``fusion_passes.lowering``. Importing this package
+registers the built-in fusions, in the order they are applied."""
+
+from fusion_passes.patterns import rms_norm  # noqa: F401

@@ -1,0 +1,155 @@
+"""RMSNorm spellings found in real model code, mapped to ``rms_norm`` / ``add_rms_norm``.
+
+Spellings (as transformers writes them):
+- Llama form: DeepseekV3RMSNorm, DeepseekV32RMSNorm, Qwen3RMSNorm, Qwen3MoeRMSNorm,
+  MiniMaxM2RMSNorm (and the norm inside Qwen3-Next / Qwen 3.5 RMSNormGated):
+      h = x.to(f32); h = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps); weight * h.to(x.dtype)
+- ``F.rms_norm`` / ``nn.RMSNorm``: the weight is multiplied in fp32, rounded once at the end.
+- Qwen3-Next / Qwen 3.5 / Qwen 3.5-MoE ``(1 + w)`` form:
+      o = x.float(); o = o * rsqrt(o.pow(2).mean(-1, keepdim=True) + eps);
+      (o * (1.0 + weight.float())).type_as(x)
+Each with and without the decoder layer's residual add before it (``residual + hidden_states``,
+whose sum is the next residual); the add's operand order does not matter (IEEE addition
+commutes), so one spelling covers ``x + residual`` and ``residual + x``.
+
+eps is a pattern argument: one traced pattern matches every eps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
+from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, _REGISTRY
+
+# --- the spellings (traced by the pattern matcher; keep them exactly as models write them) ---
+
+
+def llama_rms_norm(x, weight, eps):
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def functional_rms_norm(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def offset_rms_norm(x, weight, eps):
+    o = x.float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+    o = o * (1.0 + weight.float())
+    return o.type_as(x)
+
+
+def _with_residual(norm):
+    def spelling(x, residual, weight, eps):
+        hidden = residual + x
+        return norm(hidden, weight, eps), hidden
+
+    spelling.__name__ = f"add_{norm.__name__}"
+    return spelling
+
+
+# --- the fused calls: (weight_offset, cast_before_weight) per spelling ---
+
+
+def _fused_rms_norm(offset: float, cast: bool):
+    def replacement(x, weight, eps):
+        return torch.ops.fusion_passes.rms_norm.default(x, weight, eps, offset, cast)
+
+    return replacement
+
+
+def _fused_add_rms_norm(offset: float, cast: bool):
+    def replacement(x, residual, weight, eps):
+        out, new_residual = torch.ops.fusion_passes.add_rms_norm.default(
+            x, residual, weight, eps, offset, cast
+        )
+        return out, new_residual
+
+    return replacement
+
+
+def _check_form(offset: float, cast: bool):
+    """Reject what the canonical op would compute differently (dtypes, weight shape)."""
+
+    def check(values: dict[str, Any]) -> str | None:
+        try:
+            check_rms_norm_args(
+                values["x"], values["weight"], offset, cast, values.get("residual")
+            )
+        except ValueError as e:
+            return str(e)
+        return None
+
+    return check
+
+
+def _examples(with_residual: bool):
+    """fp32 graphs drop the casts that bf16/fp16 graphs keep: trace both (fp16 matches the bf16
+    pattern; the matcher re-traces every candidate with its real dtypes before accepting it)."""
+
+    def example_inputs():
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(8, 16, dtype=dtype)
+            w = torch.randn(16, dtype=dtype)
+            eps = DEFAULT_SCALAR_SENTINEL
+            yield (x, torch.randn_like(x), w, eps) if with_residual else (x, w, eps)
+
+    return example_inputs
+
+
+_FORMS = (  # spelling, weight_offset, cast_before_weight
+    (llama_rms_norm, 0.0, True),
+    (functional_rms_norm, 0.0, False),
+    (offset_rms_norm, 1.0, False),
+)
+
+ADD_RMS_NORM = Fusion(
+    name="add_rms_norm",
+    summary="residual add + RMSNorm (every form) -> one add_rms_norm kernel",
+    doc="""Residual add + RMSNorm, the sum reused as the next residual.
+
+    Unfused: r = residual + x; h = f32(r); n = h * rsqrt(mean(h^2, -1) + eps); y = scale(n, w)
+             (3 kernels in eager per norm; Inductor 1, reading x and residual, writing y and r)
+    Fused:   y, r = fusion_passes.add_rms_norm(x, residual, w, eps, weight_offset, cast)
+    Forms:   Llama (weight * n.to(dtype)), F.rms_norm / nn.RMSNorm (n * f32(w)), Qwen (1 + w)""",
+    spellings=tuple(
+        Spelling(
+            f"add_{fn.__name__}",
+            _with_residual(fn),
+            _fused_add_rms_norm(offset, cast),
+            _check_form(offset, cast),
+        )
+        for fn, offset, cast in _FORMS
+    ),
+    example_inputs=_examples(with_residual=True),
+    scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    builtin=True,
+)
+
+RMS_NORM = Fusion(
+    name="rms_norm",
+    summary="RMSNorm (every form) -> one rms_norm kernel",
+    doc="""RMSNorm over the last dim, in each model spelling's rounding.
+
+    Unfused: h = f32(x); n = h * rsqrt(mean(h^2, -1) + eps); y = scale(n, w)
+    Fused:   y = fusion_passes.rms_norm(x, w, eps, weight_offset, cast)
+    Forms:   Llama (weight * n.to(dtype)), F.rms_norm / nn.RMSNorm (n * f32(w)), Qwen (1 + w)""",
+    spellings=tuple(
+        Spelling(fn.__name__, fn, _fused_rms_norm(offset, cast), _check_form(offset, cast))
+        for fn, offset, cast in _FORMS
+    ),
+    example_inputs=_examples(with_residual=False),
+    scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    builtin=True,
+)
+
+# add_rms_norm first: it must claim a norm before the plain rms_norm pattern takes it alone.
+for _fusion in (ADD_RMS_NORM, RMS_NORM):
+    _REGISTRY.setdefault(_fusion.name, _fusion)

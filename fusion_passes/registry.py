@@ -1,0 +1,262 @@
+"""The fusion registry: every fusion, built-in or user-registered, is one ``Fusion`` here.
+
+A fusion is a list of *spellings* (plain torch functions written the way model code writes the
+unfused computation) each paired with a *replacement* (a call of one canonical fused op). The
+spellings are traced with Inductor's pattern matcher (``register_replacement`` + ``fwd_only``) the
+first time a fusion is used, so importing the package stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import inspect
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.pattern_matcher import (
+    Match,
+    PatternMatcherPass,
+    fwd_only,
+    register_replacement,
+)
+
+# A spelling's scalar arguments (eps, offsets) are traced with these sentinel values and become
+# pattern arguments, so one pattern matches every eps. 2**-17 is exact in fp32/bf16/fp16 (an eps
+# that went through a float32 cast, as F.rms_norm does, keeps the sentinel intact).
+DEFAULT_SCALAR_SENTINEL = 2.0**-17
+
+
+class FusionError(ValueError):
+    """A fusion was registered or requested wrongly."""
+
+
+CheckFn = Callable[[dict[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """One unfused spelling, the fused call that replaces it, and an optional extra check.
+
+    ``check(values)`` gets the matched arguments by name (fake tensors with the real shapes and
+    dtypes, and scalars) and returns ``None`` to accept or a one-line reason to reject.
+    """
+
+    name: str
+    pattern: Callable[..., Any]
+    replacement: Callable[..., Any]
+    check: CheckFn | None = None
+
+
+@dataclass
+class Fusion:
+    """A named fusion: spellings → one canonical op, with the checks a match must pass.
+
+    ``check`` applies to every spelling (see ``Spelling.check``); a rejected match keeps its
+    reason for the report.
+    """
+
+    name: str
+    summary: str
+    doc: str
+    spellings: tuple[Spelling, ...]
+    example_inputs: Callable[[], Iterable[Sequence[Any]]]
+    scalars: dict[str, float] = field(default_factory=dict)
+    check: CheckFn | None = None
+    builtin: bool = False
+    _pass: PatternMatcherPass | None = field(default=None, repr=False)
+
+    def source_hash(self) -> str:
+        """Hash of everything that decides what this fusion rewrites (for Inductor's cache key)."""
+        h = hashlib.sha256(self.name.encode())
+        fns = [self.example_inputs, self.check] + [
+            f for s in self.spellings for f in (s.pattern, s.replacement, s.check)
+        ]
+        for fn in fns:
+            if fn is None:
+                continue
+            h.update(_source_of(fn).encode())
+        h.update(repr(sorted(self.scalars.items())).encode())
+        return h.hexdigest()
+
+
+def _source_of(fn: Callable[..., Any]) -> str:
+    """The source of ``fn`` and of the module it lives in (a spelling may call helpers)."""
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    for obj in (module, fn):
+        try:
+            return inspect.getsource(obj)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            continue
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+_REGISTRY: dict[str, Fusion] = {}
+
+
+def register_fusion(
+    name: str,
+    *,
+    pattern: Callable[..., Any] | Sequence[Callable[..., Any]],
+    replacement: Callable[..., Any] | Sequence[Callable[..., Any]],
+    example_inputs: Callable[[], Iterable[Sequence[Any]]],
+    check: CheckFn | None = None,
+    scalars: Sequence[str] | dict[str, float] = (),
+    summary: str | None = None,
+    doc: str | None = None,
+    replace: bool = False,
+) -> Fusion:
+    """Register a fusion that rewrites ``pattern`` spellings into ``replacement`` calls.
+
+    pattern:        the unfused computation as plain torch code (one function or several
+                    spellings). Its arguments are the tensors and scalars the fused call needs.
+    replacement:    the fused computation with the same arguments (one for all spellings, or one
+                    per spelling).
+    example_inputs: returns argument tuples to trace the patterns with, one tuple per variant
+                    whose graph differs (fp32 graphs drop the casts that bf16 graphs keep).
+    check:          ``check(values) -> None | reason``: reject a match the fused op does not
+                    compute identically (dtypes, shapes); values are the matched arguments.
+    scalars:        names of float arguments that vary between call sites (eps): they are traced
+                    with a sentinel and matched as pattern arguments, not literals.
+    """
+    _ensure_builtins()  # built-ins first: registration order is application order
+    if not replace and name in _REGISTRY:
+        raise FusionError(f"a fusion named {name!r} is already registered")
+    patterns = list(pattern) if isinstance(pattern, Sequence) else [pattern]
+    replacements = list(replacement) if isinstance(replacement, Sequence) else [replacement]
+    if len(replacements) == 1:
+        replacements *= len(patterns)
+    if len(replacements) != len(patterns) or not patterns:
+        raise FusionError(
+            f"{name}: give one replacement, or one per pattern ({len(patterns)} patterns, "
+            f"{len(replacements)} replacements)"
+        )
+    if not isinstance(scalars, dict):
+        scalars = {s: DEFAULT_SCALAR_SENTINEL * (i + 1) for i, s in enumerate(scalars)}
+    doc = inspect.cleandoc(doc or patterns[0].__doc__ or "")
+    fusion = Fusion(
+        name=name,
+        summary=summary or (doc.splitlines()[0] if doc else name),
+        doc=doc,
+        spellings=tuple(
+            Spelling(getattr(p, "__name__", f"spelling{i}"), p, r)
+            for i, (p, r) in enumerate(zip(patterns, replacements))
+        ),
+        example_inputs=example_inputs,
+        scalars=dict(scalars),
+        check=check,
+        builtin=False,
+    )
+    _REGISTRY[name] = fusion
+    return fusion
+
+
+def unregister_fusion(name: str) -> None:
+    """Remove a fusion (tests use this to keep the registry clean)."""
+    _REGISTRY.pop(name, None)
+
+
+def list_fusions() -> list[Fusion]:
+    """Every registered fusion, in the order they are applied."""
+    _ensure_builtins()
+    return list(_REGISTRY.values())
+
+
+def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
+    """Resolve ``"all"`` or a list of names to fusions, in registry (application) order."""
+    _ensure_builtins()
+    if names == "all":
+        return list(_REGISTRY.values())
+    if isinstance(names, str):
+        names = [names]
+    unknown = [n for n in names if n not in _REGISTRY]
+    if unknown:
+        raise FusionError(
+            f"unknown fusion {unknown[0]!r}; registered: {', '.join(_REGISTRY) or 'none'}"
+        )
+    wanted = set(names)
+    return [f for f in _REGISTRY.values() if f.name in wanted]
+
+
+MatchHandler = Callable[[Fusion, Spelling, Match], bool]
+def trace_functional(
+    fn: Callable[..., Any], args: Sequence[Any], *, get_decomp_fn=select_decomp_table, **kwargs
+) -> torch.fx.GraphModule:
+    """``fwd_only``, then functionalized: Inductor's post-grad graphs are functional, while some
+    decompositions mutate their temporaries (F.rms_norm adds eps with ``add_``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
+    if not any(_mutates(n) for n in gm.graph.nodes):
+        return gm
+    gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+_match_handler: contextvars.ContextVar[MatchHandler | None] = contextvars.ContextVar(
+    "fusion_passes_match_handler", default=None
+)
+
+
+@contextlib.contextmanager
+def match_handler(handler: MatchHandler):
+    """Route every match found while the block runs to ``handler`` (accept → True)."""
+    token = _match_handler.set(handler)
+    try:
+        yield
+    finally:
+        _match_handler.reset(token)
+
+
+def _on_match(fusion: Fusion, spelling: Spelling, match: Match) -> bool:
+    handler = _match_handler.get()
+    return True if handler is None else handler(fusion, spelling, match)
+
+
+def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
+    """The fusion's PatternMatcherPass, traced on first use and kept.
+
+    Matches go through the handler installed by ``match_handler`` (the pass manager's), so one
+    traced pass serves every backend configuration.
+    """
+    if fusion._pass is not None:
+        return fusion._pass
+    matcher = PatternMatcherPass(pass_name=f"fusion_passes.{fusion.name}")
+    for spelling in fusion.spellings:
+        for example in fusion.example_inputs():
+            register_replacement(
+                spelling.pattern,
+                spelling.replacement,
+                list(example),
+                trace_functional,
+                matcher,
+                extra_check=functools.partial(_on_match, fusion, spelling),
+                scalar_workaround=fusion.scalars,
+                skip_duplicates=True,
+                pattern_name=f"{fusion.name}.{spelling.name}",
+            )
+    fusion._pass = matcher
+    return matcher
+
+
+_BUILTINS_LOADED = False
+
+
+def _ensure_builtins() -> None:
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        import fusion_passes.patterns  # noqa: F401  (registers the built-in fusions)

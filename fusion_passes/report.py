@@ -1,0 +1,121 @@
+"""What a backend did: rewritten sites, rejected candidates, failures, and ops before/after.
+
+One ``Report`` may serve many compiles (every graph compiled with that backend adds to it).
+A graph served from Inductor's FX graph cache runs no pass and adds nothing: the compiled code
+still calls the fused ops (the cache key includes the pass manager's uuid).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+@dataclass(frozen=True)
+class Site:
+    """One rewritten subgraph."""
+
+    fusion: str
+    spelling: str
+    graph: int  # index of the compiled graph within this report
+    module: str  # nn.Module path, e.g. "model.layers.0.input_layernorm"
+    location: str  # "file.py:123 in forward" of the model line that produced the anchor op
+    ops_removed: tuple[str, ...]
+    ops_added: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A candidate that matched a spelling but was not rewritten, and why."""
+
+    fusion: str
+    spelling: str
+    graph: int
+    module: str
+    location: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """Op counts of one graph before and after the fusion passes."""
+
+    ops_before: dict[str, int]
+    ops_after: dict[str, int]
+
+
+@dataclass
+class Report:
+    """Filled by ``fusion_passes.backend(report=Report())``.
+
+    matches: fusion name -> sites rewritten, summed over every graph compiled with the backend.
+    """
+
+    matches: Counter = field(default_factory=Counter)
+    sites: list[Site] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    def sites_of(self, fusion: str) -> list[Site]:
+        return [s for s in self.sites if s.fusion == fusion]
+
+    def ops_before(self) -> Counter:
+        return sum((Counter(g.ops_before) for g in self.graphs), Counter())
+
+    def ops_after(self) -> Counter:
+        return sum((Counter(g.ops_after) for g in self.graphs), Counter())
+
+    def summary(self) -> str:
+        """A few plain lines: matches per fusion, rejections, failures."""
+        lines = [f"{name}: {n} site(s)" for name, n in sorted(self.matches.items())]
+        lines += [f"rejected {r.fusion} at {r.module or r.location}: {r.reason}" for r in self.rejected]
+        lines += [f"failed: {e}" for e in self.errors]
+        return "\n".join(lines) or "no fusion matched"
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """'aten.mul.Tensor', 'fusion_passes.rms_norm.default', 'getitem' ..."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    name = str(target)
+    return getattr(target, "__name__", name) if name.startswith("<") else name
+
+
+def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    return dict(Counter(op_name(n) for n in graph.nodes if n.op == "call_function"))
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost nn.Module path that produced ``node`` ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # Dynamo spells paths as L['self'].model.layers[0]...; keep the dotted module path.
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    return path.lstrip(".")
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def source_location(node: torch.fx.Node) -> str:
+    """'modeling_x.py:123 in forward': the innermost frame of the node's stack trace that is
+    not inside torch itself (F.rms_norm's own lines say nothing about the model)."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not user:
+        return ""
+    file, line, fn = user[-1]
+    return f"{os.path.basename(file)}:{line} in {fn}"

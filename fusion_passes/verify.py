@@ -1,0 +1,98 @@
+"""Numerical check of one rewrite, before it is applied.
+
+The matched subgraph is cut out of the graph as it is (the original ops, with their literals),
+the replacement is the spelling's fused call; both run on fresh random inputs of the recorded
+shapes, dtypes and device, and every output is compared in float64 with the per-dtype tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._inductor.pattern_matcher import Match
+
+from fusion_passes.numerics import compare
+
+
+class Unverifiable(Exception):
+    """The match cannot be checked on real inputs (e.g. a size known only at run time)."""
+
+
+def _concrete(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    if hint is None:
+        raise Unverifiable(f"size {size} has no hint")
+    return int(hint)
+
+
+def random_like(value: Any, generator: torch.Generator | None = None) -> Any:
+    """A fresh random tensor shaped like a (fake) tensor; scalars pass through."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = [_concrete(s) for s in value.shape]
+    if value.dtype.is_floating_point:
+        t = torch.randn(shape, dtype=torch.float32, generator=generator).to(value.dtype)
+    elif value.dtype == torch.bool:
+        t = torch.randint(0, 2, shape, generator=generator).bool()
+    else:
+        t = torch.randint(-8, 8, shape, generator=generator).to(value.dtype)
+    return t.to(value.device)
+
+
+def matched_subgraph(match: Match, argnames: Sequence[str]) -> torch.fx.GraphModule:
+    """The matched nodes as a GraphModule taking the match's tensor arguments by name."""
+    order = {n: i for i, n in enumerate(match.graph.nodes)}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for name in argnames:
+        value = match.kwargs[name]
+        if isinstance(value, torch.fx.Node):
+            env[value] = graph.placeholder(name)
+    for node in sorted(set(match.nodes), key=order.__getitem__):
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    outputs = [env[n] for n in match.output_nodes() if n is not None]
+    graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def verify_match(
+    match: Match, argnames: Sequence[str], replacement: Callable[..., Any], seed: int = 0
+) -> str | None:
+    """Run original and replacement on random inputs; ``None`` if they agree, else the reason."""
+    original = matched_subgraph(match, argnames)
+    gen = torch.Generator().manual_seed(seed)
+    values = [_value(match.kwargs[name]) for name in argnames]
+    inputs = [random_like(v, gen) for v in values]
+    tensor_inputs = [x for x, v in zip(inputs, values) if isinstance(v, torch.Tensor)]
+    with torch.no_grad(), _real_mode():
+        expected = _as_tuple(original(*tensor_inputs))
+        actual = _as_tuple(replacement(*inputs))
+    if len(expected) != len(actual):
+        return f"replacement returns {len(actual)} outputs, the original {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if a.dtype != e.dtype or a.shape != e.shape:
+            return f"output {i}: {a.dtype}{tuple(a.shape)} != original {e.dtype}{tuple(e.shape)}"
+        c = compare(a, e)
+        if not c.ok:
+            return f"output {i} differs from the original: max abs error {c.max_abs:.3g}"
+    return None
+
+
+def _value(v: Any) -> Any:
+    return v.meta["val"] if isinstance(v, torch.fx.Node) else v
+
+
+def _as_tuple(x: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _real_mode():
+    """Leave Inductor's fake mode so the check computes on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
