@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fusion_passes import report_cache
 from fusion_passes.pass_manager import FusionPassManager
 from fusion_passes.registry import FusionError, get_fusions
 from fusion_passes.report import Report
@@ -21,6 +22,7 @@ def backend(
     report: Report | None = None,
     verify: bool = False,
     strict: bool = False,
+    launch: str = "direct",
     **inductor_options: Any,
 ) -> Callable[..., Any]:
     """Build a torch.compile backend.
@@ -30,6 +32,8 @@ def backend(
     verify:   check each rewrite on fresh random inputs of the recorded shapes; a rewrite whose
               outputs differ beyond the per-dtype tolerance is rejected (the report says which).
     strict:   re-raise a fusion's failure instead of warning and leaving the graph unchanged.
+    launch:   on CUDA, "direct" lets Inductor launch the fused Triton kernels from its generated
+              code; "dispatch" calls the fused ops through the PyTorch dispatcher.
     inductor_options: ``torch._inductor.config`` settings for this compile (e.g. max_autotune).
     """
     import torch._inductor.config as inductor_config
@@ -39,13 +43,28 @@ def backend(
         raise FusionError(f"unknown Inductor option {unknown[0]!r}")
     if "post_grad_custom_post_pass" in inductor_options:
         raise FusionError("post_grad_custom_post_pass is the slot fusion_passes runs in")
-    manager = FusionPassManager(get_fusions(fusions), report, verify, strict)
+    manager = FusionPassManager(get_fusions(fusions), report, verify, strict, launch)
 
     def compile_with_fusions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._dynamo.utils import counters
         from torch._inductor.compile_fx import compile_fx
 
         patches = {**inductor_options, "post_grad_custom_post_pass": manager}
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        key = report_cache.graph_key(manager.uuid(), gm, example_inputs)
+        first_graph = len(manager.report.graphs)
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        if len(manager.report.graphs) > first_graph:
+            report_cache.save(key, manager.report.graphs_since(first_graph))
+        elif counters["inductor"]["fxgraph_cache_hit"] > hits:
+            cached = report_cache.load(key)
+            if cached is None:
+                manager.report.notes.append(
+                    "a graph was served from Inductor's FX graph cache without stored records"
+                )
+            else:
+                manager.report.replay(cached)
+        return compiled
 
     compile_with_fusions.report = manager.report  # type: ignore[attr-defined]
     compile_with_fusions.pass_manager = manager  # type: ignore[attr-defined]

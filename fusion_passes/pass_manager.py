@@ -10,6 +10,7 @@ Inductor's FX graph cache stays on and never serves a graph compiled under other
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Match
 
 import fusion_passes
+from fusion_passes.lowering.direct_launch import inline_triton_launches
 from fusion_passes.registry import (
     Fusion,
     Spelling,
@@ -41,6 +43,11 @@ from fusion_passes.report import (
 from fusion_passes.verify import Unverifiable, verify_match
 
 
+# "direct": CUDA canonical ops become Inductor-emitted Triton launches; "dispatch": they stay
+# custom-op calls through the dispatcher. CPU always runs the reference through the dispatcher.
+LAUNCH_MODES = ("direct", "dispatch")
+
+
 class FusionPassManager(CustomGraphPass):
     """Apply ``fusions`` to every post-grad graph Inductor compiles."""
 
@@ -50,56 +57,69 @@ class FusionPassManager(CustomGraphPass):
         report: Report | None = None,
         verify: bool = False,
         strict: bool = False,
+        launch: str = "direct",
     ) -> None:
+        if launch not in LAUNCH_MODES:
+            raise ValueError(f"launch must be one of {', '.join(LAUNCH_MODES)}, got {launch!r}")
+        self.launch = launch
         self.fusions = list(fusions)
         self.report = report if report is not None else Report()
         self.verify = verify
         self.strict = strict
         self._pending: list[tuple[Fusion, Spelling, Match]] = []
-        self._graph_index = 0
 
     # -- CustomGraphPass ------------------------------------------------------------------------
 
     def uuid(self) -> str:
         h = hashlib.sha256()
         h.update(fusion_passes.__version__.encode())
-        for module in _FRAMEWORK_MODULES():
-            h.update(inspect.getsource(module).encode())
+        for name in _FRAMEWORK_MODULES:
+            h.update(inspect.getsource(importlib.import_module(name)).encode())
         for fusion in self.fusions:
             h.update(fusion.source_hash().encode())
-        h.update(repr((self.verify, self.strict)).encode())
+        h.update(repr((self.verify, self.strict, self.launch)).encode())
         return h.hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        index = self._graph_index
-        self._graph_index += 1
+        index = len(self.report.graphs)
         before = op_counts(graph)
         with match_handler(self._on_match):
             for fusion in self.fusions:
                 self._apply(fusion, graph, index)
+        # The report shows the canonical ops; how they launch is the lowering's business.
         self.report.graphs.append(GraphRecord(before, op_counts(graph)))
+        if self.launch == "direct":
+            self._guarded("direct Triton launch", lambda: inline_triton_launches(graph), graph)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _apply(self, fusion: Fusion, graph: torch.fx.Graph, index: int) -> None:
+    def _guarded(self, what: str, step: Any, graph: torch.fx.Graph) -> Any:
+        """Run ``step``; if it raises, restore the graph and warn (``strict``: re-raise)."""
         snapshot = _snapshot(graph)
-        self._pending = []
         try:
-            matcher = pattern_pass(fusion)
-            count = matcher.apply(graph)  # type: ignore[arg-type]
+            result = step()
             graph.lint()
+            return result
         except Exception as e:  # a broken fusion must not break the user's compile
             _restore(graph, snapshot)
             if self.strict:
                 raise
-            message = f"fusion {fusion.name!r} failed and was skipped ({type(e).__name__}: {e})"
+            message = f"{what} failed and was skipped ({type(e).__name__}: {e})"
             self.report.errors.append(message)
-            warnings.warn(f"fusion_passes: {message}; graph left unchanged", stacklevel=2)
+            warnings.warn(f"fusion_passes: {message}; graph left unchanged", stacklevel=3)
+            return None
+
+    def _apply(self, fusion: Fusion, graph: torch.fx.Graph, index: int) -> None:
+        self._pending = []
+        count = self._guarded(
+            f"fusion {fusion.name!r}", lambda: pattern_pass(fusion).apply(graph), graph
+        )
+        if count is None:
             return
         assert count == len(self._pending), (count, len(self._pending))
         for f, spelling, match in self._pending:
             anchor = _anchor(match)
-            self.report.sites.append(
+            self.report.add_site(
                 Site(
                     fusion=f.name,
                     spelling=spelling.name,
@@ -110,9 +130,12 @@ class FusionPassManager(CustomGraphPass):
                         op_name(n) for n in match.nodes if n.op == "call_function"
                     ),
                     ops_added=_replacement_ops(f, spelling),
+                    scalars={
+                        k: v for k, v in match.kwargs.items() if isinstance(v, (int, float))
+                    },
                 )
             )
-        self.report.matches[fusion.name] += count
+        self.report.matches[fusion.name] += 0  # a fusion that ran shows up, even with 0 sites
 
     def _on_match(self, fusion: Fusion, spelling: Spelling, match: Match) -> bool:
         """Last word on a candidate that matched a spelling structurally (dtypes included)."""
@@ -138,7 +161,7 @@ class FusionPassManager(CustomGraphPass):
                 Rejection(
                     fusion.name,
                     spelling.name,
-                    self._graph_index - 1,
+                    len(self.report.graphs),
                     module_path(anchor),
                     source_location(anchor),
                     reason,
@@ -149,12 +172,16 @@ class FusionPassManager(CustomGraphPass):
         return True
 
 
-def _FRAMEWORK_MODULES() -> list[Any]:
-    """Modules whose code decides what a rewritten graph computes."""
-    from fusion_passes import pass_manager, registry, verify
-    from fusion_passes.lowering import rms_norm, rms_norm_reference
-
-    return [pass_manager, registry, verify, rms_norm, rms_norm_reference]
+# Modules whose code decides what a rewritten graph computes or launches.
+_FRAMEWORK_MODULES = (
+    "fusion_passes.pass_manager",
+    "fusion_passes.registry",
+    "fusion_passes.verify",
+    "fusion_passes.lowering.direct_launch",
+    "fusion_passes.lowering.rms_norm",
+    "fusion_passes.lowering.rms_norm_reference",
+    "fusion_passes.lowering.rms_norm_triton",
+)
 
 
 def _anchor(match: Match) -> torch.fx.Node:

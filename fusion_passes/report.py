@@ -1,8 +1,8 @@
 """What a backend did: rewritten sites, rejected candidates, failures, and ops before/after.
 
 One ``Report`` may serve many compiles (every graph compiled with that backend adds to it).
-A graph served from Inductor's FX graph cache runs no pass and adds nothing: the compiled code
-still calls the fused ops (the cache key includes the pass manager's uuid).
+A graph served from Inductor's FX graph cache runs no pass: its records are stored beside that
+cache when the graph is first compiled (``report_cache``) and replayed into the report on a hit.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -29,6 +30,7 @@ class Site:
     location: str  # "file.py:123 in forward" of the model line that produced the anchor op
     ops_removed: tuple[str, ...]
     ops_added: tuple[str, ...]
+    scalars: dict[str, float] = field(default_factory=dict)  # matched scalar arguments (eps)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class GraphRecord:
 
     ops_before: dict[str, int]
     ops_after: dict[str, int]
+    from_cache: bool = False  # served by Inductor's FX graph cache; records replayed
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Report:
     sites: list[Site] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     graphs: list[GraphRecord] = field(default_factory=list)
 
     def sites_of(self, fusion: str) -> list[Site]:
@@ -72,6 +76,36 @@ class Report:
 
     def ops_after(self) -> Counter:
         return sum((Counter(g.ops_after) for g in self.graphs), Counter())
+
+    def add_site(self, site: Site) -> None:
+        self.sites.append(site)
+        self.matches[site.fusion] += 1
+
+    def graphs_since(self, start: int) -> list[dict[str, Any]]:
+        """The records of graphs ``start..`` as plain data, graph-relative (for the cache)."""
+        out = []
+        for i, g in enumerate(self.graphs[start:], start):
+            out.append(
+                {
+                    "ops_before": g.ops_before,
+                    "ops_after": g.ops_after,
+                    "sites": [asdict(s) for s in self.sites if s.graph == i],
+                    "rejected": [asdict(r) for r in self.rejected if r.graph == i],
+                }
+            )
+        return out
+
+    def replay(self, graphs: list[dict[str, Any]]) -> None:
+        """Add records of graphs served from the cache (see ``graphs_since``)."""
+        for g in graphs:
+            index = len(self.graphs)
+            self.graphs.append(GraphRecord(g["ops_before"], g["ops_after"], from_cache=True))
+            for s in g["sites"]:
+                s = {**s, "graph": index}
+                s["ops_removed"], s["ops_added"] = tuple(s["ops_removed"]), tuple(s["ops_added"])
+                self.add_site(Site(**s))
+            for r in g["rejected"]:
+                self.rejected.append(Rejection(**{**r, "graph": index}))
 
     def summary(self) -> str:
         """A few plain lines: matches per fusion, rejections, failures."""

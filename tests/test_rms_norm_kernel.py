@@ -50,7 +50,9 @@ def _check(x, weight, eps, weight_offset, cast_before_weight, residual):
         assert new_residual is None
     else:
         assert new_residual.dtype == x.dtype and new_residual.is_contiguous()
-        torch.testing.assert_close(new_residual.double(), ref_residual.double(), rtol=rtol, atol=atol)
+        torch.testing.assert_close(
+            new_residual.double(), ref_residual.double(), rtol=rtol, atol=atol
+        )
     return out, new_residual
 
 

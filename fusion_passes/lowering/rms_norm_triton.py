@@ -2,7 +2,7 @@
 
 Unfused: r = x + residual (rounded to x.dtype), then rms_norm(r): two passes over the rows,
     reading x, residual, writing r, then reading r again and writing y.
-Fused:   one pass per row, all arithmetic in fp32, rounding exactly where rms_norm_reference.py does:
+Fused:   one pass per row, all math in fp32, rounding exactly where rms_norm_reference.py does:
     r   = to_x_dtype(f32(x) + f32(residual))          stored as new_residual (add form only)
     n   = f32(r) * rsqrt(sum(f32(r)^2) / N + eps)
     cast_before_weight (Llama form):  y = to_x_dtype(f32(to_x_dtype(n)) * f32(weight))
@@ -39,7 +39,7 @@ def _rms_norm_kernel(
     residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
     weight_ptr,  # *weight.dtype [N]: per-column scale
     out_ptr,  # *x.dtype [M, N] contiguous: the normalised, scaled rows y
-    residual_out_ptr,  # *x.dtype [M, N] contiguous: r = x + residual (written only when HAS_RESIDUAL)
+    residual_out_ptr,  # *x.dtype [M, N] contiguous: r = x + residual (only when HAS_RESIDUAL)
     M,  # number of rows (tokens)
     N,  # row length (hidden size): the reduced dimension
     stride_x,  # elements between the starts of consecutive rows of x
@@ -60,9 +60,10 @@ def _rms_norm_kernel(
 
     r = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + rows * stride_residual + cols[None, :], mask=mask, other=0.0)
+        residual_ptrs = residual_ptr + rows * stride_residual + cols[None, :]
+        residual = tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)
         # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
-        r_rounded = (r + residual.to(tl.float32)).to(dtype)
+        r_rounded = (r + residual).to(dtype)
         tl.store(residual_out_ptr + rows * N + cols[None, :], r_rounded, mask=mask)
         r = r_rounded.to(tl.float32)
 

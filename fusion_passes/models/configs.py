@@ -390,6 +390,8 @@ def _minimax_m2_tiny(layers: int) -> dict:
         head_dim=32,
         num_local_experts=TINY_EXPERTS,
         num_experts_per_tok=TINY_TOP_K,
+        bos_token_id=0,  # the defaults (200034 / 200020) are outside the tiny vocab
+        eos_token_id=1,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
     )

@@ -1,0 +1,93 @@
+"""Direct Triton launches: inline a canonical op's Triton launcher into the Inductor graph.
+
+A canonical op node left in the graph is called through the dispatcher at run time (custom-op
+dispatch: Python wrapper, schema checks, then the Triton launch). Inlined, the node becomes
+Inductor's own ``triton_kernel_wrapper_functional``: Inductor emits the kernel in its generated
+code and launches it like its own kernels, and its buffer planning owns the outputs.
+
+Runs after the patterns, on CUDA nodes only (CPU keeps the reference, which Inductor cannot
+emit as Triton).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+LAUNCHERS: dict[Any, Callable[..., Any]] = {}
+
+
+def _register_launchers() -> None:
+    from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
+
+    def rms_norm(x, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap):
+        return rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight, wrap=wrap)[0]
+
+    def add_rms_norm(x, residual, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap):
+        return rms_norm_triton(
+            x, weight, eps, weight_offset, cast_before_weight, residual=residual, wrap=wrap
+        )
+
+    LAUNCHERS[torch.ops.fusion_passes.rms_norm.default] = rms_norm
+    LAUNCHERS[torch.ops.fusion_passes.add_rms_norm.default] = add_rms_norm
+
+
+def inline_triton_launches(graph: torch.fx.Graph) -> int:
+    """Replace every CUDA canonical-op node by its traced Triton launch; returns how many."""
+    if not LAUNCHERS:
+        _register_launchers()
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in LAUNCHERS:
+            continue
+        args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        if not (isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda"):
+            continue
+        _inline(graph, node, LAUNCHERS[node.target], args)
+        count += 1
+    return count
+
+
+def _inline(
+    graph: torch.fx.Graph, node: torch.fx.Node, launcher: Callable[..., Any], args: list[Any]
+) -> None:
+    """Trace ``launcher`` (functionalized) on the node's fake values and splice it in."""
+    tensor_positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
+
+    def launch(*tensors):
+        full = list(args)
+        for i, t in zip(tensor_positions, tensors):
+            full[i] = t
+        return launcher(*full, wrap=torch.library.wrap_triton)
+
+    sub = make_fx(torch.func.functionalize(launch, remove="mutations"), tracing_mode="real")(
+        *[args[i] for i in tensor_positions]
+    )
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = iter(node.args[i] for i in tensor_positions)
+    result: Any = None
+    with graph.inserting_before(node):
+        for sub_node in sub.graph.nodes:
+            if sub_node.op == "placeholder":
+                env[sub_node] = next(placeholders)
+            elif sub_node.op == "output":
+                result = torch.fx.map_arg(sub_node.args[0], env.__getitem__)
+            else:
+                new = graph.node_copy(sub_node, env.__getitem__)
+                for key in ("stack_trace", "nn_module_stack"):  # keep the report's provenance
+                    if key in node.meta:
+                        new.meta[key] = node.meta[key]
+                env[sub_node] = new
+    if isinstance(result, (tuple, list)):
+        for user in list(node.users):
+            assert user.target is operator.getitem, user
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(result)
+    graph.erase_node(node)
