@@ -7,6 +7,7 @@ shapes, dtypes and device, and every output is compared in float64 with the per-
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,17 +62,24 @@ def matched_subgraph(match: Match, argnames: Sequence[str]) -> torch.fx.GraphMod
 
 
 def verify_match(
-    match: Match, argnames: Sequence[str], replacement: Callable[..., Any], seed: int = 0
+    match: Match, argnames: Sequence[str], replacement: Callable[..., Any], seed: int | None = None
 ) -> str | None:
-    """Run original and replacement on random inputs; ``None`` if they agree, else the reason."""
+    """Run original and replacement on fresh random inputs (a new seed each call unless given);
+    ``None`` if they agree, else the reason, naming the seed that reproduces it."""
+    seed = random.getrandbits(63) if seed is None else seed
     original = matched_subgraph(match, argnames)
-    gen = torch.Generator().manual_seed(seed)
     values = [_value(match.kwargs[name]) for name in argnames]
-    inputs = [random_like(v, gen) for v in values]
-    tensor_inputs = [x for x, v in zip(inputs, values) if isinstance(v, torch.Tensor)]
-    with torch.no_grad(), _real_mode():
+    with torch.no_grad(), _real_mode():  # Inductor compiles under a fake mode: leave it
+        gen = torch.Generator().manual_seed(seed)
+        inputs = [random_like(v, gen) for v in values]
+        tensor_inputs = [x for x, v in zip(inputs, values) if isinstance(v, torch.Tensor)]
         expected = _as_tuple(original(*tensor_inputs))
         actual = _as_tuple(replacement(*inputs))
+        reason = _compare_outputs(actual, expected)
+    return None if reason is None else f"{reason} (seed {seed})"
+
+
+def _compare_outputs(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> str | None:
     if len(expected) != len(actual):
         return f"replacement returns {len(actual)} outputs, the original {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected)):
