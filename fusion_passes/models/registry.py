@@ -137,7 +137,7 @@ def _randomize_norm_weights(module: nn.Module, zero_centered: bool, seed: int) -
             continue
         w = m.weight
         offset = 0.0 if (kind == "rms_norm" and zero_centered) else 1.0
-        if not torch.all(w == offset):
+        if not w.is_meta and not torch.all(w == offset):
             raise AssertionError(f"{name}: unexpected initial norm weight (expected all {offset})")
         noise = 0.1 * torch.randn(w.shape, generator=g)
         w.copy_((offset + noise).to(w.device, w.dtype))
