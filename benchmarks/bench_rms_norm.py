@@ -176,7 +176,7 @@ def min_bytes(op: str, tokens: int, hidden: int) -> int:
 
 def _within_ulps(out, ref, ulps: int) -> bool:
     """|out - ref| <= ulps bf16 ulps of ref everywhere (one ulp is at most eps * |ref|)."""
-    bound = ulps * torch.finfo(DTYPE).eps * ref.double().abs()
+    bound = ulps * torch.finfo(DTYPE).eps * ref.double().abs().clamp_min(torch.finfo(DTYPE).tiny)
     return bool(((out.double() - ref.double()).abs() <= bound).all())
 
 
