@@ -281,6 +281,10 @@ def report(records: list[dict], copy_gbps: float, copy_bytes: int, device_name: 
         f"graph: {GRAPH_CALLS} calls in one CUDA graph, each on its own input set, per call; "
         "inputs that fit in L2 together (50 MB on an H200: decode sizes) stay there, as in "
         "decoding; at >= 4096 tokens they come from HBM.",
+        "- Compare kernels by the graph columns. A plain time is the kernel's only while the "
+        "host's launch work hides behind do_bench's 256 MB L2 flush (~60 us of GPU time); past "
+        "that the host shows through: on an H200 machine, plain times below 4096 tokens jumped by "
+        "25-60 us on rows that moved from run to run, for every implementation.",
         "- Bandwidth: the fewest bytes (x, residual, weight read once; y, r written once) over "
         f"the time, for >= {BANDWIDTH_MIN_TOKENS} tokens, and its percent of the copy bandwidth.",
         "- Liger add+RMSNorm is a torch add then Liger's RMSNorm (Liger has no fused add).",

@@ -16,6 +16,8 @@ CASES = [(name, torch.bfloat16) for name in MODEL_NAMES] + [
     ("deepseek-v3.2", torch.float32),
     ("qwen3.5-moe", torch.float16),
 ]
+# Compiling a tiny model takes 25-50 s on 2 cores: stock Inductor is compiled for two of them.
+AGAINST_STOCK_INDUCTOR = {("qwen3.5", torch.bfloat16), ("deepseek-v3.2", torch.bfloat16)}
 
 
 def _rel_norm_error(actual, expected):
@@ -34,8 +36,9 @@ def test_every_rms_norm_site_is_fused(name, dtype):
         fused = torch.compile(
             module, backend=fusion_passes.backend(report=report), fullgraph=True
         )(*inputs)
-        torch._dynamo.reset()
-        stock = torch.compile(module, backend="inductor", fullgraph=True)(*inputs)
+        if (name, dtype) in AGAINST_STOCK_INDUCTOR:
+            torch._dynamo.reset()
+            stock = torch.compile(module, backend="inductor", fullgraph=True)(*inputs)
 
     norm_sites = set(sites.rms_norm) | set(sites.gated_rms_norm)
     assert report.matches["add_rms_norm"] == sites.add_rms_norm
@@ -48,7 +51,9 @@ def test_every_rms_norm_site_is_fused(name, dtype):
     assert removed == len(norm_sites)
 
     bound = tolerance(dtype).rel_norm
-    ours, theirs = _rel_norm_error(fused, expected), _rel_norm_error(stock, expected)
+    ours = _rel_norm_error(fused, expected)
     assert ours <= bound, f"fusion_passes vs eager: {ours:.3g} > {bound}"
-    # Reproducing each spelling's rounding keeps us at least as close to eager as Inductor.
-    assert ours <= max(theirs * 1.5, tolerance(dtype).rtol / 10), (ours, theirs)
+    if (name, dtype) in AGAINST_STOCK_INDUCTOR:
+        # Reproducing each spelling's rounding keeps us at least as close to eager as Inductor.
+        theirs = _rel_norm_error(stock, expected)
+        assert ours <= theirs * 1.5, (ours, theirs)

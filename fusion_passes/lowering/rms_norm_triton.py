@@ -112,6 +112,7 @@ def rms_norm_triton(
     shape and dtype. `wrap` (e.g. torch.library.wrap_triton) is applied to the kernel before launch
     so make_fx can trace the call into a graph."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    weight = weight.contiguous()  # the kernel reads weight at unit stride
     n = x.shape[-1]
     x_rows = _as_rows(x)
     m = x_rows.shape[0]
