@@ -1,11 +1,14 @@
 """Host cost of a fused op inside a compiled graph: custom-op dispatch vs direct Triton launch.
 
-A chain of L decoder-layer tails at decode size (residual = residual + x; x = RMSNorm(residual)),
-compiled three ways: stock Inductor (one generated kernel per layer), fusion_passes with
-launch="dispatch" (each fused op called through the PyTorch dispatcher, which launches the Triton
-kernel from Python) and launch="direct" (Inductor emits the Triton launch in its own code). All
-three run one kernel per layer, so the difference per layer is host cost. Timed per call with
-plain launches (host-bound at these sizes) and as a CUDA-graph replay.
+A chain of L decoder layers reduced to their norm and a GEMM at decode size
+(residual = residual + x; n = RMSNorm(residual); x = (n @ down) @ up, a rank-64 projection so the
+GEMMs stay small), compiled three ways: stock Inductor (its own add+norm kernel per layer),
+fusion_passes with launch="dispatch" (each fused op called through the PyTorch dispatcher, which
+launches the Triton kernel from Python) and launch="direct" (Inductor emits the Triton launch in its
+own code). The GEMMs keep Inductor from fusing the layers' norms into one kernel (without them it
+fuses all 16 row-local norms of a 1-token chain into a single kernel). All three run the same
+number of kernels, so the difference per layer is host cost. Timed per call with plain launches
+(host-bound at these sizes) and as a CUDA-graph replay.
 
     python benchmarks/bench_launch_overhead.py --layers 16 --tokens 1 4 64 --hidden 7168
 """
@@ -23,10 +26,10 @@ import fusion_passes
 from fusion_passes.patterns.rms_norm import llama_rms_norm
 
 
-def chain(x, residual, *weights):
+def chain(x, residual, down, up, *weights):
     for w in weights:
         residual = residual + x
-        x = llama_rms_norm(residual, w, 1e-6)
+        x = (llama_rms_norm(residual, w, 1e-6) @ down) @ up
     return x, residual
 
 
@@ -74,7 +77,9 @@ def main() -> None:
             (1 + 0.2 * torch.randn(args.hidden, device="cuda")).to(torch.bfloat16)
             for _ in range(args.layers)
         ]
-        inputs = (x, residual, *weights)
+        down = torch.randn(args.hidden, 64, device="cuda", dtype=torch.bfloat16) / args.hidden**0.5
+        up = torch.randn(64, args.hidden, device="cuda", dtype=torch.bfloat16) / 8
+        inputs = (x, residual, down, up, *weights)
         variants = {
             "inductor": "inductor",
             "fp dispatch": fusion_passes.backend(launch="dispatch"),

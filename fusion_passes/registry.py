@@ -246,10 +246,17 @@ def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
                 extra_check=functools.partial(_on_match, fusion, spelling),
                 scalar_workaround=fusion.scalars,
                 skip_duplicates=True,
-                pattern_name=f"{fusion.name}.{spelling.name}",
+                **_pattern_name(f"{fusion.name}.{spelling.name}"),
             )
     fusion._pass = matcher
     return matcher
+
+
+def _pattern_name(name: str) -> dict[str, str]:
+    """``pattern_name`` (per-pattern telemetry) exists from torch 2.12 on; 2.11 lacks it."""
+    if "pattern_name" in inspect.signature(register_replacement).parameters:
+        return {"pattern_name": name}
+    return {}
 
 
 _BUILTINS_LOADED = False

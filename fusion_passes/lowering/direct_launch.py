@@ -11,12 +11,14 @@ emit as Triton).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 LAUNCHERS: dict[Any, Callable[..., Any]] = {}
@@ -65,9 +67,18 @@ def _inline(
             full[i] = t
         return launcher(*full, wrap=torch.library.wrap_triton)
 
-    sub = make_fx(torch.func.functionalize(launch, remove="mutations"), tracing_mode="real")(
-        *[args[i] for i in tensor_positions]
-    )
+    tensors = [args[i] for i in tensor_positions]
+    # The values are Inductor's fake tensors: trace under their mode (the Triton HOP needs it).
+    with detect_fake_mode(tensors) or contextlib.nullcontext():
+        sub = make_fx(torch.func.functionalize(launch, remove="mutations"), tracing_mode="real")(
+            *tensors
+        )
+    # Triton's mutation analysis must find that the kernel writes only the outputs it allocated;
+    # a write-back into the op's inputs (copy_) would break the functional post-grad graph.
+    mutations = [n for n in sub.graph.nodes if _mutates(n)]
+    if mutations:
+        raise RuntimeError(f"the traced launch writes its inputs ({mutations[0].format_node()})")
+    sub.graph.eliminate_dead_code()
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(node.args[i] for i in tensor_positions)
     result: Any = None
@@ -91,3 +102,8 @@ def _inline(
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable

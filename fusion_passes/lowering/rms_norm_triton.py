@@ -51,6 +51,11 @@ def _rms_norm_kernel(
     BLOCK_N: tl.constexpr,  # next_power_of_2(N): one block holds a whole row
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program normalises, as a [ROWS, BLOCK_N] block
 ):
+    # Inductor's launches pass Python floats as fp64 (the JIT's own launches pass fp32): pin the
+    # scalars to fp32, or mean + eps is computed in fp64 (measured 0.4 us slower per call on an
+    # H200 at decode sizes, and not the reference's fp32 rounding).
+    eps = tl.cast(eps, tl.float32)
+    weight_offset = tl.cast(weight_offset, tl.float32)
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
