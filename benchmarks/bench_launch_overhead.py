@@ -16,6 +16,7 @@ number of kernels, so the difference per layer is host cost. Timed per call with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -91,7 +92,7 @@ def main() -> None:
             compiled = torch.compile(chain, backend=backend)
             out = compiled(*inputs)
             err = max((a.float() - e.float()).abs().max().item() for a, e in zip(out, expected))
-            run = lambda: compiled(*inputs)  # noqa: E731
+            run = functools.partial(compiled, *inputs)
             rows.append(
                 {
                     "tokens": tokens,
@@ -108,7 +109,7 @@ def main() -> None:
                 f"plain {r['plain_us']:8.1f} us  graph {r['graph_us']:7.1f} us  err {err:.3g}",
                 flush=True,
             )
-    print(f"\n| tokens | variant | kernels | plain launches (us/call) | per layer | CUDA graph (us/call) |")
+    print("\n| tokens | variant | kernels | plain launches (us/call) | per layer | CUDA graph (us/call) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -16,7 +16,6 @@ import importlib.util
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 

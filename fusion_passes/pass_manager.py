@@ -9,6 +9,7 @@ Inductor's FX graph cache stays on and never serves a graph compiled under other
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -70,6 +71,7 @@ class FusionPassManager(CustomGraphPass):
 
     # -- CustomGraphPass ------------------------------------------------------------------------
 
+    @functools.cache  # noqa: B019  (one manager per backend; its fusions and sources are fixed)
     def uuid(self) -> str:
         h = hashlib.sha256()
         h.update(fusion_passes.__version__.encode())
@@ -116,8 +118,7 @@ class FusionPassManager(CustomGraphPass):
         )
         if count is None:
             return
-        assert count == len(self._pending), (count, len(self._pending))
-        for f, spelling, match in self._pending:
+        for f, spelling, match in self._pending:  # the matches the pass applied, one per count
             anchor = _anchor(match)
             self.report.add_site(
                 Site(

@@ -157,6 +157,11 @@ def register_fusion(
     return fusion
 
 
+def add_builtin(fusion: Fusion) -> None:
+    """Register a built-in fusion (``fusion_passes.patterns`` modules call this on import)."""
+    _REGISTRY.setdefault(fusion.name, fusion)
+
+
 def unregister_fusion(name: str) -> None:
     """Remove a fusion (tests use this to keep the registry clean)."""
     _REGISTRY.pop(name, None)

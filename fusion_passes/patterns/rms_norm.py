@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
-from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, _REGISTRY
+from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
 
 # --- the spellings (traced by the pattern matcher; keep them exactly as models write them) ---
 
@@ -151,5 +151,5 @@ RMS_NORM = Fusion(
 )
 
 # add_rms_norm first: it must claim a norm before the plain rms_norm pattern takes it alone.
-for _fusion in (ADD_RMS_NORM, RMS_NORM):
-    _REGISTRY.setdefault(_fusion.name, _fusion)
+add_builtin(ADD_RMS_NORM)
+add_builtin(RMS_NORM)
