@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p_list = sub.add_parser("list", help="every registered fusion, with its Unfused / Fused doc")
     p_list.set_defaults(run=_cmd_list)
-    p_list.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # --debug is accepted before or after the command (SUPPRESS: an absent one keeps the other's).
+    p_list.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
     p_diff = sub.add_parser("diff", help="compile a model with and without the passes, compare")
     p_diff.set_defaults(run=_cmd_diff)
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p_diff.add_argument("--fusions", default="all", help="comma-separated fusion names, or all")
     p_diff.add_argument("--verify", action="store_true", help="check each rewrite on random inputs")
     p_diff.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    p_diff.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p_diff.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
 
 
@@ -238,9 +239,11 @@ def _print_report(console, name, report, checks, timings, sites) -> None:
         table.add_row(fusion, str(count), where or "-")
     console.print(table)
     if sites is not None:
-        expected = len(sites.rms_norm)
+        # A gated RMSNorm (linear attention) fuses its norm; the SiLU gate stays an Inductor op.
+        expected = len(sites.rms_norm) + len(sites.gated_rms_norm)
         got = report.matches.get("rms_norm", 0) + report.matches.get("add_rms_norm", 0)
-        console.print(f"RMSNorm sites in the model: {expected}; fused: {got}")
+        gated = f" (incl. {len(sites.gated_rms_norm)} gated)" if sites.gated_rms_norm else ""
+        console.print(f"RMSNorm sites in the model: {expected}{gated}; fused: {got}")
     if report.rejected:
         rej = Table(title="matched a spelling but not rewritten")
         for col in ("fusion", "where", "reason"):
@@ -287,7 +290,9 @@ def _as_json(name, args, report, checks, sites) -> dict[str, Any]:
         "errors": report.errors,
         "ops_before": dict(report.ops_before()),
         "ops_after": dict(report.ops_after()),
-        "expected_rms_norm_sites": None if sites is None else len(sites.rms_norm),
+        "expected_rms_norm_sites": (
+            None if sites is None else len(sites.rms_norm) + len(sites.gated_rms_norm)
+        ),
         "numerics": checks,
     }
 

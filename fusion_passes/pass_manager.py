@@ -89,7 +89,8 @@ class FusionPassManager(CustomGraphPass):
             for fusion in self.fusions:
                 self._apply(fusion, graph, index)
         # The report shows the canonical ops; how they launch is the lowering's business.
-        self.report.graphs.append(GraphRecord(before, op_counts(graph)))
+        fusions = tuple(f.name for f in self.fusions)
+        self.report.graphs.append(GraphRecord(before, op_counts(graph), fusions))
         if self.launch == "direct":
             self._guarded("direct Triton launch", lambda: inline_triton_launches(graph), graph)
 

@@ -51,6 +51,7 @@ class GraphRecord:
 
     ops_before: dict[str, int]
     ops_after: dict[str, int]
+    fusions: tuple[str, ...] = ()  # the fusions applied to it
     from_cache: bool = False  # served by Inductor's FX graph cache; records replayed
 
 
@@ -89,6 +90,7 @@ class Report:
                 {
                     "ops_before": g.ops_before,
                     "ops_after": g.ops_after,
+                    "fusions": list(g.fusions),
                     "sites": [asdict(s) for s in self.sites if s.graph == i],
                     "rejected": [asdict(r) for r in self.rejected if r.graph == i],
                 }
@@ -99,7 +101,10 @@ class Report:
         """Add records of graphs served from the cache (see ``graphs_since``)."""
         for g in graphs:
             index = len(self.graphs)
-            self.graphs.append(GraphRecord(g["ops_before"], g["ops_after"], from_cache=True))
+            fusions = tuple(g["fusions"])
+            self.graphs.append(GraphRecord(g["ops_before"], g["ops_after"], fusions, True))
+            for name in fusions:
+                self.matches[name] += 0  # a fusion that ran shows up, even with 0 sites
             for s in g["sites"]:
                 s = {**s, "graph": index}
                 s["ops_removed"], s["ops_added"] = tuple(s["ops_removed"]), tuple(s["ops_added"])

@@ -1,0 +1,91 @@
+"""The fusion-passes CLI: list, diff on a user factory (text + JSON), and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fusion_passes.cli import main
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(64, eps=1e-6)
+
+        def forward(self, x, residual):
+            return self.norm(x + residual)
+
+    def make():
+        return Block(), (torch.randn(2, 5, 64), torch.randn(2, 5, 64))
+
+    def broken():
+        raise RuntimeError("no weights here")
+    """
+)
+
+
+@pytest.fixture
+def factory_file(tmp_path):
+    path = tmp_path / "block.py"
+    path.write_text(FACTORY)
+    return path
+
+
+def test_list_shows_every_fusion_and_its_doc(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "add_rms_norm" in out and "rms_norm" in out and "Unfused:" in out and "Fused:" in out
+
+
+def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert main(["diff", f"{factory_file}:make", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "add_rms_norm" in out and "fusion_passes vs eager" in out
+    data = json.loads(report.read_text())
+    assert data["schema"] == "fusion_passes.diff/1"
+    assert data["matches"] == {"add_rms_norm": 1, "rms_norm": 0}
+    assert data["sites"][0]["module"] == "norm"
+    assert data["ops_after"]["fusion_passes.add_rms_norm.default"] == 1
+    assert all(check["ok"] for check in data["numerics"].values())
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["diff", "qwen3.55"], "unknown model 'qwen3.55'; did you mean 'qwen3.5'?"),
+        (["diff", "missing.py:make"], "no such file: missing.py"),
+        (["diff", "qwen3", "--fusions", "rms_nrom"], "unknown fusion 'rms_nrom'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fusion-passes: error: {message}" or (message in err and "\n" not in err)
+
+
+def test_factory_errors(factory_file, capsys):
+    assert main(["diff", f"{factory_file}:nothing"]) == 2
+    assert "has no factory named 'nothing'" in capsys.readouterr().err
+    assert main(["diff", f"{factory_file}:broken"]) == 2
+    err = capsys.readouterr().err
+    assert "raised RuntimeError: no weights here" in err and err.count("\n") == 1
+
+
+def test_console_script_and_debug_traceback(factory_file):
+    """The installed command; --debug shows the traceback instead of one line."""
+    run = [sys.executable, "-m", "fusion_passes.cli"]
+    quiet = subprocess.run([*run, "diff", f"{factory_file}:broken"], capture_output=True, text=True)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    loud = subprocess.run(
+        [*run, "--debug", "diff", f"{factory_file}:broken"], capture_output=True, text=True
+    )
+    assert loud.returncode != 0 and "Traceback" in loud.stderr
