@@ -84,15 +84,18 @@ class FusionPassManager(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         index = len(self.report.graphs)
+        first_error = len(self.report.errors)
         before = op_counts(graph)
         with match_handler(self._on_match):
             for fusion in self.fusions:
                 self._apply(fusion, graph, index)
         # The report shows the canonical ops; how they launch is the lowering's business.
-        fusions = tuple(f.name for f in self.fusions)
-        self.report.graphs.append(GraphRecord(before, op_counts(graph), fusions))
+        after = op_counts(graph)
         if self.launch == "direct":
             self._guarded("direct Triton launch", lambda: inline_triton_launches(graph), graph)
+        fusions = tuple(f.name for f in self.fusions)
+        errors = tuple(self.report.errors[first_error:])
+        self.report.graphs.append(GraphRecord(before, after, fusions, errors))
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ cache when the graph is first compiled (``report_cache``) and replayed into the 
 from __future__ import annotations
 
 import os
+import warnings
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ class GraphRecord:
     ops_before: dict[str, int]
     ops_after: dict[str, int]
     fusions: tuple[str, ...] = ()  # the fusions applied to it
+    errors: tuple[str, ...] = ()  # failures while rewriting it (also in Report.errors)
     from_cache: bool = False  # served by Inductor's FX graph cache; records replayed
 
 
@@ -91,6 +93,7 @@ class Report:
                     "ops_before": g.ops_before,
                     "ops_after": g.ops_after,
                     "fusions": list(g.fusions),
+                    "errors": list(g.errors),
                     "sites": [asdict(s) for s in self.sites if s.graph == i],
                     "rejected": [asdict(r) for r in self.rejected if r.graph == i],
                 }
@@ -101,8 +104,11 @@ class Report:
         """Add records of graphs served from the cache (see ``graphs_since``)."""
         for g in graphs:
             index = len(self.graphs)
-            fusions = tuple(g["fusions"])
-            self.graphs.append(GraphRecord(g["ops_before"], g["ops_after"], fusions, True))
+            fusions, errors = tuple(g["fusions"]), tuple(g["errors"])
+            self.graphs.append(GraphRecord(g["ops_before"], g["ops_after"], fusions, errors, True))
+            for message in errors:  # the cached code is the unchanged graph: say so again
+                self.errors.append(message)
+                warnings.warn(f"fusion_passes: {message}; graph left unchanged (cached)", stacklevel=2)
             for name in fusions:
                 self.matches[name] += 0  # a fusion that ran shows up, even with 0 sites
             for s in g["sites"]:
