@@ -122,7 +122,8 @@ class FusionPassManager(CustomGraphPass):
         )
         if count is None:
             return
-        for f, spelling, match in self._pending:  # the matches the pass applied, one per count
+        # The matches the pass applied, one per count; the matcher walks the graph backwards.
+        for f, spelling, match in reversed(self._pending):
             anchor = _anchor(match)
             self.report.add_site(
                 Site(

@@ -2,7 +2,8 @@
 
 A fusion is a list of *spellings* (plain torch functions written the way model code writes the
 unfused computation) each paired with a *replacement* (a call of one canonical fused op). The
-spellings are traced with Inductor's pattern matcher (``register_replacement`` + ``fwd_only``) the
+spellings are traced with Inductor's pattern matcher (``register_replacement``, functionalized
+``fwd_only``) the
 first time a fusion is used, so importing the package stays cheap.
 """
 
@@ -24,6 +25,7 @@ from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
     fwd_only,
+    is_mutation_op,
     register_replacement,
 )
 
@@ -198,17 +200,12 @@ def trace_functional(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
-    if not any(_mutates(n) for n in gm.graph.nodes):
+    if not any(is_mutation_op(n) for n in gm.graph.nodes if n.op == "call_function"):
         return gm
     gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
 
 
 _match_handler: contextvars.ContextVar[MatchHandler | None] = contextvars.ContextVar(

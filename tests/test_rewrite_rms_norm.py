@@ -217,3 +217,22 @@ def test_broadcast_residual_is_not_add_rms_norm():
     assert report.matches["add_rms_norm"] == 0 and report.matches["rms_norm"] == 1
     assert any("residual must match" in r.reason for r in report.rejected)
     assert_outputs(out, fn(x, bias, weight), torch.float32)
+
+
+def test_dynamic_token_count_one_graph():
+    """dynamic=True: one graph with a symbolic token count serves every size (verify uses the
+    size hints)."""
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+
+    def fn(x, residual, w):
+        hidden = residual + x
+        return llama_rms_norm(hidden, w, 1e-6), hidden
+
+    compiled = torch.compile(
+        fn, backend=fusion_passes.backend(report=report, verify=True), dynamic=True
+    )
+    for tokens in (3, 7, 20):
+        x, residual, weight = inputs(torch.bfloat16, (tokens, 64), seed=tokens)
+        assert_outputs(compiled(x, residual, weight), fn(x, residual, weight), torch.bfloat16)
+    assert len(report.graphs) == 1 and dict(report.matches) == {"add_rms_norm": 1, "rms_norm": 0}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch._inductor.pattern_matcher import is_mutation_op
 from torch.fx.experimental.proxy_tensor import make_fx
 
 LAUNCHERS: dict[Any, Callable[..., Any]] = {}
@@ -75,7 +76,7 @@ def _inline(
         )
     # Triton's mutation analysis must find that the kernel writes only the outputs it allocated;
     # a write-back into the op's inputs (copy_) would break the functional post-grad graph.
-    mutations = [n for n in sub.graph.nodes if _mutates(n)]
+    mutations = [n for n in sub.graph.nodes if n.op == "call_function" and is_mutation_op(n)]
     if mutations:
         raise RuntimeError(f"the traced launch writes its inputs ({mutations[0].format_node()})")
     sub.graph.eliminate_dead_code()
@@ -102,8 +103,3 @@ def _inline(
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
