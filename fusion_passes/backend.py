@@ -54,16 +54,17 @@ def backend(
         first_graph = len(manager.report.graphs)
         hits = counters["inductor"]["fxgraph_cache_hit"]
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
-        if len(manager.report.graphs) > first_graph:
-            report_cache.save(key, manager.report.graphs_since(first_graph))
-        elif counters["inductor"]["fxgraph_cache_hit"] > hits:
+        served = counters["inductor"]["fxgraph_cache_hit"] > hits
+        if len(manager.report.graphs) == first_graph and served:
             cached = report_cache.load(key)
-            if cached is None:
-                manager.report.notes.append(
-                    "a graph was served from Inductor's FX graph cache without stored records"
-                )
-            else:
+            if cached is not None:
                 manager.report.replay(cached)
+                return compiled
+            # Inductor has the code but our records of it are gone (another cache directory, or
+            # written before they were kept): compile once more, past the cache.
+            patches["fx_graph_cache"] = False
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        report_cache.save(key, manager.report.graphs_since(first_graph))
         return compiled
 
     compile_with_fusions.report = manager.report  # type: ignore[attr-defined]

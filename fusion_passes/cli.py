@@ -251,6 +251,14 @@ def _print_report(console, name, report, checks, timings, sites) -> None:
         for r in report.rejected:
             rej.add_row(r.fusion, f"{r.module or '(root)'} {r.location}", r.reason)
         console.print(rej)
+    if report.near_misses:
+        near = Table(title="candidate sites left unfused: the closest spelling and where it diverged")
+        for col in ("where", "closest", "ops lined up", "first divergence"):
+            near.add_column(col)
+        for m in report.near_misses:
+            where = f"{m.module or '(root)'} {m.location}"
+            near.add_row(where, f"{m.fusion}.{m.spelling}", f"{m.matched}/{m.total}", m.reason)
+        console.print(near)
     before, after = report.ops_before(), report.ops_after()
     ops = Table(title="graph ops that changed (all compiled graphs)")
     for col in ("op", "before", "after"):
@@ -272,8 +280,6 @@ def _print_report(console, name, report, checks, timings, sites) -> None:
     )
     for e in report.errors:
         console.print(f"[red]failed:[/red] {e}")
-    for n in report.notes:
-        console.print(f"note: {n}")
 
 
 def _as_json(name, args, report, checks, sites) -> dict[str, Any]:
@@ -287,6 +293,7 @@ def _as_json(name, args, report, checks, sites) -> dict[str, Any]:
         "matches": dict(report.matches),
         "sites": [asdict(s) for s in report.sites],
         "rejected": [asdict(r) for r in report.rejected],
+        "near_misses": [asdict(m) for m in report.near_misses],
         "errors": report.errors,
         "ops_before": dict(report.ops_before()),
         "ops_after": dict(report.ops_after()),

@@ -24,6 +24,7 @@ from torch._inductor.pattern_matcher import Match
 
 import fusion_passes
 from fusion_passes.lowering.direct_launch import inline_triton_launches
+from fusion_passes.near_miss import find_near_misses
 from fusion_passes.registry import (
     Fusion,
     Spelling,
@@ -89,6 +90,11 @@ class FusionPassManager(CustomGraphPass):
         with match_handler(self._on_match):
             for fusion in self.fusions:
                 self._apply(fusion, graph, index)
+        self._guarded(
+            "near-miss analysis",
+            lambda: self.report.near_misses.extend(find_near_misses(graph, self.fusions, index)),
+            graph,
+        )
         # The report shows the canonical ops; how they launch is the lowering's business.
         after = op_counts(graph)
         if self.launch == "direct":
@@ -183,6 +189,7 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.pass_manager",
     "fusion_passes.registry",
     "fusion_passes.verify",
+    "fusion_passes.near_miss",
     "fusion_passes.lowering.direct_launch",
     "fusion_passes.lowering.rms_norm",
     "fusion_passes.lowering.rms_norm_reference",

@@ -71,6 +71,9 @@ class Fusion:
     example_inputs: Callable[[], Iterable[Sequence[Any]]]
     scalars: dict[str, float] = field(default_factory=dict)
     check: CheckFn | None = None
+    # Ops that mark a candidate site ("aten.rsqrt.default" for norms): one left in the graph after
+    # the passes is a near miss, reported with the closest spelling and where it diverged.
+    candidate_ops: tuple[str, ...] = ()
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
 

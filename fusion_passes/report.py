@@ -47,6 +47,20 @@ class Rejection:
 
 
 @dataclass(frozen=True)
+class NearMiss:
+    """A candidate site (e.g. an rsqrt) left unfused: the closest spelling and where it diverged."""
+
+    fusion: str
+    spelling: str  # the spelling that came closest
+    graph: int
+    module: str
+    location: str
+    matched: int  # spelling ops that lined up with the graph before the divergence
+    total: int  # ops in the spelling
+    reason: str  # the first divergence, e.g. "weight is torch.float32, the spelling expects ..."
+
+
+@dataclass(frozen=True)
 class GraphRecord:
     """Op counts of one graph before and after the fusion passes."""
 
@@ -67,8 +81,8 @@ class Report:
     matches: Counter = field(default_factory=Counter)
     sites: list[Site] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
     graphs: list[GraphRecord] = field(default_factory=list)
 
     def sites_of(self, fusion: str) -> list[Site]:
@@ -96,6 +110,7 @@ class Report:
                     "errors": list(g.errors),
                     "sites": [asdict(s) for s in self.sites if s.graph == i],
                     "rejected": [asdict(r) for r in self.rejected if r.graph == i],
+                    "near_misses": [asdict(m) for m in self.near_misses if m.graph == i],
                 }
             )
         return out
@@ -117,11 +132,18 @@ class Report:
                 self.add_site(Site(**s))
             for r in g["rejected"]:
                 self.rejected.append(Rejection(**{**r, "graph": index}))
+            for m in g["near_misses"]:
+                self.near_misses.append(NearMiss(**{**m, "graph": index}))
 
     def summary(self) -> str:
         """A few plain lines: matches per fusion, rejections, failures."""
         lines = [f"{name}: {n} site(s)" for name, n in sorted(self.matches.items())]
         lines += [f"rejected {r.fusion} at {r.module or r.location}: {r.reason}" for r in self.rejected]
+        lines += [
+            f"unfused candidate at {m.module or m.location}: closest {m.spelling} "
+            f"({m.matched}/{m.total} ops), {m.reason}"
+            for m in self.near_misses
+        ]
         lines += [f"failed: {e}" for e in self.errors]
         return "\n".join(lines) or "no fusion matched"
 

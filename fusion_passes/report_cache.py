@@ -25,6 +25,9 @@ def _directory() -> str:
 def graph_key(uuid: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
     h = hashlib.sha256(uuid.encode())
     h.update(gm.code.encode())
+    # The records name source lines: the same graph written in another file is another key.
+    for node in gm.graph.nodes:
+        h.update((node.meta.get("stack_trace") or "").encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             h.update(repr((tuple(x.shape), x.stride(), x.dtype, x.device.type)).encode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 import fusion_passes
+from fusion_passes import report_cache
 from fusion_passes.numerics import compare
 from fusion_passes.pass_manager import FusionPassManager
 from fusion_passes.patterns.rms_norm import llama_rms_norm
@@ -85,6 +87,18 @@ def test_fx_graph_cache_hit_still_carries_the_fusion_and_its_report():
         assert second.sites == first.sites
         for a, e in zip(out, norm_fn(*args)):
             assert compare(a, e).ok
+
+
+def test_cache_hit_without_stored_records_recompiles_for_the_report():
+    args = norm_inputs()
+    with fresh_cache():
+        torch._dynamo.reset()
+        torch.compile(norm_fn, backend=fusion_passes.backend())(*args)
+        shutil.rmtree(report_cache._directory())
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        torch.compile(norm_fn, backend=fusion_passes.backend(report=report))(*args)
+        assert report.matches["add_rms_norm"] == 1 and not report.graphs[0].from_cache
 
 
 def test_enabled_fusions_and_options_change_the_cache_key():

@@ -130,6 +130,7 @@ ADD_RMS_NORM = Fusion(
     ),
     example_inputs=_examples(with_residual=True),
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    candidate_ops=("aten.rsqrt.default",),
     builtin=True,
 )
 
@@ -147,6 +148,7 @@ RMS_NORM = Fusion(
     ),
     example_inputs=_examples(with_residual=False),
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    candidate_ops=("aten.rsqrt.default",),
     builtin=True,
 )
 

@@ -1,0 +1,196 @@
+"""Near misses: candidate sites a fusion did not rewrite, the spelling that came closest, and the
+first node where the graph diverged from it.
+
+A fusion names the ops that mark a candidate site (``Fusion.candidate_ops``: ``aten.rsqrt`` for
+the RMSNorm family). After the passes, every such op still in the graph is a candidate that no
+spelling matched. Each spelling is traced with the candidate's dtype and rank, then walked
+against the graph from the candidate op outwards (inputs and users, breadth first), comparing
+targets, literal arguments and dtypes; the first difference is the reason. The spelling that
+walked furthest is reported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from fusion_passes.registry import Fusion, Spelling, trace_functional
+from fusion_passes.report import NearMiss, module_path, op_name, source_location
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def find_near_misses(graph: torch.fx.Graph, fusions: Sequence[Fusion], index: int) -> list[NearMiss]:
+    by_op: dict[str, list[Fusion]] = {}
+    for fusion in fusions:
+        for op in fusion.candidate_ops:
+            by_op.setdefault(op, []).append(fusion)
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function" or op_name(node) not in by_op:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        best: tuple[int, int, str, Fusion, Spelling] | None = None
+        for fusion in by_op[op_name(node)]:
+            for spelling in fusion.spellings:
+                for dtype in _DTYPES:
+                    spelled = _trace(fusion, spelling, dtype, val.dim())
+                    if spelled is None:
+                        continue
+                    matched, total, reason = _Walk(spelling, fusion, spelled).run(node, op_name(node))
+                    if best is None or (matched / total, matched) > (best[0] / best[1], best[0]):
+                        best = (matched, total, reason, fusion, spelling)
+        if best is not None:
+            matched, total, reason, fusion, spelling = best
+            out.append(
+                NearMiss(
+                    fusion.name,
+                    spelling.name,
+                    index,
+                    module_path(node),
+                    source_location(node),
+                    matched,
+                    total,
+                    reason,
+                )
+            )
+    return out
+
+
+_TRACES: dict[tuple[str, str, torch.dtype, int], torch.fx.GraphModule | None] = {}
+
+
+def _trace(fusion: Fusion, spelling: Spelling, dtype: torch.dtype, rank: int):
+    """The spelling traced at ``dtype`` with its leading example tensors raised to ``rank``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    key = (fusion.name, spelling.name, dtype, rank)
+    if key in _TRACES:
+        return _TRACES[key]
+    example = next(iter(fusion.example_inputs()))
+    lead_rank = max((t.dim() for t in example if isinstance(t, torch.Tensor)), default=0)
+
+    def adapt(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == lead_rank and rank > lead_rank:
+            t = t.reshape((1,) * (rank - lead_rank) + tuple(t.shape))
+        return t.to(dtype) if t.dtype.is_floating_point else t
+
+    with unset_fake_temporarily():
+        try:
+            _TRACES[key] = trace_functional(spelling.pattern, [adapt(t) for t in example])
+        except Exception:  # a spelling that does not trace at this dtype/rank is not the closest
+            _TRACES[key] = None
+    return _TRACES[key]
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+class _Walk:
+    """One spelling walked against the graph from a candidate op."""
+
+    def __init__(self, spelling: Spelling, fusion: Fusion, spelled: torch.fx.GraphModule) -> None:
+        self.spelled = spelled
+        self.scalars = set(fusion.scalars.values())
+        names = list(inspect.signature(spelling.pattern).parameters)
+        placeholders = [n for n in spelled.graph.nodes if n.op == "placeholder"]
+        self.names = dict(zip(placeholders, names))  # make_fx may rename them arg0_1 ...
+        self.ops = [n for n in spelled.graph.nodes if n.op == "call_function"]
+
+    def run(self, start: torch.fx.Node, op: str) -> tuple[int, int, str]:
+        """(spelling ops that lined up, ops in the spelling, the first divergence)."""
+        anchors = [n for n in self.ops if op_name(n) == op]
+        if not anchors:
+            return 0, len(self.ops), f"the spelling has no {op}"
+        self.paired: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.bound: dict[torch.fx.Node, torch.fx.Node] = {}
+        queue = deque([(start, anchors[0])])
+        first = None
+        # Breadth first from the candidate; a diverging pair is not expanded but the walk goes
+        # on, so ``matched`` counts every op that lines up (the measure of closeness) and the
+        # reason is the divergence nearest the candidate.
+        while queue:
+            g, s = queue.popleft()
+            reason = self._step(g, s, queue)
+            first = first or reason
+        return (
+            len(self.paired),
+            len(self.ops),
+            first or "every op lined up: a check rejected it, or an intermediate is used outside",
+        )
+
+    def _step(self, g: torch.fx.Node, s: torch.fx.Node, queue: deque) -> str | None:
+        if s in self.paired:
+            return None
+        if s.op == "placeholder":
+            name = self.names.get(s, s.name)
+            if self.bound.setdefault(s, g) is not g:
+                return f"{name} would be two different values"
+            if _dtype(s) is not None and _dtype(g) != _dtype(s):
+                return f"{name} is {_dtype(g)}, the spelling expects {_dtype(s)}"
+            return None
+        if g.op != "call_function" or g.target != s.target:
+            return f"expected {op_name(s)}, found {_describe(g)}"
+        reason = self._compare_args(g, s)
+        if reason is None and _dtype(g) != _dtype(s):
+            reason = self._input_dtype_reason(g, s) or (
+                f"{op_name(s)} gives {_dtype(g)}, the spelling {_dtype(s)}"
+            )
+        if reason is not None:
+            return reason
+        self.paired[s] = g
+        queue.extend((ga, sa) for ga, sa in zip(g.args, s.args) if isinstance(sa, torch.fx.Node))
+        used = set(self.paired.values())
+        for s_user in s.users:
+            if s_user.op != "call_function":
+                continue
+            if s_user in self.paired:  # reached from the other side already
+                if self.paired[s_user] not in g.users:
+                    return f"{op_name(s_user)} takes another value than {op_name(s)}"
+                continue
+            g_user = next((u for u in g.users if u.target == s_user.target and u not in used), None)
+            if g_user is None:
+                found = ", ".join(sorted({_describe(u) for u in g.users})) or "nothing"
+                return f"{op_name(s)} should feed {op_name(s_user)}; here it feeds {found}"
+            queue.append((g_user, s_user))
+        return None
+
+    def _input_dtype_reason(self, g: torch.fx.Node, s: torch.fx.Node) -> str | None:
+        """Name the argument (e.g. the weight) whose dtype differs, when it is one."""
+        for ga, sa in zip(g.args, s.args):
+            if isinstance(sa, torch.fx.Node) and sa.op == "placeholder" and _dtype(ga) != _dtype(sa):
+                name = self.names.get(sa, sa.name)
+                return f"{name} is {_dtype(ga)}, the spelling expects {_dtype(sa)}"
+        return None
+
+    def _compare_args(self, g: torch.fx.Node, s: torch.fx.Node) -> str | None:
+        if len(g.args) != len(s.args):
+            return f"{op_name(s)} has {len(g.args)} arguments, the spelling {len(s.args)}"
+        for i, (ga, sa) in enumerate(zip(g.args, s.args)):
+            if isinstance(sa, torch.fx.Node):
+                if not isinstance(ga, torch.fx.Node):
+                    return f"{op_name(s)} argument {i} is the constant {ga!r}"
+            elif isinstance(sa, float) and sa in self.scalars:
+                continue  # a scalar pattern argument (eps): any value matches
+            elif ga != sa:
+                return f"{op_name(s)} argument {i} is {ga!r}, the spelling has {sa!r}"
+        return None
+
+
+def _describe(node: torch.fx.Node) -> str:
+    if node.op != "call_function":
+        return f"the graph input {node.name}"
+    if op_name(node) == "getitem" and isinstance(node.args[0], torch.fx.Node):
+        return f"an output of {op_name(node.args[0])}"
+    return op_name(node)
