@@ -25,6 +25,7 @@ from torch._inductor.pattern_matcher import Match
 import fusion_passes
 from fusion_passes.lowering.direct_launch import inline_triton_launches
 from fusion_passes.near_miss import find_near_misses
+from fusion_passes.regions import Region, graph_region, match_region, region_ops
 from fusion_passes.registry import (
     Fusion,
     Spelling,
@@ -39,7 +40,6 @@ from fusion_passes.report import (
     Site,
     module_path,
     op_counts,
-    op_name,
     source_location,
 )
 from fusion_passes.verify import Unverifiable, verify_match
@@ -68,7 +68,7 @@ class FusionPassManager(CustomGraphPass):
         self.report = report if report is not None else Report()
         self.verify = verify
         self.strict = strict
-        self._pending: list[tuple[Fusion, Spelling, Match]] = []
+        self._pending: list[tuple[Fusion, Spelling, Match, Region, str, str]] = []
 
     # -- CustomGraphPass ------------------------------------------------------------------------
 
@@ -129,22 +129,22 @@ class FusionPassManager(CustomGraphPass):
         if count is None:
             return
         # The matches the pass applied, one per count; the matcher walks the graph backwards.
-        for f, spelling, match in reversed(self._pending):
-            anchor = _anchor(match)
+        for f, spelling, match, before, module, location in reversed(self._pending):
+            after = _replacement_region(f, spelling)
             self.report.add_site(
                 Site(
                     fusion=f.name,
                     spelling=spelling.name,
                     graph=index,
-                    module=module_path(anchor),
-                    location=source_location(anchor),
-                    ops_removed=tuple(
-                        op_name(n) for n in match.nodes if n.op == "call_function"
-                    ),
-                    ops_added=_replacement_ops(f, spelling),
+                    module=module,
+                    location=location,
+                    ops_removed=region_ops(before),
+                    ops_added=region_ops(after),
                     scalars={
                         k: v for k, v in match.kwargs.items() if isinstance(v, (int, float))
                     },
+                    before=before,
+                    after=after,
                 )
             )
         self.report.matches[fusion.name] += 0  # a fusion that ran shows up, even with 0 sites
@@ -160,9 +160,8 @@ class FusionPassManager(CustomGraphPass):
             if reason is None and check is not None:
                 reason = check(values)
         if reason is None and self.verify:
-            argnames = list(inspect.signature(spelling.pattern).parameters)
             try:
-                reason = verify_match(match, argnames, spelling.replacement)
+                reason = verify_match(match, _argnames(spelling), spelling.replacement)
                 if reason is not None:
                     reason = f"verify: {reason}"
             except Unverifiable as e:
@@ -180,7 +179,12 @@ class FusionPassManager(CustomGraphPass):
                 )
             )
             return False
-        self._pending.append((fusion, spelling, match))
+        # The matched nodes are erased once the pass applies the match: record them now.
+        anchor = _anchor(match)
+        region = match_region(match, _argnames(spelling))
+        self._pending.append(
+            (fusion, spelling, match, region, module_path(anchor), source_location(anchor))
+        )
         return True
 
 
@@ -202,24 +206,24 @@ def _anchor(match: Match) -> torch.fx.Node:
     return outputs[0] if outputs else match.nodes[-1]
 
 
-_REPLACEMENT_OPS: dict[tuple[str, str], tuple[str, ...]] = {}
+_REPLACEMENTS: dict[tuple[str, str], Region] = {}
 
 
-def _replacement_ops(fusion: Fusion, spelling: Spelling) -> tuple[str, ...]:
-    """The ops a spelling's replacement adds (traced once on the fusion's example inputs)."""
+def _replacement_region(fusion: Fusion, spelling: Spelling) -> Region:
+    """What a spelling's replacement adds (traced once, on the fusion's example inputs)."""
     key = (fusion.name, spelling.name)
-    if key not in _REPLACEMENT_OPS:
-        example = next(iter(fusion.example_inputs()))
+    if key not in _REPLACEMENTS:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+        example = next(iter(fusion.example_inputs()))
         with unset_fake_temporarily():
             gm = trace_functional(spelling.replacement, list(example))
-        _REPLACEMENT_OPS[key] = tuple(
-            op_name(n)
-            for n in gm.graph.nodes
-            if n.op == "call_function" and op_name(n) != "getitem"
-        )
-    return _REPLACEMENT_OPS[key]
+        _REPLACEMENTS[key] = graph_region(gm, _argnames(spelling))
+    return _REPLACEMENTS[key]
+
+
+def _argnames(spelling: Spelling) -> list[str]:
+    return list(inspect.signature(spelling.pattern).parameters)
 
 
 def _snapshot(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node]]:

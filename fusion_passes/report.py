@@ -32,6 +32,8 @@ class Site:
     ops_removed: tuple[str, ...]
     ops_added: tuple[str, ...]
     scalars: dict[str, float] = field(default_factory=dict)  # matched scalar arguments (eps)
+    before: dict = field(default_factory=dict)  # the matched region (regions.py format)
+    after: dict = field(default_factory=dict)  # what replaced it
 
 
 @dataclass(frozen=True)
