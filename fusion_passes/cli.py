@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p_diff.add_argument("--fusions", default="all", help="comma-separated fusion names, or all")
     p_diff.add_argument("--verify", action="store_true", help="check each rewrite on random inputs")
     p_diff.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p_diff.add_argument("--html", metavar="PATH", help="also write the report as one HTML page")
     p_diff.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
 
@@ -133,10 +134,17 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         "fusion_passes vs eager": _compare_outputs(fused, expected, dtype, compare),
     }
     _print_report(console, name, report, checks, timings, sites)
+    data = _as_json(name, args, report, checks, sites)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_as_json(name, args, report, checks, sites), f, indent=2)
+            json.dump(data, f, indent=2)
         console.print(f"wrote {args.json}")
+    if args.html:
+        from fusion_passes.html_report import render_html
+
+        with open(args.html, "w") as f:
+            f.write(render_html(data))
+        console.print(f"wrote {args.html}")
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 

@@ -18,8 +18,8 @@ from fusion_passes.report import op_name
 Region = dict[str, list[Any]]
 
 
-def _label(node: torch.fx.Node) -> str:
-    val = node.meta.get("val")
+def _label(node: torch.fx.Node, dtypes: bool = True) -> str:
+    val = node.meta.get("val") if dtypes else None
     dtype = f" : {str(val.dtype).removeprefix('torch.')}" if isinstance(val, torch.Tensor) else ""
     return f"{op_name(node)}{dtype}"
 
@@ -51,7 +51,8 @@ def match_region(match: Match, argnames: Sequence[str]) -> Region:
 
 
 def graph_region(gm: torch.fx.GraphModule, argnames: Sequence[str]) -> Region:
-    """A traced replacement as a region (placeholders named after the pattern's arguments)."""
+    """A traced replacement as a region (placeholders named after the pattern's arguments; no
+    dtypes: it was traced on example inputs, not on the site's)."""
     ids: dict[torch.fx.Node, str] = {}
     nodes, edges = [], []
     names = iter(argnames)
@@ -63,7 +64,7 @@ def graph_region(gm: torch.fx.GraphModule, argnames: Sequence[str]) -> Region:
                 nodes.append({"id": ids[node], "label": name, "kind": "input"})
         elif node.op == "call_function":
             ids[node] = f"n{i}"
-            nodes.append({"id": ids[node], "label": _label(node), "kind": "op"})
+            nodes.append({"id": ids[node], "label": _label(node, dtypes=False), "kind": "op"})
             edges += [[ids[a], ids[node]] for a in node.all_input_nodes if a in ids]
         elif node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
