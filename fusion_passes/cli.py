@@ -119,22 +119,24 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     backend = fusion_passes.backend(fusions, report=report, verify=args.verify)
     with torch.no_grad():
         expected = module(*inputs)
-        timings = {}
+        timings, kernels = {}, {}
         with _progress(console) as step:
-            step(f"compiling {name} with stock Inductor")
-            start = time.perf_counter()
-            stock = _compile(module, "inductor")(*inputs)
-            timings["inductor"] = time.perf_counter() - start
-            step(f"compiling {name} with fusion_passes")
-            start = time.perf_counter()
-            fused = _compile(module, backend)(*inputs)
-            timings["fusion_passes"] = time.perf_counter() - start
+            for label, compile_backend in (("inductor", "inductor"), ("fusion_passes", backend)):
+                step(f"compiling {name} with {label.replace('_', ' ')}")
+                start = time.perf_counter()
+                out, kernels[label] = _compile_and_run(module, compile_backend, inputs)
+                timings[label] = time.perf_counter() - start
+                if label == "inductor":
+                    stock = out
+                else:
+                    fused = out
     checks = {
         "inductor vs eager": _compare_outputs(stock, expected, dtype, compare),
         "fusion_passes vs eager": _compare_outputs(fused, expected, dtype, compare),
     }
-    _print_report(console, name, report, checks, timings, sites)
+    _print_report(console, name, report, checks, timings, sites, kernels)
     data = _as_json(name, args, report, checks, sites)
+    data["kernels"] = kernels
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
@@ -176,18 +178,22 @@ def _load_model(args: argparse.Namespace, dtype: torch.dtype):
     return f"{spec} ({args.size}, {args.dtype})", built.module, built.example_inputs, built.sites
 
 
-def _compile(module: torch.nn.Module, backend: Any):
+def _compile_and_run(module: torch.nn.Module, backend: Any, inputs: tuple) -> tuple[Any, dict]:
+    """Compile (one graph, past the FX graph cache so the code is there to count) and run."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from fusion_passes.kernels import count_kernels
+
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend, fullgraph=True)
-
-    def run(*inputs):
-        try:
-            return compiled(*inputs)
-        except torch._dynamo.exc.Unsupported as e:
-            first = str(e).strip().splitlines()[0]
-            raise CliError(f"the model does not compile as one graph (fullgraph=True): {first}") from e
-
-    return run
+    try:
+        with inductor_config.patch(fx_graph_cache=False):
+            out, codes = run_and_get_code(compiled, *inputs)
+    except torch._dynamo.exc.Unsupported as e:
+        first = str(e).strip().splitlines()[0]
+        raise CliError(f"the model does not compile as one graph (fullgraph=True): {first}") from e
+    return out, count_kernels(codes)
 
 
 @contextlib.contextmanager
@@ -233,7 +239,7 @@ def _bound(dtype: torch.dtype) -> float:
     return tolerance(dtype).rel_norm
 
 
-def _print_report(console, name, report, checks, timings, sites) -> None:
+def _print_report(console, name, report, checks, timings, sites, kernels) -> None:
     from rich.table import Table
 
     console.rule(f"fusion_passes diff: {name}")
@@ -283,6 +289,12 @@ def _print_report(console, name, report, checks, timings, sites) -> None:
         for o in check["outputs"]:
             num.add_row(label, f"{o['max_abs']:.3g}", f"{o['rel_norm']:.3g}", "yes" if o["ok"] else "NO")
     console.print(num)
+    kern = Table(title="kernels in the generated code")
+    for col in ("compiled", "generated (Inductor)", "fused ops (dispatcher)", "extern calls"):
+        kern.add_column(col)
+    for label, k in kernels.items():
+        kern.add_row(label, str(k["generated"]), str(k["fused_ops"]), str(k["extern"]))
+    console.print(kern)
     console.print(
         "compile time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
     )

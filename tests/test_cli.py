@@ -56,6 +56,10 @@ def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
     assert data["sites"][0]["module"] == "norm"
     assert data["ops_after"]["fusion_passes.add_rms_norm.default"] == 1
     assert all(check["ok"] for check in data["numerics"].values())
+    # On CPU the fused op runs its reference through the dispatcher: one call, one kernel fewer.
+    stock, ours = data["kernels"]["inductor"], data["kernels"]["fusion_passes"]
+    assert stock["fused_ops"] == 0 and ours["fused_ops"] == 1
+    assert ours["generated"] == stock["generated"] - 1
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,32 @@
+"""Count the kernels in Inductor's generated code (what `fusion-passes diff` reports).
+
+generated: kernels Inductor wrote and compiled (Triton on CUDA, C++ on CPU), one per definition,
+           user Triton kernels launched directly (launch="direct") included;
+fused_ops: calls of fusion_passes ops through the dispatcher (CPU reference, launch="dispatch");
+extern:    calls of library kernels (GEMMs, attention, fallbacks).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+_GENERATED = re.compile(r"=\s*async_compile\.(?:triton|cpp_pybinding|cpp)\(")
+_FUSED_OP_CALL = re.compile(r"torch\.ops\.fusion_passes\.\w+\.\w+\(")
+_EXTERN_CALL = re.compile(r"\bextern_kernels\.\w+\(|\btorch\.ops\.(?!fusion_passes\.)\w+\.\w+\.\w+\(")
+
+
+def count_kernels(codes: Iterable[str]) -> dict[str, int]:
+    """Kernel counts summed over the generated modules of one compile."""
+    counts = {"generated": 0, "fused_ops": 0, "extern": 0}
+    for code in codes:
+        body = _strip_kernel_sources(code)
+        counts["generated"] += len(_GENERATED.findall(code))
+        counts["fused_ops"] += len(_FUSED_OP_CALL.findall(body))
+        counts["extern"] += len(_EXTERN_CALL.findall(body))
+    return counts
+
+
+def _strip_kernel_sources(code: str) -> str:
+    """The wrapper code alone: kernel sources are triple-quoted strings in the module."""
+    return re.sub(r"'''.*?'''", "", code, flags=re.DOTALL)
