@@ -7,9 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import jsonschema
 import pytest
 
 from fusion_passes.cli import main
+from fusion_passes.report_schema import DIFF_REPORT_SCHEMA
 
 FACTORY = textwrap.dedent(
     """
@@ -51,6 +53,7 @@ def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "add_rms_norm" in out and "fusion_passes vs eager" in out
     data = json.loads(report.read_text())
+    jsonschema.validate(data, DIFF_REPORT_SCHEMA)
     assert data["schema"] == "fusion_passes.diff/1"
     assert data["matches"] == {"add_rms_norm": 1, "rms_norm": 0}
     assert data["sites"][0]["module"] == "norm"
@@ -93,3 +96,16 @@ def test_console_script_and_debug_traceback(factory_file):
         [*run, "--debug", "diff", f"{factory_file}:broken"], capture_output=True, text=True
     )
     assert loud.returncode != 0 and "Traceback" in loud.stderr
+
+
+def test_built_in_model_report_validates_and_names_near_misses(tmp_path):
+    """DeepSeek V3.2 (tiny): every RMSNorm fused; the indexer's LayerNorms are near misses."""
+    path = tmp_path / "v32.json"
+    assert main(["diff", "deepseek-v3.2", "--dtype", "bf16", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, DIFF_REPORT_SCHEMA)
+    assert sum(data["matches"].values()) == data["expected_rms_norm_sites"] == 9
+    assert len(data["near_misses"]) == 2
+    for miss in data["near_misses"]:
+        assert miss["module"].endswith("indexer.k_norm")
+        assert "aten.var_mean" in miss["reason"]
