@@ -193,7 +193,12 @@ def _compile_and_run(module: torch.nn.Module, backend: Any, inputs: tuple) -> tu
     except torch._dynamo.exc.Unsupported as e:
         first = str(e).strip().splitlines()[0]
         raise CliError(f"the model does not compile as one graph (fullgraph=True): {first}") from e
-    return out, count_kernels(codes)
+    counts: dict[str, Any] = count_kernels(codes)
+    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
+        from fusion_passes.kernels import profile_kernel_classes
+
+        counts["launched"] = profile_kernel_classes(compiled, *inputs)  # gemm/attention/moe/other
+    return out, counts
 
 
 @contextlib.contextmanager
@@ -295,6 +300,15 @@ def _print_report(console, name, report, checks, timings, sites, kernels) -> Non
     for label, k in kernels.items():
         kern.add_row(label, str(k["generated"]), str(k["fused_ops"]), str(k["extern"]))
     console.print(kern)
+    if all("launched" in k for k in kernels.values()):
+        launched = Table(title="CUDA kernels launched per forward, by class")
+        classes = list(next(iter(kernels.values()))["launched"])
+        for col in ("compiled", *classes, "total"):
+            launched.add_column(col)
+        for label, k in kernels.items():
+            row = [str(k["launched"][c]) for c in classes]
+            launched.add_row(label, *row, str(sum(k["launched"].values())))
+        console.print(launched)
     console.print(
         "compile time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
     )

@@ -4,11 +4,11 @@
 
 The page has the summary tables (sites per fusion, numerical check, graph ops that changed, errors,
 rejected candidates, near misses) and, for each rewritten site, its region graph before and after
-(regions.py format) drawn side by side. The graphs are laid out top to bottom in layers, the usual
-layered (Sugiyama) way: longest-path layers from ``nx.topological_generations``, each node then
-pulled down next to its first consumer; edges longer than one layer get virtual bend points; the
-order within layers is the barycenter heuristic (the sweep with the fewest crossings wins), and x
-positions are averaged over neighbours, virtual points giving way to real nodes.
+(regions.py format) drawn side by side. Each graph is laid out top to bottom the layered (Sugiyama)
+way, with networkx: longest-path layers from ``nx.topological_generations``, each node then pulled
+down to just above its first consumer; edges longer than one layer get virtual bend points; the
+order within a layer is the barycenter heuristic (the sweep with the fewest crossings wins); x
+positions sweep toward the neighbours above, then below, busy nodes placed before bend points.
 """
 
 from __future__ import annotations
@@ -94,21 +94,30 @@ def _order(rows: list[list[str]], h: nx.DiGraph, sweeps: int = 4) -> list[list[s
     return best
 
 
-def _place(row: list[str], want: dict[str, float], width: dict[str, float], real: set[str]) -> dict:
-    """x of each node of a row: as near its wanted x as the order and gaps allow (real nodes first)."""
-    x, right = {}, float("-inf")
-    for n in row:
-        x[n] = max(want[n], right + NODE_GAP + width[n] / 2)
-        right = x[n] + width[n] / 2
-    weights = {n: 1.0 if n in real else 0.05 for n in row}
-    shift = sum(weights[n] * (want[n] - x[n]) for n in row) / sum(weights.values())
-    return {n: v + shift for n, v in x.items()}
+def _place(row: list[str], want: dict[str, float], width: dict[str, float], rank: dict[str, float]):
+    """x of each node of a row, keeping the row's order and gaps: nodes in decreasing rank take
+    their wanted x as far as the nodes already placed (and the room the others need) allow."""
+    x: dict[str, float] = {}
+
+    def room(i: int, j: int) -> float:  # least centre-to-centre distance from row[i] to row[j], i < j
+        inner = sum(width[n] for n in row[i + 1 : j])
+        return inner + (width[row[i]] + width[row[j]]) / 2 + (j - i) * NODE_GAP
+
+    for i in sorted(range(len(row)), key=lambda i: -rank[row[i]]):
+        placed = [j for j in range(len(row)) if row[j] in x]
+        lo = max((x[row[j]] + room(j, i) for j in placed if j < i), default=float("-inf"))
+        hi = min((x[row[j]] - room(i, j) for j in placed if j > i), default=float("inf"))
+        x[row[i]] = min(max(want[row[i]], lo), hi)
+    return x
 
 
 def layout(region: dict[str, Any]) -> Layout:
     """Top-to-bottom layered layout of a region graph ({"nodes": [...], "edges": [[src, dst]]})."""
     nodes = {n["id"]: n for n in region["nodes"]}
-    edges = [(s, d) for s, d in region["edges"] if s in nodes and d in nodes]
+    first = {n: i for i, n in enumerate(nodes)}
+    edges = [(s, d) for s, d in region["edges"] if s in nodes and d in nodes and s != d]
+    if not nx.is_directed_acyclic_graph(nx.DiGraph(edges)):  # keep the edges that follow node order
+        edges = [(s, d) for s, d in edges if first[s] < first[d]]
     g = nx.DiGraph()
     g.add_nodes_from(nodes)
     g.add_edges_from(edges)
@@ -120,37 +129,37 @@ def layout(region: dict[str, Any]) -> Layout:
     # Split edges longer than one layer with virtual nodes, so every edge joins adjacent layers.
     h = nx.DiGraph()
     h.add_nodes_from(nodes)
-    chains: dict[tuple[str, str], list[str]] = {}
+    chains: dict[tuple[str, str], list] = {}
     layer = dict(out.layer)
     width = {n: s[0] for n, s in out.size.items()}
     for s, d in g.edges:
-        chain = [f"{s}->{d}#{k}" for k in range(out.layer[s] + 1, out.layer[d])]
+        chain = [("bend", s, d, k) for k in range(out.layer[s] + 1, out.layer[d])]
         for k, v in enumerate(chain):
             layer[v], width[v] = out.layer[s] + 1 + k, VIRTUAL_W
         nx.add_path(h, [s, *chain, d])
         chains[(s, d)] = chain
-    first = {n: i for i, n in enumerate(nodes)}
-    rows: list[list[str]] = [[] for _ in range(max(layer.values(), default=-1) + 1)]
-    for n in sorted(h.nodes, key=lambda n: first.get(n.split("->")[0], 0)):
+    rows: list[list] = [[] for _ in range(max(layer.values(), default=-1) + 1)]
+    for n in sorted(h.nodes, key=lambda n: first[n] if n in nodes else first[n[1]] + 0.5):
         rows[layer[n]].append(n)
     rows = _order(rows, h)
 
-    # x: packed rows, then sweeps pulling every node toward the mean x of its neighbours.
-    real = set(nodes)
+    # x: packed rows, then sweeps down (toward the preds) and up (toward the succs); real nodes,
+    # busiest first, take their place before the bend points of long edges.
+    rank = {n: (10 + h.degree(n) if n in nodes else 0) for n in h.nodes}
     x: dict[str, float] = {}
     for row in rows:
-        x.update(_place(row, {n: 0.0 for n in row}, width, real))
-    for _ in range(6):
-        for row in rows[1:] + rows[::-1]:
+        x.update(_place(row, {n: 0.0 for n in row}, width, rank))
+    for sweep in range(6):
+        down = sweep % 2 == 0
+        for row in rows[1:] if down else rows[-2::-1]:
             want = {}
             for n in row:
-                near = [x[m] for m in (*h.predecessors(n), *h.successors(n))]
-                near_real = [x[m] for m in (*h.predecessors(n), *h.successors(n)) if m in real]
-                pick = near_real if n in real and near_real else near
-                want[n] = sum(pick) / len(pick) if pick else x[n]
-            x.update(_place(row, want, width, real))
+                near = list(h.predecessors(n) if down else h.successors(n))
+                near = [m for m in near if m in nodes] or near
+                want[n] = sum(x[m] for m in near) / len(near) if near else x[n]
+            x.update(_place(row, want, width, rank))
     left = min(x[n] - width[n] / 2 for n in x)
-    heights = [max((out.size[n][1] for n in row if n in real), default=LINE_H) for row in rows]
+    heights = [max((out.size[n][1] for n in row if n in nodes), default=LINE_H) for row in rows]
     y, top = {}, MARGIN
     for row, row_h in zip(rows, heights):
         for n in row:
@@ -253,6 +262,7 @@ code, td.mono, .where { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, Co
 .meta b { color: #1f2328; }
 .grid { display: flex; flex-wrap: wrap; gap: 14px; align-items: flex-start; margin-bottom: 18px; }
 .card { background: #fff; border: 1px solid #d0d7de; border-radius: 8px; padding: 12px 14px; }
+.col { display: flex; flex-direction: column; gap: 14px; max-width: 760px; }
 .wide { flex-basis: 100%; }
 table { border-collapse: collapse; }
 th, td { text-align: left; padding: 3px 10px 3px 0; border-bottom: 1px solid #eaeef2; vertical-align: top; }
@@ -356,15 +366,17 @@ def _summary(data: dict[str, Any]) -> str:
           f"{int(m['matched'])}/{int(m['total'])}", escape(m["reason"])] for m in near],
         ["", "", "num", ""],
     ) if near else '<p class="none">none</p>'
-    cards = [
+    left = [
         _card("sites per fusion", fusions),
-        _card("graph ops that changed (all compiled graphs)", ops),
         _card("numerical check (per output, against eager)", checks),
         _card("errors", errs),
-        _card("matched a spelling but not rewritten", rej, wide=bool(rejected)),
-        _card("candidate sites left unfused", nm, wide=bool(near)),
+        _card("matched a spelling but not rewritten", rej),
     ]
-    return f'<div class="grid">{"".join(cards)}</div>'
+    right = _card("graph ops that changed (all compiled graphs)", ops)
+    return (
+        f'<div class="grid"><div class="col">{"".join(left)}</div><div class="col">{right}</div></div>'
+        f'<div class="grid">{_card("candidate sites left unfused", nm, wide=True)}</div>'
+    )
 
 
 def _site(i: int, site: dict[str, Any]) -> str:

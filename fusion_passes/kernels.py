@@ -30,3 +30,36 @@ def count_kernels(codes: Iterable[str]) -> dict[str, int]:
 def _strip_kernel_sources(code: str) -> str:
     """The wrapper code alone: kernel sources are triple-quoted strings in the module."""
     return re.sub(r"'''.*?'''", "", code, flags=re.DOTALL)
+
+
+# Kernel classes by name, as the CUDA profiler reports them (first match wins). "other" is what
+# the fusions work on: norms, RoPE, quantization, elementwise glue.
+_CLASSES = (
+    ("moe", re.compile(r"grouped|moe|_experts|topk", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|attn", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|splitk|wgmma|_mm_|\bmm\b", re.I)),
+)
+KERNEL_CLASSES = ("gemm", "attention", "moe", "other")
+
+
+def classify_kernel(name: str) -> str:
+    for cls, pattern in _CLASSES:
+        if pattern.search(name):
+            return cls
+    return "other"
+
+
+def profile_kernel_classes(fn, *args) -> dict[str, int]:
+    """CUDA kernels one call of ``fn`` launches, counted per class (needs a GPU)."""
+    import torch
+
+    fn(*args)  # warm: compile and autotune outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    counts = dict.fromkeys(KERNEL_CLASSES, 0)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts[classify_kernel(event.name)] += 1
+    return counts
