@@ -190,7 +190,7 @@ def _compile_and_run(module: torch.nn.Module, backend: Any, inputs: tuple) -> tu
     try:
         with inductor_config.patch(fx_graph_cache=False):
             out, codes = run_and_get_code(compiled, *inputs)
-    except torch._dynamo.exc.Unsupported as e:
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # Dynamo could not trace
         first = str(e).strip().splitlines()[0]
         raise CliError(f"the model does not compile as one graph (fullgraph=True): {first}") from e
     counts: dict[str, Any] = count_kernels(codes)

@@ -213,8 +213,8 @@ def _svg_node(node: dict[str, Any], center: tuple[float, float], size: tuple[flo
         shape = f'<ellipse cx="{cx:.1f}" cy="{cy:.1f}" rx="{w / 2:.1f}" ry="{h / 2:.1f}"/>'
     lines = node_lines(node)
     texts = "".join(
-        f'<text x="{cx:.1f}" y="{cy + (i - (len(lines) - 1) / 2) * LINE_H:.1f}" class="{"dtype" if i else "name"}">'
-        f"{escape(line)}</text>"
+        f'<text x="{cx:.1f}" y="{cy + (i - (len(lines) - 1) / 2) * LINE_H:.1f}"'
+        f' class="{"dtype" if i else "name"}">{escape(line)}</text>'
         for i, line in enumerate(lines)
     )
     cls = _node_class(node, side)
@@ -257,7 +257,7 @@ body { font: 14px/1.4 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-
 h1 { font-size: 22px; margin: 0 0 4px; }
 h2 { font-size: 16px; margin: 0 0 6px; }
 h3 { font-size: 13px; margin: 0 0 6px; text-transform: uppercase; letter-spacing: .04em; color: #57606a; }
-code, td.mono, .where { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 12px; }
+code, .where { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 12px; }
 .meta { color: #57606a; margin: 0 0 16px; }
 .meta b { color: #1f2328; }
 .grid { display: flex; flex-wrap: wrap; gap: 14px; align-items: flex-start; margin-bottom: 18px; }
@@ -272,12 +272,14 @@ tr.total td { font-weight: 600; border-bottom: none; }
 .ok { color: #1a7f37; font-weight: 600; } .bad { color: #cf222e; font-weight: 600; }
 .none { color: #6e7781; margin: 0; }
 a { color: #0969da; text-decoration: none; }
-.site { background: #fff; border: 1px solid #d0d7de; border-radius: 8px; padding: 14px 16px; margin-bottom: 16px; }
+.site { background: #fff; border: 1px solid #d0d7de; border-radius: 8px; padding: 14px 16px;
+        margin-bottom: 16px; }
 .site h2 .sep { color: #8c959f; font-weight: 400; }
 .site .sub { color: #57606a; margin: 0 0 10px; font-size: 13px; }
 .pair { display: flex; gap: 28px; align-items: flex-start; flex-wrap: wrap; }
 figure { margin: 0; }
-figcaption { font-size: 12px; font-weight: 600; color: #57606a; margin-bottom: 4px; text-transform: uppercase; }
+figcaption { font-size: 12px; font-weight: 600; color: #57606a; margin-bottom: 4px;
+             text-transform: uppercase; }
 svg.graph { display: block; background: #fbfcfd; border: 1px solid #eaeef2; border-radius: 6px; }
 svg.graph text { font: 12px ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; fill: #1f2328;
                  text-anchor: middle; dominant-baseline: central; }
@@ -295,98 +297,106 @@ svg.graph text.dtype { fill: #6e7781; font-size: 11px; }
 """
 
 
-def _table(headers: list[str], rows: list[list[str]], classes: list[str] | None = None) -> str:
-    """A table; headers and cells are already HTML (escape data first). classes: per column."""
-    classes = classes or [""] * len(headers)
-    head = "".join(f'<th class="{c}">{h}</th>' for h, c in zip(headers, classes))
-    body = "".join(
-        f'<tr class="{"total" if row[0] == "<b>total</b>" else ""}">'
-        + "".join(f'<td class="{c}">{cell}</td>' for cell, c in zip(row, classes))
-        + "</tr>"
-        for row in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>"
+NONE = '<p class="none">none</p>'
+
+
+def _table(headers: list[str], rows: list[list[str]], numeric: tuple[int, ...] = (), total: bool = False):
+    """A table of cells that are already HTML (escape data first); ``numeric``: right-aligned
+    columns; ``total``: the last row is a total. No rows: "none"."""
+    if not rows:
+        return NONE
+
+    def cells(tag: str, row: list[str]) -> str:
+        return "".join(f'<{tag}{" class=num" if j in numeric else ""}>{c}</{tag}>' for j, c in enumerate(row))
+
+    body = [f'<tr{" class=total" if total and i == len(rows) - 1 else ""}>{cells("td", r)}</tr>'
+            for i, r in enumerate(rows)]
+    return f"<table><tr>{cells('th', headers)}</tr>{''.join(body)}</table>"
 
 
 def _card(title: str, body: str, wide: bool = False) -> str:
     return f'<div class="card{" wide" if wide else ""}"><h3>{escape(title)}</h3>{body}</div>'
 
 
+def _code(*parts: str) -> str:
+    return f"<code>{'.'.join(escape(p) for p in parts)}</code>"
+
+
 def _where(item: dict[str, Any]) -> str:
     module = escape(item.get("module") or "(root)")
-    location = escape(item.get("location") or "")
-    return f'<span class="where">{module}</span><br><small>{location}</small>'
+    return f'<span class="where">{module}</span><br><small>{escape(item.get("location") or "")}</small>'
 
 
-def _ok(ok: bool) -> str:
-    return '<span class="ok">yes</span>' if ok else '<span class="bad">NO</span>'
+def _fusions(data: dict[str, Any]) -> str:
+    """Sites per fusion, each site a link to its section."""
+    links: dict[str, list[str]] = {}
+    for i, s in enumerate(data.get("sites", [])):
+        module = escape(s.get("module") or "(root)")
+        links.setdefault(s["fusion"], []).append(f'<a href="#site-{i}">{module}</a>')
+    matches = data.get("matches", {})
+    rows = [[_code(f), str(n), ", ".join(links.get(f, [])) or "-"] for f, n in matches.items()]
+    out = _table(["fusion", "sites", "where"], rows, numeric=(1,))
+    expected = data.get("expected_rms_norm_sites")
+    if expected is not None:
+        fused = sum(matches.get(f, 0) for f in ("rms_norm", "add_rms_norm"))
+        out += f'<p class="none">RMSNorm sites in the model: {int(expected)}; fused: {fused}</p>'
+    return out
+
+
+def _numerics(data: dict[str, Any]) -> str:
+    ok = {True: '<span class="ok">yes</span>', False: '<span class="bad">NO</span>'}
+    rows = [
+        [escape(name), str(i), f"{o['max_abs']:.3g}", f"{o['rel_norm']:.3g}", ok[bool(o["ok"])]]
+        for name, check in data.get("numerics", {}).items()
+        for i, o in enumerate(check["outputs"])
+    ]
+    return _table(["compiled", "output", "max abs error", "rel. norm error", "ok"], rows, numeric=(1, 2, 3))
+
+
+def _ops_changed(data: dict[str, Any]) -> str:
+    before, after = data.get("ops_before", {}), data.get("ops_after", {})
+    rows = [
+        [_code(op), str(before.get(op, 0)), str(after.get(op, 0))]
+        for op in sorted(set(before) | set(after))
+        if before.get(op, 0) != after.get(op, 0)
+    ]
+    rows.append(["total", str(sum(before.values())), str(sum(after.values()))])
+    return _table(["op", "before", "after"], rows, numeric=(1, 2), total=True)
 
 
 def _summary(data: dict[str, Any]) -> str:
-    sites = data.get("sites", [])
-    links: dict[str, list[str]] = {}
-    for i, s in enumerate(sites):
-        links.setdefault(s["fusion"], []).append(f'<a href="#site-{i}">{escape(s.get("module") or "(root)")}</a>')
-    fusions = _table(
-        ["fusion", "sites", "where"],
-        [[f"<code>{escape(f)}</code>", str(n), ", ".join(links.get(f, [])) or "-"]
-         for f, n in data.get("matches", {}).items()],
-        ["", "num", ""],
-    )
-    expected = data.get("expected_rms_norm_sites")
-    if expected is not None:
-        fused = sum(data.get("matches", {}).get(f, 0) for f in ("rms_norm", "add_rms_norm"))
-        fusions += f'<p class="none">RMSNorm sites in the model: {int(expected)}; fused: {fused}</p>'
-    checks = _table(
-        ["compiled", "output", "max abs error", "rel. norm error", "ok"],
-        [[escape(name), str(i), f"{o['max_abs']:.3g}", f"{o['rel_norm']:.3g}", _ok(o["ok"])]
-         for name, check in data.get("numerics", {}).items() for i, o in enumerate(check["outputs"])],
-        ["", "num", "num", "num", ""],
-    )
-    before, after = data.get("ops_before", {}), data.get("ops_after", {})
-    changed = [op for op in sorted(set(before) | set(after)) if before.get(op, 0) != after.get(op, 0)]
-    ops = _table(
-        ["op", "before", "after"],
-        [[f"<code>{escape(op)}</code>", str(before.get(op, 0)), str(after.get(op, 0))] for op in changed]
-        + [["<b>total</b>", str(sum(before.values())), str(sum(after.values()))]],
-        ["", "num", "num"],
-    )
-    errors = data.get("errors", [])
-    errs = "".join(f'<p class="bad">{escape(e)}</p>' for e in errors) or '<p class="none">none</p>'
-    rejected = data.get("rejected", [])
-    rej = _table(
-        ["fusion", "where", "reason"],
-        [[f"<code>{escape(r['fusion'])}.{escape(r['spelling'])}</code>", _where(r), escape(r["reason"])]
-         for r in rejected],
-    ) if rejected else '<p class="none">none</p>'
-    near = data.get("near_misses", [])
-    nm = _table(
-        ["where", "closest spelling", "ops lined up", "first divergence"],
-        [[_where(m), f"<code>{escape(m['fusion'])}.{escape(m['spelling'])}</code>",
-          f"{int(m['matched'])}/{int(m['total'])}", escape(m["reason"])] for m in near],
-        ["", "", "num", ""],
-    ) if near else '<p class="none">none</p>'
-    left = [
-        _card("sites per fusion", fusions),
-        _card("numerical check (per output, against eager)", checks),
-        _card("errors", errs),
-        _card("matched a spelling but not rewritten", rej),
+    errors = "".join(f'<p class="bad">{escape(e)}</p>' for e in data.get("errors", [])) or NONE
+    rejected = [
+        [_code(r["fusion"], r["spelling"]), _where(r), escape(r["reason"])] for r in data.get("rejected", [])
     ]
-    right = _card("graph ops that changed (all compiled graphs)", ops)
+    near = [
+        [_where(m), _code(m["fusion"], m["spelling"]), f"{int(m['matched'])}/{int(m['total'])}",
+         escape(m["reason"])]
+        for m in data.get("near_misses", [])
+    ]
+    left = [
+        _card("sites per fusion", _fusions(data)),
+        _card("numerical check (per output, against eager)", _numerics(data)),
+        _card("errors", errors),
+        _card("matched a spelling but not rewritten", _table(["fusion", "where", "reason"], rejected)),
+    ]
+    right = _card("graph ops that changed (all compiled graphs)", _ops_changed(data))
+    near_table = _table(["where", "closest spelling", "ops lined up", "first divergence"], near, numeric=(2,))
     return (
         f'<div class="grid"><div class="col">{"".join(left)}</div><div class="col">{right}</div></div>'
-        f'<div class="grid">{_card("candidate sites left unfused", nm, wide=True)}</div>'
+        f'<div class="grid">{_card("candidate sites left unfused", near_table, wide=True)}</div>'
     )
 
 
 def _site(i: int, site: dict[str, Any]) -> str:
-    title = '<span class="sep"> — </span>'.join(
-        escape(part) for part in (site["fusion"], site.get("module") or "(root)", site.get("location") or "?")
-    )
+    parts = (site["fusion"], site.get("module") or "(root)", site.get("location") or "?")
+    title = '<span class="sep"> — </span>'.join(escape(p) for p in parts)
     scalars = "".join(f", {escape(k)}={v:g}" for k, v in site.get("scalars", {}).items())
     removed, added = len(site.get("ops_removed", [])), len(site.get("ops_added", []))
-    sub = (f'spelling <code>{escape(site["spelling"])}</code>{scalars} · graph {int(site.get("graph", 0))}'
-           f" · {removed} ops replaced by {added}")
+    sub = (
+        f"spelling {_code(site['spelling'])}{scalars} · graph {int(site.get('graph', 0))}"
+        f" · {removed} ops replaced by {added}"
+    )
     before = region_svg(site.get("before", {}), "before", f"{i}b")
     after = region_svg(site.get("after", {}), "after", f"{i}a")
     return (
@@ -399,11 +409,9 @@ def _site(i: int, site: dict[str, Any]) -> str:
 def render_html(data: dict[str, Any]) -> str:
     """The whole report as one HTML page (no scripts, no external resources)."""
     model = escape(str(data.get("model", "?")))
-    meta = " · ".join(
-        f"{k} <b>{escape(str(data.get(k, '?')))}</b>" for k in ("model", "device", "dtype")
-    )
+    meta = " · ".join(f"{k} <b>{escape(str(data.get(k, '?')))}</b>" for k in ("model", "device", "dtype"))
     sites = data.get("sites", [])
-    body = "".join(_site(i, s) for i, s in enumerate(sites)) or '<p class="none">no site was rewritten</p>'
+    body = "".join(_site(i, s) for i, s in enumerate(sites)) or '<p class="none">no site rewritten</p>'
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>fusion-passes diff: {model}</title><style>{CSS}</style></head><body>"

@@ -30,6 +30,15 @@ FACTORY = textwrap.dedent(
 
     def broken():
         raise RuntimeError("no weights here")
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x, residual):
+            if (x + residual).sum().item() > 0:  # data-dependent: a graph break
+                return x
+            return residual
+
+    def breaks():
+        return Branchy(), (torch.randn(2, 64), torch.randn(2, 64))
     """
 )
 
@@ -85,6 +94,12 @@ def test_factory_errors(factory_file, capsys):
     assert main(["diff", f"{factory_file}:broken"]) == 2
     err = capsys.readouterr().err
     assert "raised RuntimeError: no weights here" in err and err.count("\n") == 1
+
+
+def test_graph_break_is_a_one_line_error(factory_file, capsys):
+    assert main(["diff", f"{factory_file}:breaks"]) == 2
+    err = capsys.readouterr().err
+    assert "does not compile as one graph (fullgraph=True)" in err and err.count("\n") == 1
 
 
 def test_console_script_and_debug_traceback(factory_file):
