@@ -364,6 +364,21 @@ def _ops_changed(data: dict[str, Any]) -> str:
     return _table(["op", "before", "after"], rows, numeric=(1, 2), total=True)
 
 
+def _kernels(data: dict[str, Any]) -> str:
+    kernels = data.get("kernels", {})
+    rows = [
+        [escape(name), str(k["generated"]), str(k["fused_ops"]), str(k["extern"])]
+        for name, k in kernels.items()
+    ]
+    out = _table(["compiled", "generated", "fused ops", "extern"], rows, numeric=(1, 2, 3))
+    launched = {name: k["launched"] for name, k in kernels.items() if "launched" in k}
+    if launched:
+        classes = list(next(iter(launched.values())))
+        rows = [[escape(n), *(str(c[k]) for k in classes)] for n, c in launched.items()]
+        out += _table(["launched (CUDA)", *map(escape, classes)], rows, numeric=tuple(range(1, 1 + len(classes))))
+    return out
+
+
 def _summary(data: dict[str, Any]) -> str:
     errors = "".join(f'<p class="bad">{escape(e)}</p>' for e in data.get("errors", [])) or NONE
     rejected = [
@@ -381,6 +396,8 @@ def _summary(data: dict[str, Any]) -> str:
         _card("matched a spelling but not rewritten", _table(["fusion", "where", "reason"], rejected)),
     ]
     right = _card("graph ops that changed (all compiled graphs)", _ops_changed(data))
+    if data.get("kernels"):
+        right += _card("kernels in the generated code", _kernels(data))
     near_table = _table(["where", "closest spelling", "ops lined up", "first divergence"], near, numeric=(2,))
     return (
         f'<div class="grid"><div class="col">{"".join(left)}</div><div class="col">{right}</div></div>'
