@@ -37,6 +37,23 @@ FACTORY = textwrap.dedent(
                 return x
             return residual
 
+    class BrokenNorms(torch.nn.Module):
+        # Three RMSNorm look-alikes that must stay unfused, each for its own reason.
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+
+        def forward(self, x, residual):
+            h = x.float()
+            a = h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + 1e-6)  # over the wrong dim
+            b = h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + 1e-6)  # a sum-based L2 norm
+            c = h * torch.rsqrt(h.abs().mean(-1, keepdim=True) + 1e-6)  # |x| instead of x^2
+            return (self.w * a.to(x.dtype)) + (self.w * b.to(x.dtype)) + (self.w * c.to(x.dtype))
+
+    def broken_norms():
+        return BrokenNorms(), (torch.randn(2, 8, 64), torch.randn(2, 8, 64))
+
     def breaks():
         return Branchy(), (torch.randn(2, 64), torch.randn(2, 64))
     """
@@ -124,3 +141,16 @@ def test_built_in_model_report_validates_and_names_near_misses(tmp_path):
     for miss in data["near_misses"]:
         assert miss["module"].endswith("indexer.k_norm")
         assert "aten.var_mean" in miss["reason"]
+
+
+def test_near_miss_reasons_of_broken_spellings(factory_file, tmp_path):
+    path = tmp_path / "near.json"
+    assert main(["diff", f"{factory_file}:broken_norms", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert sum(data["matches"].values()) == 0
+    reasons = sorted(m["reason"] for m in data["near_misses"])
+    assert reasons == [
+        "aten.mean.dim argument 1 is [1], the spelling has [-1]",
+        "expected aten.mean.dim, found aten.sum.dim_IntList",
+        "expected aten.pow.Tensor_Scalar, found aten.abs.default",
+    ]
