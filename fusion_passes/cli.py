@@ -119,20 +119,16 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     backend = fusion_passes.backend(fusions, report=report, verify=args.verify)
     with torch.no_grad():
         expected = module(*inputs)
-        timings, kernels = {}, {}
+        outputs, timings, kernels = {}, {}, {}
         with _progress(console) as step:
             for label, compile_backend in (("inductor", "inductor"), ("fusion_passes", backend)):
                 step(f"compiling {name} with {label.replace('_', ' ')}")
                 start = time.perf_counter()
-                out, kernels[label] = _compile_and_run(module, compile_backend, inputs)
+                outputs[label], kernels[label] = _compile_and_run(module, compile_backend, inputs)
                 timings[label] = time.perf_counter() - start
-                if label == "inductor":
-                    stock = out
-                else:
-                    fused = out
     checks = {
-        "inductor vs eager": _compare_outputs(stock, expected, dtype, compare),
-        "fusion_passes vs eager": _compare_outputs(fused, expected, dtype, compare),
+        f"{label} vs eager": _compare_outputs(out, expected, dtype, compare)
+        for label, out in outputs.items()
     }
     _print_report(console, name, report, checks, timings, sites, kernels)
     data = _as_json(name, args, report, checks, sites)
@@ -167,7 +163,11 @@ def _load_model(args: argparse.Namespace, dtype: torch.dtype):
             module, inputs = factory()
         except Exception as e:
             raise CliError(f"{spec} raised {type(e).__name__}: {e}") from e
-        return spec, module.to(dtype), tuple(inputs), None
+        inputs = tuple(
+            x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs
+        )
+        return spec, module.to(dtype), inputs, None
     from fusion_passes.models import MODEL_NAMES, build_model
 
     if spec not in MODEL_NAMES:

@@ -170,7 +170,7 @@ def module_path(node: torch.fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     # Dynamo spells paths as L['self'].model.layers[0]...; keep the dotted module path.
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L\['(self|fn)'\]\.?", "", path)  # the compiled module itself
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
     return path.lstrip(".")
