@@ -32,17 +32,22 @@ def _concrete(size: Any) -> int:
 
 
 def random_like(value: Any, generator: torch.Generator | None = None) -> Any:
-    """A fresh random tensor shaped like a (fake) tensor; scalars pass through."""
+    """A fresh random tensor with a (fake) tensor's shape, dtype, device and strides (a norm of a
+    split's slice reads strided rows); scalars pass through."""
     if not isinstance(value, torch.Tensor):
         return value
     shape = [_concrete(s) for s in value.shape]
+    stride = [_concrete(s) for s in value.stride()]
     if value.dtype.is_floating_point:
         t = torch.randn(shape, dtype=torch.float32, generator=generator).to(value.dtype)
     elif value.dtype == torch.bool:
         t = torch.randint(0, 2, shape, generator=generator).bool()
     else:
         t = torch.randint(-8, 8, shape, generator=generator).to(value.dtype)
-    return t.to(value.device)
+    if value.is_contiguous() or 0 in stride:  # broadcast (stride 0) views stay dense copies
+        return t.to(value.device)
+    strided = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+    return strided.copy_(t)
 
 
 def matched_subgraph(match: Match, argnames: Sequence[str]) -> torch.fx.GraphModule:

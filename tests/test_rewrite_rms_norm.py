@@ -236,3 +236,18 @@ def test_dynamic_token_count_one_graph():
         x, residual, weight = inputs(torch.bfloat16, (tokens, 64), seed=tokens)
         assert_outputs(compiled(x, residual, weight), fn(x, residual, weight), torch.bfloat16)
     assert len(report.graphs) == 1 and dict(report.matches) == {"add_rms_norm": 1, "rms_norm": 0}
+
+
+def test_strided_input_of_a_split_like_deepseek_kv_a_layernorm():
+    """DeepSeek's kv_a_layernorm normalises a torch.split slice (rows of 512 in a row of 576):
+    fused, verified on random inputs with the same strides, equal to eager."""
+    kv = torch.randn(3, 5, 80, dtype=torch.bfloat16)
+    weight = (1 + 0.3 * torch.randn(64)).to(torch.bfloat16)
+
+    def fn(kv, w):
+        compressed, k_pe = torch.split(kv, [64, 16], dim=-1)
+        return llama_rms_norm(compressed, w, 1e-6), k_pe * 2
+
+    out, report = compile_with_report(fn, kv, weight, verify=True)
+    assert dict(report.matches) == {"add_rms_norm": 0, "rms_norm": 1} and not report.rejected
+    assert_outputs(out, fn(kv, weight), torch.bfloat16)
