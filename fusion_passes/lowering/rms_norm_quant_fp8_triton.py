@@ -1,0 +1,203 @@
+"""One Triton kernel for RMSNorm (+ residual add) + FP8 (float8_e4m3fn) quantization over the last dim.
+
+Unfused: add_rms_norm writes y in x.dtype, an amax reduction reads y, and a scale-and-cast kernel
+    reads y again to write the fp8 codes: three passes, y written once and read twice.
+Fused:   one pass per row, all math in fp32, rounding where rms_norm_quant_fp8_reference.py does:
+    r, y  as rms_norm_triton computes them (r stored as new_residual); y32 = f32(to_x_dtype(y))
+    scale = the given one (static), or max(amax(|y32|) / 448, MIN_SCALE) per row (per_token) or
+            per group of G columns (per_group), rounded up to a power of two under scale_ue8m0
+    q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448)), stored with the computed scales
+
+Each program holds whole rows in registers as [ROWS, GROUPS, GROUP] blocks: a per_group row is
+GROUPS = N / G groups of G columns, a per_token or static row one group of N columns, so one
+reduction over the last axis gives the amax of a group or of a row alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.rms_norm_quant_fp8_reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    check_quant_args,
+)
+from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
+from fusion_passes.lowering.rms_norm_triton import _as_rows, _launch_config
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def _fp8_e4m3fn_codes(v):
+    """The float8_e4m3fn bit patterns (as uint8) of fp32 values |v| <= 448, rounded to nearest,
+    ties to even: the integer steps of c10's fp8e4m3fn_from_fp32_value, which torch's
+    .to(torch.float8_e4m3fn) runs, less its NaN and overflow branches.
+
+    Why not v.to(tl.float8e4nv): Triton 3.6's interpreter converts fp32 to fp8 with its own bit
+    arithmetic, which rounds ties away from zero, flushes the fp8 subnormals (|v| < 2^-6) to zero
+    and ORs a mantissa rounded up past 7 into the exponent (probed: 1e-3 gave 0, not 2^-9; 100.0
+    gave 104.0, not 96.0; 7.9 gave 4.0, not 8.0). These integer steps give torch's codes in the
+    interpreter and compiled alike, and need no fp8 type in either: the kernel stores bytes."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    # |v| < 2^-6, the subnormals (steps of 2^-9): fp32's ulp at 2^14 is 2^-9, so the fp32 sum
+    # 2^14 + |v| rounds |v| to the nearest step, ties to even; its low bits count the steps.
+    sum_bits = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
+    subnormal = sum_bits - (141 << 23)
+    # Normal: rebias the exponent (127 to 7) and round off 20 mantissa bits to nearest even; a
+    # mantissa that rounds up past 7 carries into the exponent.
+    normal = (magnitude - (120 << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
+    return (tl.where(magnitude < (121 << 23), subnormal, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _rms_norm_quant_fp8_kernel(
+    x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
+    residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
+    weight_ptr,  # *weight.dtype [N]: per-column scale
+    q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn bit patterns (the fp8 output views them)
+    scale_ptr,  # *fp32: STATIC: the given scale (1 element, read); else [M, num_groups], written
+    residual_out_ptr,  # *x.dtype [M, N] contiguous: r = x + residual (only when HAS_RESIDUAL)
+    M,  # number of rows (tokens)
+    N,  # row length (hidden size): the normalised dimension
+    num_groups,  # groups a row is quantized in: N / group_size (per_group), else 1
+    group_size,  # columns of a group: G (per_group), else N
+    stride_x,  # elements between the starts of consecutive rows of x
+    stride_residual,  # elements between the starts of consecutive rows of residual
+    eps,  # added to mean(r^2) before the rsqrt
+    weight_offset,  # added to f32(weight) in the fp32-weight form (1.0 for Qwen3-Next), else 0.0
+    HAS_RESIDUAL: tl.constexpr,  # add residual first and store r (the add_rms_norm form)
+    CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form: round n to x.dtype before scaling by weight
+    STATIC: tl.constexpr,  # the scale is given (static scheme); else computed per group, stored
+    SCALE_UE8M0: tl.constexpr,  # round computed scales up to powers of two
+    BLOCK_GROUPS: tl.constexpr,  # next_power_of_2(num_groups)
+    BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size)
+    ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
+):
+    # Inductor's launches pass Python floats as fp64: pin the scalars to fp32 (see rms_norm_triton).
+    eps = tl.cast(eps, tl.float32)
+    weight_offset = tl.cast(weight_offset, tl.float32)
+    rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    groups = tl.arange(0, BLOCK_GROUPS)
+    in_group = tl.arange(0, BLOCK_GROUP)
+    cols = (groups[:, None] * group_size + in_group[None, :])[None, :, :]
+    group_mask = (rows < M)[:, None] & (groups < num_groups)[None, :]  # [ROWS, GROUPS]
+    mask = group_mask[:, :, None] & (in_group < group_size)[None, None, :]
+    # int64 row offsets: M * N passes 2^31 elements at e.g. 300k tokens of hidden 7168.
+    rows = rows.to(tl.int64)
+    rows_3d = rows[:, None, None]
+    dtype = x_ptr.dtype.element_ty
+    w_mask = ((groups < num_groups)[:, None] & (in_group < group_size)[None, :])[None, :, :]
+    w = tl.load(weight_ptr + cols, mask=w_mask, other=0.0).to(tl.float32)
+
+    r = tl.load(x_ptr + rows_3d * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual_ptrs = residual_ptr + rows_3d * stride_residual + cols
+        residual = tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
+        r_rounded = (r + residual).to(dtype)
+        tl.store(residual_out_ptr + rows_3d * N + cols, r_rounded, mask=mask)
+        r = r_rounded.to(tl.float32)
+
+    # Masked columns hold 0, so they add nothing to the sum (nor to the amax); divide by the true N.
+    rstd = tl.rsqrt(tl.sum(tl.sum(r * r, axis=2), axis=1) / N + eps)
+    n = r * rstd[:, None, None]
+    if CAST_BEFORE_WEIGHT:
+        y = n.to(dtype).to(tl.float32) * w
+    else:
+        y = n * (w + weight_offset)
+    # The model quantizes the activation it produced in x.dtype: round there, then back to fp32.
+    y = y.to(dtype).to(tl.float32)
+
+    if STATIC:
+        scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS_PER_PROGRAM, BLOCK_GROUPS))
+    else:
+        # div_rn: Triton's '/' is an approximate division on NVIDIA GPUs (div.full.f32, 2 ulp);
+        # the codes must come from the correctly rounded quotient, as torch's division gives.
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=2), _FP8_MAX), _MIN_SCALE)
+        if SCALE_UE8M0:
+            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
+            scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+            scale = scale_bits.to(tl.float32, bitcast=True)
+        scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
+        tl.store(scale_ptrs, scale, mask=group_mask)
+    q = tl.div_rn(y, scale[:, :, None])
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q), mask=mask)
+
+
+def rms_norm_quant_fp8_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    cast_before_weight: bool,
+    scheme: str,
+    scale: torch.Tensor | None = None,
+    group_size: int = 128,
+    scale_ue8m0: bool = False,
+    residual: torch.Tensor | None = None,
+    *,
+    wrap: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of x (or of x + residual) over the last dim, quantized to float8_e4m3fn, as
+    rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
+    (codes, scales, new_residual): codes a new contiguous fp8 tensor of x's shape; scales the
+    given scale (static), else new fp32 [..., 1] (per_token) or [..., N / group_size] (per_group);
+    new_residual = x + residual in x.dtype, or None when residual is None. `wrap` (e.g.
+    torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it."""
+    check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
+    weight = weight.contiguous()  # the kernel reads weight at unit stride
+    n = x.shape[-1]
+    num_groups, group = (n // group_size, group_size) if scheme == "per_group" else (1, n)
+    x_rows = _as_rows(x)
+    m = x_rows.shape[0]
+    # The kernel writes the codes as bytes (see _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if scale is None:
+        scales = torch.empty((*x.shape[:-1], num_groups), dtype=torch.float32, device=x.device)
+    else:
+        scales = scale
+    if residual is None:
+        # Never read or written (HAS_RESIDUAL=False): x stands in for the residual pointers.
+        residual_rows, residual_out = x_rows, None
+    else:
+        residual_rows = _as_rows(residual)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
+    _, rows_per_program, num_warps = _launch_config(block_groups * block_group)
+    kernel = (wrap or (lambda k: k))(_rms_norm_quant_fp8_kernel)
+    kernel[(triton.cdiv(m, rows_per_program),)](
+        x_rows,
+        residual_rows,
+        weight,
+        codes,
+        scales,
+        x_rows if residual_out is None else residual_out,
+        m,
+        n,
+        num_groups,
+        group,
+        x_rows.stride(0),
+        residual_rows.stride(0),
+        eps,
+        weight_offset,
+        HAS_RESIDUAL=residual is not None,
+        CAST_BEFORE_WEIGHT=cast_before_weight,
+        STATIC=scheme == "static",
+        SCALE_UE8M0=scale_ue8m0,
+        BLOCK_GROUPS=block_groups,
+        BLOCK_GROUP=block_group,
+        ROWS_PER_PROGRAM=rows_per_program,
+        num_warps=num_warps,
+    )
+    return codes.view(FP8_DTYPE), scales, residual_out

@@ -1,0 +1,321 @@
+"""The Triton RMSNorm (+ residual add) + FP8 quantization kernel against the plain-torch reference:
+on CPU tensors through Triton's interpreter, or on CUDA tensors, compiled, where a GPU is present.
+
+Bit for bit where the reference's activation y can be reproduced exactly; elsewhere within one fp8
+code. The kernel sums the squares in another order than torch (numpy's, under the interpreter:
+another mean(r^2) for 41% of random fp32 rows of 384), so y, its amax and the scales of random
+fp32 rows may differ by an ulp (1 in 4 per-token scales did), and a code may flip where y / scale
+lies within that of a rounding boundary (none of 0.9M codes did). Rows of +-2^k make the norm exact
+in any order (y = +-weight), and on those every dtype's codes and scales are bit-exact.
+"""
+
+import os
+
+import torch  # torch does not import triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # The interpreter must be chosen before triton is first imported (fusion_passes imports it).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from fusion_passes.lowering.rms_norm_quant_fp8 import (  # noqa: E402
+    add_rms_norm_quant_fp8,
+    rms_norm_quant_fp8,
+)
+from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    add_rms_norm_quant_fp8_reference,
+    quant_fp8_reference,
+    rms_norm_quant_fp8_reference,
+)
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton  # noqa: E402
+from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
+    add_rms_norm_reference,
+    rms_norm_reference,
+)
+
+if DEVICE == "cpu" and not isinstance(tl.sum, InterpretedFunction):
+    pytest.fail(
+        "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on this "
+        "CPU: set the variable in tests/conftest.py, before anything imports triton",
+        pytrace=False,
+    )
+
+# rtol of the dynamic scales (and of new_residual), as test_rms_norm_kernel.py's TOLERANCE: a
+# scale is amax(|y|) / 448, so it carries y's error (the interpreter truncates bf16 casts).
+RTOL = {
+    torch.float32: 1e-5,
+    torch.float16: 2 * torch.finfo(torch.float16).eps,
+    torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps,
+}
+DTYPES = list(RTOL)
+HIDDEN = {"static": [1, 7, 100, 129, 256], "per_token": [1, 7, 100, 129, 256], "per_group": [128, 256, 384]}
+
+
+def _ordered(q):
+    """fp8 codes as integers in the order of their values: e4m3 codes of one sign are ordered by
+    their uint8 value (sign bit, then exponent, then mantissa); -0 and +0 both map to 0."""
+    u = q.view(torch.uint8).to(torch.int16)
+    return torch.where(u >= 128, 128 - u, u)
+
+
+def _ue8m0(scales):
+    """The reference's UE8M0 rounding: 2^ceil(log2(scale))."""
+    return torch.exp2(torch.ceil(torch.log2(scales.double()))).float()
+
+
+@st.composite
+def _cases(draw, exact_norm):
+    """Shapes, dtypes, flags and scheme of one kernel call; inputs are drawn from a per-example
+    seed. exact_norm: rows of +-2^k (see _exact_norm_inputs), weight in x.dtype unless fp32."""
+    dtype = draw(st.sampled_from(DTYPES))
+    cast_before_weight = draw(st.booleans())
+    # The Llama form needs weight in x.dtype and no offset. With exact-norm rows y = +-(weight +
+    # offset); rounding that to bf16/fp16 would be a cast the interpreter truncates, so only fp32
+    # takes an offset or an fp32 weight there.
+    free = not cast_before_weight and (dtype == torch.float32 or not exact_norm)
+    scheme = draw(st.sampled_from(list(HIDDEN)))
+    hidden = draw(st.sampled_from(HIDDEN[scheme]))
+    per_group = scheme == "per_group"
+    rows = draw(st.integers(1, 40))
+    return dict(
+        shape=(*draw(st.sampled_from([(rows,), (2, rows)])), hidden),
+        dtype=dtype,
+        weight_dtype=draw(st.sampled_from([dtype, torch.float32])) if free else dtype,
+        eps=draw(st.sampled_from([1e-6, 1e-5])),
+        weight_offset=draw(st.sampled_from([0.0, 1.0])) if free else 0.0,
+        cast_before_weight=cast_before_weight,
+        scheme=scheme,
+        # Powers of two divide exactly, so y / scale meets fp8 rounding ties; 0.01 does not.
+        scale=draw(st.sampled_from([1.0, 2.0**-6, 0.01])) if scheme == "static" else None,
+        group_size=draw(st.sampled_from([g for g in (64, 96, 128) if hidden % g == 0])) if per_group else 128,
+        scale_ue8m0=draw(st.booleans()) if per_group else False,
+        with_residual=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _random_inputs(case, g):
+    """Standard normal x, weight, residual drawn on the CPU from generator g, moved to DEVICE."""
+    shape, dtype = case["shape"], case["dtype"]
+    x = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    weight = torch.randn(shape[-1], generator=g).to(DEVICE, case["weight_dtype"])
+    residual = torch.randn(shape, generator=g).to(DEVICE, dtype) if case["with_residual"] else None
+    return x, weight, residual
+
+
+def _exact_norm_inputs(case, g):
+    """Rows r = x + residual of +-2^k, k in 5..8 per row, random signs: mean(r^2) = 4^k exactly in
+    any summation order, eps <= 1e-5 vanishes against it (half an fp32 ulp of 4^5 is 6e-5), and
+    rstd = 2^-k exactly, so n = +-1 and y = +-(weight + offset) bit for bit in any implementation.
+    The weight spans 2^-10..2^2 with bf16's 8 significant bits: many codes are fp8 subnormals, and
+    power-of-two scales meet rounding ties."""
+    shape, dtype = case["shape"], case["dtype"]
+    k = torch.randint(5, 9, (*shape[:-1], 1), generator=g).float()
+    r = torch.exp2(k) * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    magnitude = torch.exp2(torch.randint(-10, 3, (shape[-1],), generator=g).float())
+    weight = (torch.randn(shape[-1], generator=g) * magnitude).bfloat16().to(DEVICE, case["weight_dtype"])
+    if not case["with_residual"]:
+        return r.to(DEVICE, dtype), weight, None
+    return (0.75 * r).to(DEVICE, dtype), weight, (0.25 * r).to(DEVICE, dtype)
+
+
+def _reference_y(case, x, weight, residual):
+    """The reference's activation y (x.dtype), before quantization."""
+    norm = (case["eps"], case["weight_offset"], case["cast_before_weight"])
+    if residual is None:
+        return rms_norm_reference(x, weight, *norm)
+    return add_rms_norm_reference(x, residual, weight, *norm)[0]
+
+
+def _run(case, x, weight, residual):
+    """(kernel outputs, reference outputs), each (codes, scales, new_residual or None)."""
+    scale = None if case["scale"] is None else torch.tensor(case["scale"], device=DEVICE)
+    args = (case["eps"], case["weight_offset"], case["cast_before_weight"], case["scheme"], scale)
+    quant = (case["group_size"], case["scale_ue8m0"])
+    out = rms_norm_quant_fp8_triton(x, weight, *args, *quant, residual)
+    q, scales, new_residual = out
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous()
+    assert scales.dtype == torch.float32 and scales.is_contiguous()
+    assert (new_residual is None) == (residual is None)
+    if residual is None:
+        return out, (*rms_norm_quant_fp8_reference(x, weight, *args, *quant), None)
+    return out, add_rms_norm_quant_fp8_reference(x, residual, weight, *args, *quant)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=_cases(exact_norm=True))
+def test_bit_exact_where_the_norm_is_exact(case):
+    """Codes, scales and new_residual equal the reference's bit for bit, in every dtype."""
+    (q, scales, new_residual), (ref_q, ref_scales, ref_residual) = _run(
+        case, *_exact_norm_inputs(case, torch.Generator().manual_seed(case["seed"]))
+    )
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert scales.shape == ref_scales.shape and torch.equal(scales, ref_scales)
+    assert new_residual is None or torch.equal(new_residual, ref_residual)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=_cases(exact_norm=False))
+def test_random_inputs_within_one_code(case):
+    """Codes at most one fp8 code from the reference's, scales within the dtype's tolerance."""
+    x, weight, residual = _random_inputs(case, torch.Generator().manual_seed(case["seed"]))
+    (q, scales, new_residual), (ref_q, ref_scales, ref_residual) = _run(case, x, weight, residual)
+    rtol = RTOL[case["dtype"]]
+    assert scales.shape == ref_scales.shape
+    if case["scale_ue8m0"]:
+        # A scale whose amax / 448 lies within rtol of a power of two may round up to the next one
+        # from either side: check it against the exact y's unrounded scale, and the codes against
+        # that y quantized with the kernel's own scales.
+        raw = _run({**case, "scale_ue8m0": False}, x, weight, residual)[1][1]
+        assert torch.all((_ue8m0(raw * (1 - rtol)) <= scales) & (scales <= _ue8m0(raw * (1 + rtol))))
+        y32 = _reference_y(case, x, weight, residual).float()
+        groups = y32.unflatten(-1, (-1, case["group_size"])) / scales.unsqueeze(-1)
+        ref_q = groups.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(-2)
+    else:
+        torch.testing.assert_close(scales, ref_scales, rtol=rtol, atol=0)
+    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+    if residual is not None:
+        torch.testing.assert_close(new_residual.double(), ref_residual.double(), rtol=rtol, atol=1e-5)
+
+
+def _fp8_boundaries():
+    """fp32 values around every fp8 rounding decision: each finite e4m3 value, each midpoint
+    between neighbours (ties, to even), the fp32 values next to each midpoint, and values past 448
+    (clamped); both signs."""
+    values = torch.arange(127, dtype=torch.uint8).view(FP8_DTYPE).float()  # 0 .. 448
+    midpoints = (values[1:] + values[:-1]) / 2
+    up, down = torch.full_like(midpoints, 1e30), torch.zeros_like(midpoints)
+    beyond = torch.tensor([448.5, 464.0, 480.0, 1e4])
+    positive = [values, midpoints, midpoints.nextafter(up), midpoints.nextafter(down), beyond]
+    return torch.cat([torch.cat(positive), -torch.cat(positive)])
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fp8_rounding_exhaustive(with_residual):
+    """Every fp8 rounding decision, ties to even, subnormals and the clamp, through the static
+    scheme with scale 1: rows of +-32 give y = +-weight exactly (see _exact_norm_inputs)."""
+    weight = _fp8_boundaries().to(DEVICE)
+    sign = torch.tensor([[1.0], [-1.0]], device=DEVICE)
+    x = 32.0 * sign.expand(2, weight.shape[0])
+    case = dict(
+        eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme="static", scale=1.0,
+        group_size=128, scale_ue8m0=False,
+    )  # fmt: skip
+    residual = -x if with_residual else None
+    (q, _, _), (ref_q, _, _) = _run(case, 2 * x if with_residual else x, weight, residual)
+    assert torch.equal(
+        ref_q[0].view(torch.uint8), weight.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    )
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "scale_ue8m0"),
+    [("per_token", 128, False), ("per_group", 128, False), ("per_group", 64, True)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
+    """A row whose residual sum is zero has amax 0: its scales are MIN_SCALE (2^-17 under UE8M0,
+    the next power of two), its codes +-0, none NaN; the other rows are untouched."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(5, 256, generator=g).to(DEVICE, dtype)
+    x[1], x[3] = -residual[1], 0.0
+    residual[3] = 0.0
+    case = dict(
+        eps=1e-6, weight_offset=0.0, cast_before_weight=False, scheme=scheme, scale=None,
+        group_size=group_size, scale_ue8m0=scale_ue8m0,
+    )  # fmt: skip
+    weight = torch.randn(256, generator=g).to(DEVICE, dtype)
+    (q, scales, _), (ref_q, ref_scales, _) = _run(case, x, weight, residual)
+    expected = 2.0**-17 if scale_ue8m0 else torch.tensor(MIN_SCALE).item()
+    for s in (scales, ref_scales):
+        assert torch.all(s[[1, 3]] == expected) and torch.all(s[[0, 2, 4]] > expected)
+    assert torch.all(q[[1, 3]].float() == 0) and not q.float().isnan().any()
+    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= (0 if dtype == torch.float32 else 1)
+
+
+def test_strided_inputs_fully_written(monkeypatch):
+    """Row-strided views are read in place; outputs allocated NaN-filled come back NaN-free."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 0x7F)  # 0x7F: the fp8 NaN
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 300, generator=g).to(DEVICE, torch.float16)[:, 20:276]
+    residual = torch.randn(37, 256, generator=g).to(DEVICE, torch.float16).t().contiguous().t()
+    weight = torch.randn(512, generator=g).to(DEVICE)[::2]
+    case = dict(
+        eps=1e-6, weight_offset=1.0, cast_before_weight=False, scheme="per_group", scale=None,
+        group_size=64, scale_ue8m0=False,
+    )  # fmt: skip
+    (q, scales, new_residual), (ref_q, ref_scales, _) = _run(case, x, weight, residual)
+    assert not (q.float().isnan().any() or scales.isnan().any() or new_residual.isnan().any())
+    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+    torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.float16], atol=0)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "scale", "group_size", "scale_ue8m0"),
+    [
+        ("static", torch.tensor(0.02), 128, False),
+        ("per_token", None, 128, False),
+        ("per_group", None, 64, True),
+    ],
+)
+def test_ops_match_the_reference_and_fake(scheme, scale, group_size, scale_ue8m0):
+    """The custom ops: schema, fake (shapes, dtypes, strides) and dispatch checked by opcheck; on
+    DEVICE they return the reference's outputs (CPU) or the kernel's (CUDA), none aliasing inputs."""
+    g = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(2, 3, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.randn(128, generator=g).to(DEVICE, torch.bfloat16)
+    scale = None if scale is None else scale.to(DEVICE)
+    quant = (scheme, scale, group_size, scale_ue8m0)
+    torch.library.opcheck(rms_norm_quant_fp8, (x, weight, 1e-6, 0.0, True, *quant))
+    torch.library.opcheck(add_rms_norm_quant_fp8, (x, residual, weight, 1e-6, 0.0, True, *quant))
+    q, scales, new_residual = add_rms_norm_quant_fp8(x, residual, weight, 1e-6, 0.0, True, *quant)
+    ref_q, ref_scales, ref_residual = add_rms_norm_quant_fp8_reference(
+        x, residual, weight, 1e-6, 0.0, True, *quant
+    )
+    assert scales is not scale and scales.shape == ref_scales.shape
+    torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
+    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+    torch.testing.assert_close(new_residual, ref_residual, rtol=RTOL[torch.bfloat16], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "scale", "group_size", "scale_ue8m0"),
+    [
+        ("per_tensor", None, 128, False),  # unknown scheme
+        ("static", None, 128, False),  # static without its scale
+        ("per_token", torch.tensor(1.0), 128, False),  # a dynamic scheme given a scale
+        ("static", torch.tensor(1.0, dtype=torch.float16), 128, False),  # scale not fp32
+        ("static", torch.ones(2), 128, False),  # scale of two elements
+        ("per_group", None, 96, False),  # group size not dividing 256
+        ("per_token", None, 128, True),  # UE8M0 scales outside per_group
+    ],
+)
+def test_bad_arguments_raise(scheme, scale, group_size, scale_ue8m0):
+    x = torch.randn(2, 256).to(DEVICE)
+    weight, scale = torch.ones(256, device=DEVICE), None if scale is None else scale.to(DEVICE)
+    for call in (
+        lambda: rms_norm_quant_fp8_triton(
+            x, weight, 1e-6, 0.0, False, scheme, scale, group_size, scale_ue8m0
+        ),
+        lambda: quant_fp8_reference(x, scheme, scale, group_size, scale_ue8m0),
+    ):
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert "\n" not in str(raised.value)
