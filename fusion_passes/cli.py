@@ -85,8 +85,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
     table.add_column("name", style="bold")
     table.add_column("summary")
     table.add_column("spellings")
+    table.add_column("in \"all\"")
     for f in fusion_passes.list_fusions():
-        table.add_row(f.name, f.summary, ", ".join(s.name for s in f.spellings))
+        in_all = "yes" if f.in_all else "opt-in"
+        table.add_row(f.name, f.summary, ", ".join(s.name for s in f.spellings), in_all)
     console.print(table)
     for f in fusion_passes.list_fusions():
         console.rule(f.name)

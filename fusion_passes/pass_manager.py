@@ -198,6 +198,10 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.lowering.rms_norm",
     "fusion_passes.lowering.rms_norm_reference",
     "fusion_passes.lowering.rms_norm_triton",
+    "fusion_passes.lowering.rms_norm_quant_fp8",
+    "fusion_passes.lowering.rms_norm_quant_fp8_reference",
+    "fusion_passes.lowering.rms_norm_quant_fp8_triton",
+    "fusion_passes.regions",
 )
 
 

@@ -74,6 +74,10 @@ class Fusion:
     # Ops that mark a candidate site ("aten.rsqrt.default" for norms): one left in the graph after
     # the passes is a near miss, reported with the closest spelling and where it diverged.
     candidate_ops: tuple[str, ...] = ()
+    # Fusions whose canonical ops this one's patterns start from: enabled along with it.
+    requires: tuple[str, ...] = ()
+    # Part of fusions="all"; False keeps a fusion opt-in (by name) until its CUDA kernel is proven.
+    in_all: bool = True
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
 
@@ -182,7 +186,7 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
     """Resolve ``"all"`` or a list of names to fusions, in registry (application) order."""
     _ensure_builtins()
     if names == "all":
-        return list(_REGISTRY.values())
+        return [f for f in _REGISTRY.values() if f.in_all]
     if isinstance(names, str):
         names = [names]
     unknown = [n for n in names if n not in _REGISTRY]
@@ -191,6 +195,8 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
             f"unknown fusion {unknown[0]!r}; registered: {', '.join(_REGISTRY) or 'none'}"
         )
     wanted = set(names)
+    for name in names:
+        wanted.update(_REGISTRY[name].requires)
     return [f for f in _REGISTRY.values() if f.name in wanted]
 
 
@@ -198,15 +204,17 @@ MatchHandler = Callable[[Fusion, Spelling, Match], bool]
 def trace_functional(
     fn: Callable[..., Any], args: Sequence[Any], *, get_decomp_fn=select_decomp_table, **kwargs
 ) -> torch.fx.GraphModule:
-    """``fwd_only``, then functionalized: Inductor's post-grad graphs are functional, while some
-    decompositions mutate their temporaries (F.rms_norm adds eps with ``add_``)."""
+    """``fwd_only``, put in the form of Inductor's post-grad graphs: functional (some
+    decompositions mutate their temporaries: F.rms_norm adds eps with ``add_``), and with views
+    as reshapes (Inductor turns every ``view`` into ``reshape`` before its post-grad passes)."""
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
-    if not any(is_mutation_op(n) for n in gm.graph.nodes if n.op == "call_function"):
-        return gm
-    gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
-    gm.graph.eliminate_dead_code()
+    if any(is_mutation_op(n) for n in gm.graph.nodes if n.op == "call_function"):
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
+        gm.graph.eliminate_dead_code()
+    view_to_reshape(gm)
     gm.recompile()
     return gm
 

@@ -81,7 +81,7 @@ def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
     data = json.loads(report.read_text())
     jsonschema.validate(data, DIFF_REPORT_SCHEMA)
     assert data["schema"] == "fusion_passes.diff/1"
-    assert data["matches"] == {"add_rms_norm": 1, "rms_norm": 0}
+    assert {k: v for k, v in data["matches"].items() if v} == {"add_rms_norm": 1}
     assert data["sites"][0]["module"] == "norm"
     assert data["ops_after"]["fusion_passes.add_rms_norm.default"] == 1
     assert all(check["ok"] for check in data["numerics"].values())

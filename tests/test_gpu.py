@@ -59,7 +59,8 @@ def test_rewritten_graph_on_cuda(launch):
     torch._dynamo.reset()
     compiled = torch.compile(decoder_like, backend=fusion_passes.backend(report=report, launch=launch))
     out, (code,) = run_and_get_code(compiled, *args)
-    assert dict(report.matches) == {"add_rms_norm": 2, "rms_norm": 1} and not report.errors
+    matched = {name: n for name, n in report.matches.items() if n}
+    assert matched == {"add_rms_norm": 2, "rms_norm": 1} and not report.errors
     if launch == "direct":
         assert "_rms_norm_kernel" in code and "fusion_passes.add_rms_norm" not in code
     else:

@@ -23,6 +23,11 @@ def compile_with_report(fn, *args, fusions="all", **options):
     return compiled(*args), report
 
 
+def matched(report):
+    """Sites per fusion, the fusions that matched nothing left out (every fusion runs)."""
+    return {name: n for name, n in report.matches.items() if n}
+
+
 def stock_inductor(fn, *args):
     torch._dynamo.reset()
     return torch.compile(fn, backend="inductor")(*args)
@@ -61,7 +66,7 @@ def test_rms_norm_spelling(spelling, dtype):
         return norm(x, w, 1e-6) * 2  # a consumer, so the norm is not the graph's only op
 
     out, report = compile_with_report(fn, x, weight)
-    assert dict(report.matches) == {"rms_norm": 1, "add_rms_norm": 0}
+    assert matched(report) == {"rms_norm": 1}
     (site,) = report.sites
     assert site.spelling == name and NORM_OPS <= set(site.ops_removed)
     assert site.ops_added == ("fusion_passes.rms_norm.default",)
@@ -84,7 +89,7 @@ def test_add_rms_norm_spelling_reuses_residual(spelling, dtype):
         return hidden + normed  # the sum is the next residual
 
     out, report = compile_with_report(fn, x, residual, weight)
-    assert dict(report.matches) == {"add_rms_norm": 1, "rms_norm": 0}
+    assert matched(report) == {"add_rms_norm": 1}
     (site,) = report.sites
     assert site.spelling == f"add_{name}"
     assert "aten.add.Tensor" in site.ops_removed
@@ -109,7 +114,7 @@ def test_add_order_and_eps_are_pattern_arguments():
         return b, c, h2
 
     out, report = compile_with_report(fn, x, residual, weight)
-    assert dict(report.matches) == {"add_rms_norm": 2, "rms_norm": 1}
+    assert matched(report) == {"add_rms_norm": 2, "rms_norm": 1}
     eps = sorted(site.scalars["eps"] for site in report.sites_of("add_rms_norm"))
     assert eps == [1e-6, 0.5] and report.sites_of("rms_norm")[0].scalars == {"eps": 1e-2}
     assert_outputs(out, fn(x, residual, weight), torch.bfloat16)
@@ -128,7 +133,7 @@ def test_nn_rmsnorm_module_and_final_norm_without_reuse():
     with torch.no_grad():  # inference: autograd would keep the normalised value for backward
         out, report = compile_with_report(fn, x, residual)
         expected = fn(x, residual)
-    assert dict(report.matches) == {"add_rms_norm": 1, "rms_norm": 0}
+    assert matched(report) == {"add_rms_norm": 1}
     assert_outputs(out, expected, torch.float32)
 
 
@@ -150,7 +155,7 @@ def test_fusions_can_be_enabled_by_name():
 
     _, report = compile_with_report(fn, x, residual, weight, fusions=["rms_norm"])
     # add_rms_norm disabled: the norm alone is fused, the add stays an Inductor op.
-    assert dict(report.matches) == {"rms_norm": 1}
+    assert matched(report) == {"rms_norm": 1}
     assert report.graphs[0].ops_after["aten.add.Tensor"] == 1
 
 
@@ -235,7 +240,7 @@ def test_dynamic_token_count_one_graph():
     for tokens in (3, 7, 20):
         x, residual, weight = inputs(torch.bfloat16, (tokens, 64), seed=tokens)
         assert_outputs(compiled(x, residual, weight), fn(x, residual, weight), torch.bfloat16)
-    assert len(report.graphs) == 1 and dict(report.matches) == {"add_rms_norm": 1, "rms_norm": 0}
+    assert len(report.graphs) == 1 and matched(report) == {"add_rms_norm": 1}
 
 
 def test_strided_input_of_a_split_like_deepseek_kv_a_layernorm():
@@ -249,5 +254,5 @@ def test_strided_input_of_a_split_like_deepseek_kv_a_layernorm():
         return llama_rms_norm(compressed, w, 1e-6), k_pe * 2
 
     out, report = compile_with_report(fn, kv, weight, verify=True)
-    assert dict(report.matches) == {"add_rms_norm": 0, "rms_norm": 1} and not report.rejected
+    assert matched(report) == {"rms_norm": 1} and not report.rejected
     assert_outputs(out, fn(kv, weight), torch.bfloat16)

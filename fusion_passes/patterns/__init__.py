@@ -2,4 +2,4 @@
 model code and maps them to ONE canonical op of ``fusion_passes.lowering``. Importing this package
 registers the built-in fusions, in the order they are applied."""
 
-from fusion_passes.patterns import rms_norm  # noqa: F401
+from fusion_passes.patterns import rms_norm, rms_norm_quant_fp8  # noqa: F401  (in this order)

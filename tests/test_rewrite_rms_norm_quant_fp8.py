@@ -1,0 +1,116 @@
+"""Rewrite tests of RMSNorm (+ residual add) + FP8 quantization: match counts, ops before/after,
+and codes/scales bit-exact against eager on the reference path (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_passes
+from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm
+from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static
+
+NORMS = {"llama": llama_rms_norm, "offset": offset_rms_norm}
+QUANT = {
+    "static": lambda y, scale: (quant_static(y, scale),),
+    "per_token": lambda y, scale: quant_per_token(y),
+    "per_group": lambda y, scale: quant_per_group(y),
+}
+QUANT_OPS = {"aten.amax.default", "aten.clamp_max.default"}
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+# Opt-in while their CUDA kernel awaits a GPU run: enabled by name (the norm fusions come along).
+QUANT_FUSIONS = [f"{p}rms_norm_quant_fp8_{s}" for p in ("", "add_") for s in QUANT]
+
+
+def _run(fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        backend = fusion_passes.backend(QUANT_FUSIONS, report=report)
+        out = torch.compile(fn, backend=backend)(*args)
+        expected = fn(*args)
+    return out, expected, report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("form", NORMS)
+@pytest.mark.parametrize("scheme", QUANT)
+def test_norm_then_quant_fuses_bit_exact(scheme, form, with_residual, dtype):
+    norm, quant = NORMS[form], QUANT[scheme]
+    x = torch.randn(3, 5, 256).to(dtype)
+    residual = torch.randn_like(x)
+    weight = ((1.0 if form == "llama" else 0.0) + 0.3 * torch.randn(256)).to(dtype)
+    scale = torch.tensor(0.01)
+
+    if with_residual:
+
+        def fn(x, residual, w, scale):
+            hidden = residual + x
+            return (*quant(norm(hidden, w, 1e-6), scale), hidden)
+
+        args = (x, residual, weight, scale)
+    else:
+
+        def fn(x, w, scale):
+            return quant(norm(x, w, 1e-6), scale)
+
+        args = (x, weight, scale)
+    out, expected, report = _run(fn, *args)
+    name = f"{'add_' if with_residual else ''}rms_norm_quant_fp8_{scheme}"
+    norm_fusion = "add_rms_norm" if with_residual else "rms_norm"  # canonicalizes first
+    assert {k: v for k, v in report.matches.items() if v} == {name: 1, norm_fusion: 1}
+    (site,) = report.sites_of(name)
+    assert site.spelling.endswith(f"_{form}_then_{scheme}")
+    after = report.graphs[0].ops_after
+    assert after[f"fusion_passes.{name.removesuffix('_' + scheme)}.default"] == 1
+    assert not QUANT_OPS & set(after) and "aten.rsqrt.default" not in after
+    assert QUANT_OPS <= set(report.graphs[0].ops_before) or scheme == "static"
+    for a, e in zip(out, expected, strict=True):
+        assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
+
+
+def test_normed_value_used_elsewhere_is_not_fused():
+    """The bf16 activation also feeds another consumer: the quantization cannot absorb the norm."""
+    x, weight = torch.randn(4, 256).to(torch.bfloat16), torch.randn(256).to(torch.bfloat16)
+
+    def fn(x, w):
+        y = llama_rms_norm(x, w, 1e-6)
+        return (*quant_per_token(y), y * 2)
+
+    out, expected, report = _run(fn, x, weight)
+    assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1}
+    for a, e in zip(out, expected, strict=True):
+        assert torch.equal(_bits(a), _bits(e))
+
+
+def test_other_group_size_and_fp8_format_are_not_fused():
+    x, weight = torch.randn(4, 256).to(torch.bfloat16), torch.randn(256).to(torch.bfloat16)
+
+    def group_64(x, w):
+        y32 = llama_rms_norm(x, w, 1e-6).float().unflatten(-1, (-1, 64))
+        scale = (y32.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+        return (y32 / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).flatten(-2), scale
+
+    def e5m2(x, w):
+        y32 = llama_rms_norm(x, w, 1e-6).float()
+        scale = (y32.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+        return (y32 / scale).clamp(-448.0, 448.0).to(torch.float8_e5m2), scale
+
+    for fn in (group_64, e5m2):
+        out, expected, report = _run(fn, x, weight)
+        assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1}, fn.__name__
+        for a, e in zip(out, expected, strict=True):
+            bits = [t.view(torch.uint8) if t.element_size() == 1 else t for t in (a, e)]
+            assert torch.equal(*bits)
+
+
+def test_quant_fusion_enables_the_norm_fusions_it_starts_from():
+    names = [f.name for f in fusion_passes.registry.get_fusions(["rms_norm_quant_fp8_per_token"])]
+    assert names == ["add_rms_norm", "rms_norm", "rms_norm_quant_fp8_per_token"]
+    assert not set(QUANT_FUSIONS) & {f.name for f in fusion_passes.registry.get_fusions("all")}
