@@ -28,7 +28,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (
     check_quant_args,
 )
 from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
-from fusion_passes.lowering.rms_norm_triton import _as_rows, _launch_config
+from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config, scale_by_weight
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -109,11 +109,7 @@ def _rms_norm_quant_fp8_kernel(
 
     # Masked columns hold 0, so they add nothing to the sum (nor to the amax); divide by the true N.
     rstd = tl.rsqrt(tl.sum(tl.sum(r * r, axis=2), axis=1) / N + eps)
-    n = r * rstd[:, None, None]
-    if CAST_BEFORE_WEIGHT:
-        y = n.to(dtype).to(tl.float32) * w
-    else:
-        y = n * (w + weight_offset)
+    y = scale_by_weight(r * rstd[:, None, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
     # The model quantizes the activation it produced in x.dtype: round there, then back to fp32.
     y = y.to(dtype).to(tl.float32)
 
@@ -159,7 +155,7 @@ def rms_norm_quant_fp8_triton(
     weight = weight.contiguous()  # the kernel reads weight at unit stride
     n = x.shape[-1]
     num_groups, group = (n // group_size, group_size) if scheme == "per_group" else (1, n)
-    x_rows = _as_rows(x)
+    x_rows = as_rows(x)
     m = x_rows.shape[0]
     # The kernel writes the codes as bytes (see _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -171,10 +167,10 @@ def rms_norm_quant_fp8_triton(
         # Never read or written (HAS_RESIDUAL=False): x stands in for the residual pointers.
         residual_rows, residual_out = x_rows, None
     else:
-        residual_rows = _as_rows(residual)
+        residual_rows = as_rows(residual)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
-    _, rows_per_program, num_warps = _launch_config(block_groups * block_group)
+    _, rows_per_program, num_warps = launch_config(block_groups * block_group)
     kernel = (wrap or (lambda k: k))(_rms_norm_quant_fp8_kernel)
     kernel[(triton.cdiv(m, rows_per_program),)](
         x_rows,

@@ -34,6 +34,15 @@ _MAX_WARPS = 32  # 1024 threads, the most a program may have
 
 
 @triton.jit
+def scale_by_weight(n, w, weight_offset, dtype, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """The two rounding forms of the reference, in fp32 (shared by every norm kernel):
+    Llama rounds n to x.dtype before scaling; the fp32-weight form scales by w + weight_offset."""
+    if CAST_BEFORE_WEIGHT:
+        return n.to(dtype).to(tl.float32) * w
+    return n * (w + weight_offset)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
     residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
@@ -76,15 +85,11 @@ def _rms_norm_kernel(
 
     # Masked columns hold 0, so they add nothing to the sum; divide by the true N.
     rstd = tl.rsqrt(tl.sum(r * r, axis=1) / N + eps)
-    n = r * rstd[:, None]
-    if CAST_BEFORE_WEIGHT:
-        y = n.to(dtype).to(tl.float32) * w
-    else:
-        y = n * (w + weight_offset)
+    y = scale_by_weight(r * rstd[:, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
     tl.store(out_ptr + rows * N + cols[None, :], y.to(dtype), mask=mask)
 
 
-def _launch_config(n: int) -> tuple[int, int, int]:
+def launch_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS_PER_PROGRAM, num_warps) for rows of n elements; independent of the row count,
     so a dynamic token count never re-specialises the kernel."""
     block_n = triton.next_power_of_2(n)
@@ -95,7 +100,7 @@ def _launch_config(n: int) -> tuple[int, int, int]:
     return block_n, rows_per_program, num_warps
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """View t as [M, N] rows with unit column stride (copying only when no such view exists)."""
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -119,16 +124,16 @@ def rms_norm_triton(
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
     n = x.shape[-1]
-    x_rows = _as_rows(x)
+    x_rows = as_rows(x)
     m = x_rows.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is None:
         # Never read or written (HAS_RESIDUAL=False): x stands in for the residual pointers.
         residual_rows, residual_out = x_rows, None
     else:
-        residual_rows = _as_rows(residual)
+        residual_rows = as_rows(residual)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_n, rows_per_program, num_warps = _launch_config(n)
+    block_n, rows_per_program, num_warps = launch_config(n)
     kernel = (wrap or (lambda k: k))(_rms_norm_kernel)
     kernel[(triton.cdiv(m, rows_per_program),)](
         x_rows,
