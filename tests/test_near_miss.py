@@ -57,6 +57,7 @@ def test_near_miss_names_closest_spelling_and_divergence(fn):
     torch._dynamo.reset()
     torch.compile(fn, backend=fusion_passes.backend(report=report))(x, w)
     assert sum(report.matches.values()) == 0
+    assert report.graphs[0].ops_after == report.graphs[0].ops_before
     (miss,) = report.near_misses
     assert miss.spelling == spelling and miss.reason.startswith(reason), miss
     assert 0 < miss.matched <= miss.total and miss.location.endswith(f"in {fn.__name__}")
