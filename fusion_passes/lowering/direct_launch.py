@@ -22,28 +22,25 @@ from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import is_mutation_op
 from torch.fx.experimental.proxy_tensor import make_fx
 
+# op overload -> launcher(*op_args, wrap=...) returning what the op returns. Each lowering module
+# registers its own ops' launchers (register_launcher), next to the op it lowers.
 LAUNCHERS: dict[Any, Callable[..., Any]] = {}
 
 
-def _register_launchers() -> None:
-    from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
+def register_launcher(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``launcher(*args_of_op, wrap)`` launches ``op``'s Triton kernel on CUDA tensors,
+    applying ``wrap`` (torch.library.wrap_triton) to each kernel, and returns the op's outputs,
+    none of them aliasing an input. Import triton inside the launcher: CPU-only users never need it."""
 
-    def rms_norm(x, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap):
-        return rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight, wrap=wrap)[0]
+    def decorator(launcher: Callable[..., Any]) -> Callable[..., Any]:
+        LAUNCHERS[op] = launcher
+        return launcher
 
-    def add_rms_norm(x, residual, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap):
-        return rms_norm_triton(
-            x, weight, eps, weight_offset, cast_before_weight, residual=residual, wrap=wrap
-        )
-
-    LAUNCHERS[torch.ops.fusion_passes.rms_norm.default] = rms_norm
-    LAUNCHERS[torch.ops.fusion_passes.add_rms_norm.default] = add_rms_norm
+    return decorator
 
 
 def inline_triton_launches(graph: torch.fx.Graph) -> int:
     """Replace every CUDA canonical-op node by its traced Triton launch; returns how many."""
-    if not LAUNCHERS:
-        _register_launchers()
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in LAUNCHERS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_passes.lowering.direct_launch import register_launcher
 from fusion_passes.lowering.rms_norm_reference import (
     add_rms_norm_reference,
     check_rms_norm_args,
@@ -51,18 +52,23 @@ def add_rms_norm(
     return out.contiguous(), new_residual.contiguous()
 
 
+# The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
 @rms_norm.register_kernel("cuda")
-def _rms_norm_cuda(x, weight, eps, weight_offset=0.0, cast_before_weight=False):
+@register_launcher(torch.ops.fusion_passes.rms_norm.default)
+def _rms_norm_cuda(x, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap=None):
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight)[0]
+    return rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight, wrap=wrap)[0]
 
 
 @add_rms_norm.register_kernel("cuda")
-def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset=0.0, cast_before_weight=False):
+@register_launcher(torch.ops.fusion_passes.add_rms_norm.default)
+def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap=None):
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight, residual=residual)
+    return rms_norm_triton(
+        x, weight, eps, weight_offset, cast_before_weight, residual=residual, wrap=wrap
+    )
 
 
 @rms_norm.register_fake

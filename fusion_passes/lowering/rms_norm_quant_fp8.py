@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_passes.lowering.direct_launch import register_launcher
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import (
     FP8_DTYPE,
     add_rms_norm_quant_fp8_reference,
@@ -74,7 +75,9 @@ def add_rms_norm_quant_fp8(
     return q.contiguous(), _own(scales, scale), new_residual.contiguous()
 
 
+# The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
 @rms_norm_quant_fp8.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.rms_norm_quant_fp8.default)
 def _rms_norm_quant_fp8_cuda(
     x,
     weight,
@@ -85,16 +88,19 @@ def _rms_norm_quant_fp8_cuda(
     scale=None,
     group_size=128,
     scale_ue8m0=False,
+    *,
+    wrap=None,
 ):
     from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton
 
     q, scales, _ = rms_norm_quant_fp8_triton(
-        x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
+        x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, wrap=wrap
     )
     return q, _own(scales, scale)
 
 
 @add_rms_norm_quant_fp8.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.add_rms_norm_quant_fp8.default)
 def _add_rms_norm_quant_fp8_cuda(
     x,
     residual,
@@ -106,11 +112,23 @@ def _add_rms_norm_quant_fp8_cuda(
     scale=None,
     group_size=128,
     scale_ue8m0=False,
+    *,
+    wrap=None,
 ):
     from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton
 
     q, scales, new_residual = rms_norm_quant_fp8_triton(
-        x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, residual
+        x,
+        weight,
+        eps,
+        weight_offset,
+        cast_before_weight,
+        scheme,
+        scale,
+        group_size,
+        scale_ue8m0,
+        residual,
+        wrap=wrap,
     )
     return q, _own(scales, scale), new_residual
 

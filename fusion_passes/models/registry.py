@@ -24,6 +24,7 @@ class ModelSites:
     gated_rms_norm: tuple[str, ...]  # RMSNormGated modules inside linear attention
     layer_norm: tuple[str, ...]  # nn.LayerNorm modules: a fusion must NOT match these
     add_rms_norm: int  # rms_norm sites fed by a residual add whose sum is the next residual
+    attention: tuple[str, ...] = ()  # full-attention modules: one pre-attention QK-norm / RoPE path each
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _expected_sites(spec: ModelSpec, config) -> ModelSites:
     sum, so add_rms_norm = 2 * num_layers.
     """
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    rms, gated, ln = [], [], []
+    rms, gated, ln, attn = [], [], [], []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         rms.append(p + "input_layernorm")
@@ -94,6 +95,7 @@ def _expected_sites(spec: ModelSpec, config) -> ModelSites:
         else:
             rms += [p + n for n in spec.attn_norms]
             ln += [p + n for n in spec.attn_layer_norms]
+            attn.append(p + "self_attn")
         rms.append(p + "post_attention_layernorm")
     rms.append("model.norm")
     return ModelSites(
@@ -101,6 +103,7 @@ def _expected_sites(spec: ModelSpec, config) -> ModelSites:
         gated_rms_norm=tuple(gated),
         layer_norm=tuple(ln),
         add_rms_norm=2 * config.num_hidden_layers,
+        attention=tuple(attn),
     )
 
 
@@ -125,6 +128,10 @@ def _check_sites(module: nn.Module, sites: ModelSites) -> None:
     if found != listed:
         diff = sorted(set(found.items()) ^ set(listed.items()))
         raise AssertionError(f"norm sites disagree with the module tree (transformers changed?): {diff[:6]}")
+    modules = dict(module.named_modules())
+    for path in sites.attention:
+        if not type(modules.get(path)).__name__.endswith("Attention"):
+            raise AssertionError(f"{path}: expected an attention module, found {type(modules.get(path)).__name__}")
 
 
 @torch.no_grad()
