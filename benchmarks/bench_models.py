@@ -6,6 +6,7 @@ everything else); "other per layer" is the number vLLM reports for DeepSeek V3.2
 kernels per layer outside attention and MoE).
 
     python benchmarks/bench_models.py --models deepseek-v3.2 qwen3.5-moe minimax-m2 --tokens 1 4096
+    python benchmarks/bench_models.py --smoke    # tiny widths on a CPU: the code path, no timings
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from fusion_passes.kernels import KERNEL_CLASSES, profile_kernel_classes
 from fusion_passes.models import build_model
 
 
-def forward_us(fn, inputs, graph: bool) -> float:
+def forward_us(fn, inputs, graph: bool) -> float | None:
+    if not torch.cuda.is_available():
+        return None
     fn(*inputs)
     torch.cuda.synchronize()
     if not graph:
@@ -38,12 +41,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4096])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny widths on a CPU, no timings")
     args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        parser.error("no CUDA device: only --smoke runs on a CPU")
+    size = "tiny" if args.smoke else "real"
     rows = []
     for name in args.models:
         for tokens in args.tokens:
             built = build_model(
-                name, size="real", dtype=torch.bfloat16, layers=args.layers, seq_len=tokens, device="cuda"
+                name, size=size, dtype=torch.bfloat16, layers=args.layers, seq_len=tokens, device=device
             )
             module, inputs = built.module.eval(), built.example_inputs
             torch._dynamo.reset()
@@ -55,15 +63,15 @@ def main() -> None:
             with torch.no_grad():
                 expected = module(*inputs).float()
                 for label, fn in variants.items():
-                    kernels = profile_kernel_classes(fn, *inputs)
+                    kernels = profile_kernel_classes(fn, *inputs) if device == "cuda" else None
                     err = (fn(*inputs).float() - expected).norm().item() / expected.norm().item()
                     row = {
                         "model": name,
                         "tokens": tokens,
                         "variant": label,
                         "kernels": kernels,
-                        "total_kernels": sum(kernels.values()),
-                        "other_per_layer": kernels["other"] / args.layers,
+                        "total_kernels": kernels and sum(kernels.values()),
+                        "other_per_layer": kernels and kernels["other"] / args.layers,
                         "plain_us": forward_us(fn, inputs, graph=False),
                         "graph_us": forward_us(fn, inputs, graph=True),
                         "rel_err_vs_eager": err,
@@ -74,6 +82,8 @@ def main() -> None:
           + " | other / layer | plain (us) | CUDA graph (us) |")
     print("|---|---|---|---|" + "---|" * len(KERNEL_CLASSES) + "---|---|---|")
     for r in rows:
+        if r["kernels"] is None:  # smoke run: nothing measured
+            continue
         classes = " | ".join(str(r["kernels"][c]) for c in KERNEL_CLASSES)
         print(f"| {r['model']} | {r['tokens']} | {r['variant']} | {r['total_kernels']} | {classes} | "
               f"{r['other_per_layer']:.1f} | {r['plain_us']:.0f} | {r['graph_us']:.0f} |")

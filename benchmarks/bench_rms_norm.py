@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,12 +39,15 @@ import triton.testing  # noqa: E402
 
 # Run as a script from anywhere: the package lives one level up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
     add_rms_norm_reference,
     rms_norm_reference,
 )
 from fusion_passes.lowering.rms_norm_triton import rms_norm_triton  # noqa: E402
+
+from timing import copy_bandwidth_gbps, time_graph_us, time_plain_us  # noqa: E402
 
 try:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -126,45 +127,6 @@ def make_calls(impl: str, op: str, input_sets: list[dict]) -> list | None:
         fn = SPELLINGS[op, impl]
     names = ("x", "weight") if op == "rms_norm" else ("x", "residual", "weight")
     return [lambda s=s: fn(*(s[n] for n in names), EPS) for s in input_sets]
-
-
-def time_plain_us(fn) -> float:
-    """Median microseconds of one call: do_bench on a GPU, a host clock in CPU smoke runs."""
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-    fn()
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
-
-
-def time_graph_us(calls: list) -> float | None:
-    """Median microseconds per call of the calls (one per input set) replayed from one graph."""
-    if not torch.cuda.is_available():
-        return None
-    # Warm up on a side stream before capture, as torch.cuda.graphs asks (compiles, allocations).
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:3]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    return ms * 1e3 / len(calls)
-
-
-def copy_bandwidth_gbps(nbytes: int, device: str) -> float:
-    """Device copy bandwidth, bytes read + written over time: the ceiling a norm can reach."""
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / time_plain_us(lambda: dst.copy_(src)) / 1e3
 
 
 def min_bytes(op: str, tokens: int, hidden: int) -> int:

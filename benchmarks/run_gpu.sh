@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one run: the CUDA tests, then the benchmarks.
 # Usage (repository root): OUT=out benchmarks/run_gpu.sh   (logs and tables go to $OUT)
+# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, MODELS=0; extra
+# arguments for a benchmark go in QUANT_ARGS / MODELS_ARGS (e.g. MODELS_ARGS="--models qwen3.5-moe").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -13,9 +15,20 @@ import torch, triton
 print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
 PY
 status=0
-python3 -m pytest -q tests/test_gpu.py tests/test_rms_norm_kernel.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
-python3 benchmarks/bench_launch_overhead.py --layers 16 --tokens 1 4 64 --json "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/launch_overhead.log" || status=1
-if [ "${BENCH_RMS_NORM:-1}" = 1 ]; then
-  python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.md" --json "$OUT/bench_rms_norm.json" 2>&1 | tail -5 | tee "$OUT/bench_rms_norm.log" || status=1
-fi
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember a failure
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1 || { status=1; echo "   FAILED (see $name.log)"; }
+  tail -3 "$OUT/$name.log"
+}
+[ "${TESTS:-1}" = 1 ] && run gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  tests/test_rms_norm_kernel.py tests/test_rms_norm_quant_fp8_kernel.py
+[ "${LAUNCH:-1}" = 1 ] && run launch_overhead python3 benchmarks/bench_launch_overhead.py --layers 16 \
+  --tokens 1 4 64 --json "$OUT/launch_overhead.json"
+[ "${RMS_NORM:-1}" = 1 ] && run bench_rms_norm python3 benchmarks/bench_rms_norm.py \
+  --out "$OUT/bench_rms_norm.md" --json "$OUT/bench_rms_norm.json"
+[ "${QUANT:-1}" = 1 ] && run bench_rms_norm_quant_fp8 python3 benchmarks/bench_rms_norm_quant_fp8.py \
+  --out "$OUT/bench_rms_norm_quant_fp8.md" --json "$OUT/bench_rms_norm_quant_fp8.json" ${QUANT_ARGS:-}
+[ "${MODELS:-1}" = 1 ] && run bench_models python3 benchmarks/bench_models.py \
+  --json "$OUT/bench_models.json" ${MODELS_ARGS:-}
 exit $status
