@@ -78,6 +78,9 @@ def main() -> None:
                     }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    if args.json:  # as it goes: a run cut short keeps what it measured
+                        with open(args.json, "w") as f:
+                            json.dump(rows, f, indent=2)
     print("\n| model | tokens | variant | kernels | " + " | ".join(KERNEL_CLASSES)
           + " | other / layer | plain (us) | CUDA graph (us) |")
     print("|---|---|---|---|" + "---|" * len(KERNEL_CLASSES) + "---|---|---|")
