@@ -32,6 +32,8 @@ from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config, scale
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
+# fp32(1 / 448), rounded once as torch's CUDA division by a scalar rounds it (448 = 7 * 2^6).
+_RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
 
 
 @triton.jit
@@ -78,6 +80,7 @@ def _rms_norm_quant_fp8_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form: round n to x.dtype before scaling by weight
     STATIC: tl.constexpr,  # the scale is given (static scheme); else computed per group, stored
     SCALE_UE8M0: tl.constexpr,  # round computed scales up to powers of two
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,  # scale = amax * fp32(1/448) (CUDA torch), else amax / 448
     BLOCK_GROUPS: tl.constexpr,  # next_power_of_2(num_groups)
     BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size)
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
@@ -116,9 +119,16 @@ def _rms_norm_quant_fp8_kernel(
     if STATIC:
         scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS_PER_PROGRAM, BLOCK_GROUPS))
     else:
-        # div_rn: Triton's '/' is an approximate division on NVIDIA GPUs (div.full.f32, 2 ulp);
-        # the codes must come from the correctly rounded quotient, as torch's division gives.
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=2), _FP8_MAX), _MIN_SCALE)
+        amax = tl.max(tl.abs(y), axis=2)
+        # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
+        # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for about
+        # 1 in 5 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
+        # division on NVIDIA GPUs (div.full.f32, 2 ulp).
+        if AMAX_TIMES_RECIPROCAL:
+            scale = amax * _RECIPROCAL_FP8_MAX
+        else:
+            scale = tl.div_rn(amax, _FP8_MAX)
+        scale = tl.maximum(scale, _MIN_SCALE)
         if SCALE_UE8M0:
             # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
             scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
@@ -191,6 +201,7 @@ def rms_norm_quant_fp8_triton(
         CAST_BEFORE_WEIGHT=cast_before_weight,
         STATIC=scheme == "static",
         SCALE_UE8M0=scale_ue8m0,
+        AMAX_TIMES_RECIPROCAL=x.is_cuda,
         BLOCK_GROUPS=block_groups,
         BLOCK_GROUP=block_group,
         ROWS_PER_PROGRAM=rows_per_program,
