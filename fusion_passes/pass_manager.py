@@ -13,6 +13,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import pkgutil
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.pattern_matcher import Match
+from torch._inductor.pattern_matcher import Match, stable_topological_sort
 
 import fusion_passes
 from fusion_passes.lowering.direct_launch import inline_triton_launches
@@ -110,6 +111,10 @@ class FusionPassManager(CustomGraphPass):
         snapshot = _snapshot(graph)
         try:
             result = step()
+            # A replacement with several outputs goes before its earliest output (the matcher's
+            # rule), which may precede some of its inputs (k's projection after q's RoPE; cos/sin
+            # that Inductor moved down to their first use): sort before the next fusion reads it.
+            stable_topological_sort(graph)
             graph.lint()
             return result
         except Exception as e:  # a broken fusion must not break the user's compile
@@ -194,13 +199,11 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.registry",
     "fusion_passes.verify",
     "fusion_passes.near_miss",
-    "fusion_passes.lowering.direct_launch",
-    "fusion_passes.lowering.rms_norm",
-    "fusion_passes.lowering.rms_norm_reference",
-    "fusion_passes.lowering.rms_norm_triton",
-    "fusion_passes.lowering.rms_norm_quant_fp8",
-    "fusion_passes.lowering.rms_norm_quant_fp8_reference",
-    "fusion_passes.lowering.rms_norm_quant_fp8_triton",
+    # Every lowering module (ops, references, kernels, launchers): they decide the compiled code.
+    *(
+        f"fusion_passes.lowering.{m.name}"
+        for m in pkgutil.iter_modules(importlib.import_module("fusion_passes.lowering").__path__)
+    ),
     "fusion_passes.regions",
 )
 
@@ -246,9 +249,11 @@ def _restore(
 ) -> None:
     """Put the snapshot's nodes back, keeping the live placeholders (Inductor holds them)."""
     copy, back = snapshot
-    for node in reversed(list(graph.nodes)):  # users go before the nodes they use
-        if node.op != "placeholder":
-            graph.erase_node(node)
+    doomed = [node for node in graph.nodes if node.op != "placeholder"]
+    for node in doomed:  # drop every use first: a failed step may have left the graph unsorted
+        node.args, node.kwargs = (), {}
+    for node in doomed:
+        graph.erase_node(node)
     env = dict(back)
     for node in copy.nodes:
         if node.op == "placeholder":

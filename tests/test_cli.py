@@ -130,17 +130,18 @@ def test_console_script_and_debug_traceback(factory_file):
     assert loud.returncode != 0 and "Traceback" in loud.stderr
 
 
-def test_built_in_model_report_validates_and_names_near_misses(tmp_path):
-    """DeepSeek V3.2 (tiny): every RMSNorm fused; the indexer's LayerNorms are near misses."""
+def test_built_in_model_report_validates_and_counts_sites(tmp_path):
+    """DeepSeek V3.2 (tiny, 2 layers): every RMSNorm fused, and in each attention layer the MLA kv
+    path, the q RoPE, and the indexer's q RoPE and key LayerNorm + RoPE; no candidate left over."""
     path = tmp_path / "v32.json"
     assert main(["diff", "deepseek-v3.2", "--dtype", "bf16", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     jsonschema.validate(data, DIFF_REPORT_SCHEMA)
-    assert sum(data["matches"].values()) == data["expected_rms_norm_sites"] == 9
-    assert len(data["near_misses"]) == 2
-    for miss in data["near_misses"]:
-        assert miss["module"].endswith("indexer.k_norm")
-        assert "aten.var_mean" in miss["reason"]
+    matches = data["matches"]
+    assert matches["rms_norm"] + matches["add_rms_norm"] == data["expected_rms_norm_sites"] == 9
+    for fusion in ("mla_kv_norm_rope", "mla_q_rope", "mla_indexer_q_rope", "mla_indexer_k_norm_rope"):
+        assert matches[fusion] == 2, (fusion, matches)
+    assert data["near_misses"] == [] and data["errors"] == []
 
 
 def test_near_miss_reasons_of_broken_spellings(factory_file, tmp_path):

@@ -139,8 +139,8 @@ def test_rewritten_quant_graph_on_cuda(launch):
         for a, e in zip(outputs, expected):
             if a.dtype == torch.float8_e4m3fn:
                 assert _codes_close(a, e)
-            else:
-                assert compare(a, e).ok
+            else:  # fp32 scales carry the bf16 activation's error (amax of y over 448)
+                assert compare(a, e, dtype=torch.bfloat16).ok
 
 
 def test_cli_diff_counts_launched_kernels_by_class(tmp_path):

@@ -121,8 +121,8 @@ def _rms_norm_quant_fp8_kernel(
     else:
         amax = tl.max(tl.abs(y), axis=2)
         # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
-        # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for about
-        # 1 in 5 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
+        # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
+        # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
         # division on NVIDIA GPUs (div.full.f32, 2 ulp).
         if AMAX_TIMES_RECIPROCAL:
             scale = amax * _RECIPROCAL_FP8_MAX

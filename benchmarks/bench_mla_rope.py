@@ -1,0 +1,193 @@
+"""Time DeepSeek V3's MLA pre-attention region (bf16) on one GPU: eager vs stock Inductor vs ours.
+
+    region:  q_pass, q_rot = split(q.view(1, T, H, 192).transpose(1, 2), [128, 64])
+             kv_nope, k_rot = split(kv, [512, 64]); kv_nope = RMSNorm(kv_nope)
+             q_rot, k_rot = interleaved RoPE(q_rot, k_rot); query = cat(q_pass, q_rot)
+    ours:    mla_q_rope + mla_kv_norm_rope, one kernel per branch (torch.compile with the
+             fusion_passes backend: the ops launched directly by Inductor's generated code)
+
+DeepSeek V3 widths: kv_lora_rank 512, rope 64, 128 heads, qk_nope 128 (q_lora_rank 1536 and v 128
+are the GEMMs' business, outside the region). Each implementation is timed as plain launches
+(do_bench median, L2 flushed) and in a CUDA graph of GRAPH_CALLS calls on distinct inputs, and its
+kernels per call are counted with the profiler. The fewest bytes the region moves: read q, kv,
+cos, sin (and the norm weight), write query, the normed latent and k_pe; at >= 4096 tokens that
+over the time is reported in GB/s and as a percent of the device's copy bandwidth.
+
+Where ours is slower than stock Inductor (< 0.97x), the fusion should dispatch to the unfused path
+at those sizes: this script reports the ratio; no such dispatch exists yet (not measured here).
+
+    python benchmarks/bench_mla_rope.py [--out bench_mla_rope.md] [--json bench_mla_rope.json]
+    python benchmarks/bench_mla_rope.py --smoke     # tiny sizes; on a CPU via Triton's interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # chosen before triton loads
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
+
+import fusion_passes  # noqa: E402
+from fusion_passes.lowering.mla_rope_reference import (  # noqa: E402
+    mla_kv_norm_rope_reference,
+    mla_q_rope_reference,
+)
+from fusion_passes.lowering.mla_rope_triton import (  # noqa: E402
+    mla_kv_norm_rope_triton,
+    mla_q_rope_triton,
+)
+
+from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
+
+DTYPE = torch.bfloat16
+EPS = 1e-6
+V3 = dict(heads=128, nope=128, rope=64, kv_lora=512)
+SMOKE = dict(heads=4, nope=32, rope=16, kv_lora=32)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 1024, 4096, 16384)
+SMOKE_TOKENS = (1, 5)
+GRAPH_CALLS = 20
+COPY_BYTES = 2 << 30
+IMPLS = ("eager", "inductor", "ours")
+
+
+def region(q, kv, w, cos, sin, dims):
+    """The HF DeepseekV3Attention spelling, from the projections to query / latent / k_pe."""
+    h, nope, rope, r = dims["heads"], dims["nope"], dims["rope"], dims["kv_lora"]
+    b, t = q.shape[:2]
+    q_pass, q_rot = torch.split(q.view(b, t, h, nope + rope).transpose(1, 2), [nope, rope], dim=-1)
+    kv_nope, k_rot = torch.split(kv, [r, rope], dim=-1)
+    x = kv_nope.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    kv_nope = w * x.to(kv.dtype)
+    k_rot = k_rot.view(b, 1, t, rope)
+    c, s = cos[..., : rope // 2].unsqueeze(1), sin[..., : rope // 2].unsqueeze(1)
+    q1, q2 = q_rot[..., 0::2], q_rot[..., 1::2]
+    k1, k2 = k_rot[..., 0::2], k_rot[..., 1::2]
+    q_rot = torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+    k_rot = torch.cat([k1 * c - k2 * s, k2 * c + k1 * s], dim=-1)
+    return torch.cat((q_pass, q_rot), dim=-1), kv_nope, k_rot
+
+
+def inputs(tokens, dims, device, g):
+    h, nope, rope, r = dims["heads"], dims["nope"], dims["rope"], dims["kv_lora"]
+    angle = torch.rand(1, tokens, rope // 2, generator=g) * 1000
+    emb = torch.cat([angle, angle], -1)
+    return dict(
+        q=torch.randn(1, tokens, h * (nope + rope), generator=g).to(device, DTYPE),
+        kv=torch.randn(1, tokens, r + rope, generator=g).to(device, DTYPE),
+        w=(1 + 0.1 * torch.randn(r, generator=g)).to(device, DTYPE),
+        cos=emb.cos().to(device, DTYPE),
+        sin=emb.sin().to(device, DTYPE),
+    )
+
+
+def check_ours(x, dims) -> bool:
+    """The kernels against the references and the eager region (bit-exact RoPE, norm +- 1 ulp)."""
+    rope = dims["rope"]
+    c, s = x["cos"][..., : rope // 2], x["sin"][..., : rope // 2]
+    q4 = x["q"].view(*x["q"].shape[:2], dims["heads"], -1)
+    query = mla_q_rope_triton(q4, c, s, False, True, True)
+    normed, k_pe = mla_kv_norm_rope_triton(x["kv"], x["w"], c, s, EPS, 0.0, True, True)
+    ref_normed, ref_pe = mla_kv_norm_rope_reference(x["kv"], x["w"], c, s, EPS, 0.0, True, True)
+    e_query, e_normed, e_pe = region(**x, dims=dims)
+    ok = torch.equal(query, mla_q_rope_reference(q4, c, s, False, True, True))
+    ok &= torch.equal(query, e_query) and torch.equal(k_pe, ref_pe)
+    ok &= torch.equal(k_pe.unsqueeze(1), e_pe) and torch.equal(ref_normed, e_normed)
+    return ok and bool(((normed.float() - ref_normed.float()).abs() <= 2**-7 * ref_normed.float().abs() + 1e-6).all())
+
+
+def min_bytes(x) -> int:
+    return 2 * sum(t.numel() * t.element_size() for t in x.values())  # each read once, written once
+
+
+def make_calls(impl, input_sets, dims):
+    fn = lambda **x: region(**x, dims=dims)  # noqa: E731
+    if impl == "inductor":
+        fn = torch.compile(fn, backend="inductor", fullgraph=True)
+    elif impl == "ours":
+        report = fusion_passes.Report()
+        fn = torch.compile(fn, backend=fusion_passes.backend(report=report), fullgraph=True)
+        fn(**input_sets[0])
+        fused = {k for k, v in report.matches.items() if v}
+        if not {"mla_kv_norm_rope", "mla_q_rope"} <= fused:
+            raise RuntimeError(f"the region did not fuse: {dict(report.matches)}")
+    return [lambda x=x: fn(**x) for x in input_sets]
+
+
+def bench(tokens, dims, device, g) -> dict:
+    sets = [inputs(tokens, dims, device, g) for _ in range(GRAPH_CALLS if device == "cuda" else 1)]
+    record = {"tokens": tokens, "correct": check_ours(sets[0], dims), "bytes": min_bytes(sets[0])}
+    torch._dynamo.reset()
+    record["plain_us"], record["graph_us"], record["kernels"] = {}, {}, {}
+    for impl in IMPLS:
+        calls = make_calls(impl, sets, dims)
+        calls[0]()
+        record["kernels"][impl] = kernels_per_call(calls[0])
+        record["plain_us"][impl] = time_plain_us(calls[0])
+        record["graph_us"][impl] = time_graph_us(calls)
+    return record
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def report(records, copy_gbps, device_name) -> str:
+    lines = [f"# MLA pre-attention region, bf16, {device_name}", "", f"copy bandwidth {copy_gbps:.0f} GB/s", ""]
+    for mode in ("graph_us", "plain_us"):
+        lines += [f"## {mode} (us per call)", "", "| tokens | eager | inductor | ours | vs inductor | kernels e/i/o | ours GB/s (% copy) |", "|---|---|---|---|---|---|---|"]  # noqa: E501
+        for r in records:
+            t = r[mode]
+            speedup = t["inductor"] / t["ours"] if t["ours"] and t["inductor"] else None
+            bw = r["bytes"] / t["ours"] / 1e3 if t["ours"] and r["tokens"] >= 4096 else None
+            k = "/".join(str(r["kernels"][i]) for i in IMPLS)
+            bw_text = "-" if bw is None else f"{bw:.0f} ({100 * bw / copy_gbps:.0f}%)"
+            lines.append(
+                f"| {r['tokens']} | {_fmt(t['eager'])} | {_fmt(t['inductor'])} | {_fmt(t['ours'])} "
+                f"| {'-' if speedup is None else f'{speedup:.2f}x'} | {k} | {bw_text} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_mla_rope.md")
+    parser.add_argument("--json", default="bench_mla_rope.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--tokens", type=int, nargs="+")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        parser.error("no CUDA device: only --smoke runs on a CPU")
+    dims = SMOKE if args.smoke else V3
+    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else 1 << 20, device)
+    g = torch.Generator().manual_seed(0)
+    records = []
+    with torch.no_grad():
+        for t in tokens:
+            records.append(bench(t, dims, device, g))
+            print(f"tokens={t}: " + ", ".join(f"{i} {_fmt(records[-1]['plain_us'][i])}" for i in IMPLS), flush=True)
+    text = report(records, copy_gbps, device_name)
+    Path(args.out).write_text(text)
+    Path(args.json).write_text(json.dumps({"device": device_name, "dims": dims, "records": records}, indent=1))
+    print(text)
+    bad = [r["tokens"] for r in records if not r["correct"]]
+    if bad:
+        print(f"CORRECTNESS FAILURE at tokens {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

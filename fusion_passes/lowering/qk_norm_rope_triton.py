@@ -1,0 +1,268 @@
+"""One Triton kernel for the pre-attention path: RMSNorm of q and k (per head or over all heads of a
+token) and rotate_half RoPE on the first R dims of every head, both tensors in one launch.
+
+Unfused (stock Inductor): a norm kernel per tensor (or a reduction and a pointwise kernel for the
+    whole-row norm), then the RoPE pointwise kernels: 2 to 6 launches, and q and k each written and
+    read back once more between them.
+Fused:   one grid; programs [0, q_programs) take q rows, the rest k rows. Each program loads its rows
+    once, as three column tiles of every head (the first and second halves of the rotary dims and
+    the pass-through dims, so rotate_half needs no data movement), reduces the squares in fp32 and
+    writes each output element once, rounding exactly where qk_norm_rope_reference.py does:
+        y        = to_x_dtype(scaled norm)                      (rms_norm's two rounding forms)
+        out[:R/2]  = to_x_dtype(to_x_dtype(y1 * c1) - to_x_dtype(y2 * s1))
+        out[R/2:R] = to_x_dtype(to_x_dtype(y2 * c2) + to_x_dtype(y1 * s2))
+        out[R:]    = y[R:]
+    Outputs are contiguous [B, S, H, D] (returned as their [B, H, S, D] transposes): every token's
+    heads are one contiguous run, the layout a KV cache and flash attention read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.qk_norm_rope_reference import check_qk_norm_rope_args
+from fusion_passes.lowering.rms_norm_triton import scale_by_weight
+
+# Per-head mode: elements one program handles (ROWS heads of D). Small enough that a decode step
+# (1 token, 64 + 4 heads of 128) still spreads over several programs, large enough that 16k-token
+# prefills do not launch one tiny program per head.
+_ELEMENTS_PER_PROGRAM = 2048
+_ELEMENTS_PER_THREAD = 16
+_MAX_WARPS = 16
+
+
+@triton.jit
+def _rounded(x, dtype):
+    """x (fp32) rounded to the activations' dtype and back: where the model rounds."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_rows(
+    x_ptr,  # *dtype [B, S, H, D] input rows (unit column stride)
+    w_ptr,  # *w.dtype [D] (per head) or [H * D] (whole row) norm weight
+    out_ptr,  # *dtype [B, S, H, D] contiguous output
+    cos_ptr,  # *dtype [B or 1, S, R] (unit column stride)
+    sin_ptr,  # *dtype [B or 1, S, R] (unit column stride)
+    local_pid,  # this program's index among the programs of this tensor
+    n_rows,  # B * S * H: head rows of this tensor
+    S,  # tokens per sequence
+    H,  # heads of this tensor
+    stride_b,  # x strides (elements) of batch, token and head
+    stride_s,
+    stride_h,
+    cos_stride_b,  # cos / sin strides of batch (0 when broadcast) and token
+    cos_stride_s,
+    sin_stride_b,
+    sin_stride_s,
+    eps,
+    weight_offset,
+    HALF: tl.constexpr,  # R / 2: rotary dims in each half
+    PASS: tl.constexpr,  # D - R: dims passed through unrotated
+    BLOCK_HALF: tl.constexpr,  # next_power_of_2(HALF)
+    BLOCK_PASS: tl.constexpr,  # next_power_of_2(PASS), or 1 when PASS == 0
+    ROWS: tl.constexpr,  # head rows per program (per head) / power of two >= H (whole row)
+    NORM_PER_HEAD: tl.constexpr,  # normalise each head alone, else all heads of a token together
+    CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form (see rms_norm_triton.scale_by_weight)
+):
+    D: tl.constexpr = 2 * HALF + PASS
+    dtype = out_ptr.dtype.element_ty
+    lanes = tl.arange(0, ROWS)
+    if NORM_PER_HEAD:
+        rows = local_pid * ROWS + lanes
+        row_mask = rows < n_rows
+    else:  # one token per program: its H heads
+        rows = local_pid * H + lanes
+        row_mask = lanes < H
+    rows = rows.to(tl.int64)
+    head = rows % H
+    token = rows // H
+    seq = token % S
+    batch = token // S
+    x_row = x_ptr + batch * stride_b + seq * stride_s + head * stride_h
+    cos_row = cos_ptr + batch * cos_stride_b + seq * cos_stride_s
+    sin_row = sin_ptr + batch * sin_stride_b + seq * sin_stride_s
+    cols = tl.arange(0, BLOCK_HALF)
+    half_mask = row_mask[:, None] & (cols < HALF)[None, :]
+    pcols = tl.arange(0, BLOCK_PASS)
+    pass_mask = row_mask[:, None] & (pcols < PASS)[None, :]
+    # Loads first (x, weight, cos, sin), so their latencies overlap before the reduction.
+    x1 = tl.load(x_row[:, None] + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row[:, None] + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    if NORM_PER_HEAD:  # one [D] weight shared by every head: load it once, broadcast over rows
+        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    else:  # each head its own slice of the [H * D] weight
+        w_row = (w_ptr + head * D)[:, None]
+        w1 = tl.load(w_row + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_row + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_row[:, None] + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row[:, None] + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row[:, None] + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row[:, None] + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    squares = tl.sum(x1 * x1 + x2 * x2, axis=1)
+    if PASS > 0:
+        xp_ptrs = x_row[:, None] + 2 * HALF + pcols[None, :]
+        xp = tl.load(xp_ptrs, mask=pass_mask, other=0.0).to(tl.float32)
+        if NORM_PER_HEAD:
+            wp = tl.load(w_ptr + 2 * HALF + pcols, mask=pcols < PASS, other=0.0)
+            wp = wp.to(tl.float32)[None, :]
+        else:
+            wp_ptrs = (w_ptr + head * D)[:, None] + 2 * HALF + pcols[None, :]
+            wp = tl.load(wp_ptrs, mask=pass_mask, other=0.0).to(tl.float32)
+        squares += tl.sum(xp * xp, axis=1)
+
+    # Masked lanes hold 0: they add nothing to the sums; divide by the true widths.
+    if NORM_PER_HEAD:
+        rstd = tl.rsqrt(squares / D + eps)[:, None]
+    else:
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
+    y1 = _rounded(scale_by_weight(x1 * rstd, w1, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
+    y2 = _rounded(scale_by_weight(x2 * rstd, w2, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
+    # transformers' RoPE runs in x.dtype: every product and the sum are rounded.
+    o1 = _rounded(y1 * c1, dtype) - _rounded(y2 * s1, dtype)
+    o2 = _rounded(y2 * c2, dtype) + _rounded(y1 * s2, dtype)
+    out_row = out_ptr + rows[:, None] * D
+    tl.store(out_row + cols[None, :], o1.to(dtype), mask=half_mask)
+    tl.store(out_row + HALF + cols[None, :], o2.to(dtype), mask=half_mask)
+    if PASS > 0:
+        yp = scale_by_weight(xp * rstd, wp, weight_offset, dtype, CAST_BEFORE_WEIGHT)
+        tl.store(out_row + 2 * HALF + pcols[None, :], yp.to(dtype), mask=pass_mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,  # *dtype [B, S, HQ, D] queries (any strides, unit column stride)
+    k_ptr,  # *dtype [B, S, HK, D] keys
+    q_weight_ptr,  # *w.dtype q norm weight: [D] per head, [HQ * D] whole row
+    k_weight_ptr,  # *w.dtype k norm weight: [D] per head, [HK * D] whole row
+    cos_ptr,  # *dtype [B or 1, S, R]
+    sin_ptr,  # *dtype [B or 1, S, R]
+    q_out_ptr,  # *dtype [B, S, HQ, D] contiguous
+    k_out_ptr,  # *dtype [B, S, HK, D] contiguous
+    S,  # tokens per sequence
+    HQ,  # q heads
+    HK,  # k heads
+    n_q_rows,  # B * S * HQ
+    n_k_rows,  # B * S * HK
+    q_programs,  # programs taking q rows; the rest of the grid takes k rows
+    q_stride_b,  # q strides of batch, token, head
+    q_stride_s,
+    q_stride_h,
+    k_stride_b,  # k strides of batch, token, head
+    k_stride_s,
+    k_stride_h,
+    cos_stride_b,  # cos / sin strides of batch (0 when broadcast over the batch) and token
+    cos_stride_s,
+    sin_stride_b,
+    sin_stride_s,
+    eps,  # added to mean(x^2) before the rsqrt
+    weight_offset,  # added to f32(weight) in the fp32-weight form (1.0 for Qwen3-Next), else 0.0
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    ROWS: tl.constexpr,
+    NORM_PER_HEAD: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+):
+    # Inductor's launches pass Python floats as fp64: pin them to fp32 (see rms_norm_triton).
+    eps = tl.cast(eps, tl.float32)
+    weight_offset = tl.cast(weight_offset, tl.float32)
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _norm_rope_rows(
+            q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
+            q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
+            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+        )  # fmt: skip
+    else:
+        _norm_rope_rows(
+            k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
+            k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
+            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+        )  # fmt: skip
+
+
+def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool):
+    """(BLOCK_HALF, BLOCK_PASS, ROWS, num_warps): independent of the token count, so a dynamic
+    token count never re-specialises the kernel. `heads` is the larger of q's and k's."""
+    half, pass_ = rotary_dim // 2, head_dim - rotary_dim
+    block_half = triton.next_power_of_2(half)
+    block_pass = triton.next_power_of_2(pass_) if pass_ else 1
+    padded = 2 * block_half + (block_pass if pass_ else 0)
+    if norm_per_head:
+        fit = max(1, _ELEMENTS_PER_PROGRAM // padded)
+        rows = 1 << (fit.bit_length() - 1)  # a power of two (tl.arange), rounded down
+    else:  # a whole token per program: the reduction spans all its heads
+        rows = triton.next_power_of_2(heads)
+    warps = max(1, rows * padded // (_ELEMENTS_PER_THREAD * 32))
+    num_warps = min(_MAX_WARPS, 1 << (warps.bit_length() - 1))
+    return block_half, block_pass, rows, num_warps
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def qk_norm_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    norm_per_head: bool = True,
+    *,
+    wrap: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QK-norm + RoPE as qk_norm_rope_reference computes it, in one launch. Returns (q_out, k_out),
+    [B, H, S, D] transposes of new contiguous [B, S, H, D] tensors; inputs are only read. `wrap`
+    (torch.library.wrap_triton) is applied to the kernel so make_fx can trace the launch."""
+    check_qk_norm_rope_args(
+        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head
+    )
+    q, k, cos, sin = (_unit_columns(t) for t in (q, k, cos, sin))
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    rotary_dim = cos.shape[-1]
+    q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
+    block_half, block_pass, rows, num_warps = launch_config(
+        d, rotary_dim, max(hq, hk), norm_per_head
+    )
+    n_q, n_k = b * s * hq, b * s * hk
+    if norm_per_head:
+        q_programs, k_programs = triton.cdiv(n_q, rows), triton.cdiv(n_k, rows)
+    else:
+        q_programs = k_programs = b * s
+    # A batch of one broadcast over the batch: stride 0 reads the same positions for every sequence.
+    cos_stride_b = cos.stride(0) if cos.shape[0] > 1 else 0
+    sin_stride_b = sin.stride(0) if sin.shape[0] > 1 else 0
+    kernel = (wrap or (lambda fn: fn))(_qk_norm_rope_kernel)
+    kernel[(q_programs + k_programs,)](
+        q, k, q_weight, k_weight, cos, sin, q_out, k_out,
+        s, hq, hk, n_q, n_k, q_programs,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        cos_stride_b, cos.stride(1), sin_stride_b, sin.stride(1),
+        eps, weight_offset,
+        HALF=rotary_dim // 2,
+        PASS=d - rotary_dim,
+        BLOCK_HALF=block_half,
+        BLOCK_PASS=block_pass,
+        ROWS=rows,
+        NORM_PER_HEAD=norm_per_head,
+        CAST_BEFORE_WEIGHT=cast_before_weight,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)

@@ -1,0 +1,318 @@
+"""DeepSeek V3 / V3.2 pre-attention spellings (MLA and the V3.2 indexer), mapped to the ops of
+``fusion_passes.lowering.mla_rope``.
+
+Canonicalize, then fuse: the RMSNorm fusions have already turned kv_a_layernorm (and
+q_a_layernorm, which sits between two GEMMs and is one kernel already) into
+``fusion_passes.rms_norm``; these patterns start from that op. As transformers 5 writes them:
+
+mla_kv_norm_rope (DeepseekV3Attention / DeepseekV32Attention, kv branch)
+    Unfused: kv_nope, k_rot = split(kv_a_proj_with_mqa(h), [R, P], -1)
+             kv_nope = rms_norm(kv_nope); k_rot = rope(k_rot.view(B, 1, S, P), cos, sin)
+    Fused:   kv_nope, k_rot = mla_kv_norm_rope(kv, w, cos, sin, eps, offset, cast, interleave)
+mla_q_rope (the same attention, q branch; and the V3.2 indexer's query)
+    Unfused: q_pass, q_rot = split(q.view(B, S, H, D).transpose(1, 2), [D - P, P], -1)
+             query = cat(q_pass, rope(q_rot, cos, sin))
+             indexer: q_rot, q_pass = split(q, [P, D - P]); q = cat(rope(q_rot), q_pass)
+    Fused:   query = mla_q_rope(q, cos, sin, rope_first, interleave, heads_first)
+mla_indexer_k_norm_rope (DeepseekV32Indexer key)
+    Unfused: k = layer_norm(wk(h)).unsqueeze(2); k_rot, k_pass = split(k, [P, D - P])
+             k = cat(rope(k_rot, cos, sin), k_pass).squeeze(2)
+    Fused:   k = mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)
+
+rope is ``apply_rotary_pos_emb_interleave`` (config.rope_interleave, V3.2's MLA) or
+``apply_rotary_pos_emb`` (rotate_half: V3 with rope_interleave=False, the indexer). cos and sin
+are pattern inputs as the attention slices them (``cos[..., :P/2].unsqueeze(1)`` or
+``cos.unsqueeze(dim)``): q and k share those nodes, so neither pattern may own them.
+
+The rotary width P is read from shapes (the rms_norm weight's width for kv, cos for q and the
+indexer), the other widths from the inputs, so one pattern matches every head count and dim;
+the checks reject cos/sin that do not fit (another shape, dtype, or axis).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fusion_passes.lowering.mla_rope_reference import (
+    check_indexer_k_args,
+    check_mla_kv_args,
+    check_mla_q_args,
+)
+from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
+from fusion_passes.registry import (
+    DEFAULT_SCALAR_SENTINEL,
+    Fusion,
+    Spelling,
+    add_builtin,
+)
+
+# --- RoPE as transformers writes it (traced; keep the op order exactly) ---
+
+
+def rope_interleave(x, cos, sin):
+    """apply_rotary_pos_emb_interleave, one tensor, cos/sin already sliced and unsqueezed."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_rotate_half(x, cos, sin):
+    """apply_rotary_pos_emb, one tensor, cos/sin already unsqueezed."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+_ROPES = {True: rope_interleave, False: rope_rotate_half}
+_NORM_FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
+
+
+def _rope_width(cos, interleave: bool) -> int:
+    return cos.shape[-1] * (2 if interleave else 1)
+
+
+# --- mla_kv_norm_rope ---
+
+
+def _kv_spelling(form: str, interleave: bool):
+    offset, cast = _NORM_FORMS[form]
+    rope = _ROPES[interleave]
+
+    def pattern(kv, weight, cos, sin, eps):
+        p = kv.shape[-1] - weight.shape[0]
+        kv_nope, k_rot = torch.split(kv, [weight.shape[0], p], dim=-1)
+        kv_nope = torch.ops.fusion_passes.rms_norm.default(kv_nope, weight, eps, offset, cast)
+        k_rot = k_rot.view(kv.shape[0], 1, kv.shape[1], p)
+        return kv_nope, rope(k_rot, cos, sin)
+
+    def replacement(kv, weight, cos, sin, eps):
+        kv_nope, k_rot = torch.ops.fusion_passes.mla_kv_norm_rope.default(
+            kv, weight, cos.squeeze(1), sin.squeeze(1), eps, offset, cast, interleave
+        )
+        return kv_nope, k_rot.unsqueeze(1)
+
+    def check(values: dict[str, Any]) -> str | None:
+        kv, weight, cos, sin = (values[k] for k in ("kv", "weight", "cos", "sin"))
+        reason = _check_unsqueezed(cos, sin, 1)
+        if reason:
+            return reason
+        try:
+            r = check_mla_kv_args(kv, weight, cos.squeeze(1), sin.squeeze(1), interleave)
+            check_rms_norm_args(kv[..., :r], weight, offset, cast)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    name = f"rms_norm_{form}_rope_{'interleave' if interleave else 'rotate_half'}"
+    return Spelling(name, pattern, replacement, check)
+
+
+def _check_unsqueezed(cos, sin, dim: int) -> str | None:
+    """cos/sin as the attention broadcasts them: [B, S, C] with a size-1 (head) dim at ``dim``."""
+    if cos.shape != sin.shape:
+        return f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ"
+    if cos.dim() != 4 or cos.shape[dim] != 1:
+        return f"cos {tuple(cos.shape)} is not [B, S, C] unsqueezed at dim {dim}"
+    return None
+
+
+def _kv_examples(interleave: bool):
+    """Latent 16, rope 8 (cos width 4 interleaved, 8 rotate_half); fp32 and bf16 (the rms_norm
+    op hides the casts, so both give one pattern)."""
+
+    def example_inputs():
+        for dtype in (torch.float32, torch.bfloat16):
+            kv = torch.randn(2, 3, 24, dtype=dtype)
+            cos = torch.randn(2, 1, 3, 4 if interleave else 8, dtype=dtype)
+            w = torch.randn(16, dtype=dtype)
+            yield kv, w, cos, torch.randn_like(cos), DEFAULT_SCALAR_SENTINEL
+
+    return example_inputs
+
+
+def _kv_fusion(interleave: bool) -> Fusion:
+    style = "interleaved (even/odd)" if interleave else "rotate_half"
+    return Fusion(
+        # Two fusions of one op: the registry traces every spelling of a fusion on every example,
+        # and cos is half as wide for the interleaved RoPE.
+        name="mla_kv_norm_rope" if interleave else "mla_kv_norm_rope_rotate_half",
+        summary=f"MLA kv: RMSNorm of the latent + {style} RoPE of k_pe -> one mla_kv_norm_rope kernel",
+        doc="""MLA's kv_a_proj_with_mqa output: latent normalised, k_pe rotated, in one kernel.
+
+        Unfused: kv_nope, k_pe = split(kv, [R, P]); rms_norm(kv_nope); rope(k_pe.view(B, 1, S, P))
+                 (an RMSNorm kernel and a RoPE kernel, each reading its slice of kv)
+        Fused:   kv_nope, k_pe = fusion_passes.mla_kv_norm_rope(kv, w, cos, sin, eps, offset,
+                 cast, interleave)""",
+        spellings=tuple(_kv_spelling(form, interleave) for form in _NORM_FORMS),
+        example_inputs=_kv_examples(interleave),
+        scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+        requires=("rms_norm",),
+        builtin=True,
+    )
+
+
+MLA_KV_NORM_ROPE = _kv_fusion(interleave=True)
+MLA_KV_NORM_ROPE_ROTATE_HALF = _kv_fusion(interleave=False)
+
+
+# --- mla_q_rope ---
+
+
+def _q_spelling(indexer: bool, interleave: bool):
+    rope = _ROPES[interleave]
+    # MLA's q_rot is [B, H, S, P] (cos unsqueezed at 1); the indexer's [B, S, H, P] (at 2).
+    dim = 2 if indexer else 1
+
+    if indexer:
+
+        def pattern(q, cos, sin):
+            p = _rope_width(cos, interleave)
+            q_rot, q_pass = torch.split(q, [p, q.shape[-1] - p], dim=-1)
+            return torch.cat([rope(q_rot, cos, sin), q_pass], dim=-1)
+
+    else:
+
+        def pattern(q, cos, sin):
+            p = _rope_width(cos, interleave)
+            q = q.transpose(1, 2)
+            q_pass, q_rot = torch.split(q, [q.shape[-1] - p, p], dim=-1)
+            return torch.cat((q_pass, rope(q_rot, cos, sin)), dim=-1)
+
+    def replacement(q, cos, sin):
+        return torch.ops.fusion_passes.mla_q_rope.default(
+            q, cos.squeeze(dim), sin.squeeze(dim), indexer, interleave, not indexer
+        )
+
+    def check(values: dict[str, Any]) -> str | None:
+        q, cos, sin = (values[k] for k in ("q", "cos", "sin"))
+        reason = _check_unsqueezed(cos, sin, dim)
+        if reason:
+            return reason
+        if q.dim() != 4:
+            return f"q {tuple(q.shape)} is not [B, S, H, D]"
+        try:
+            p = check_mla_q_args(q, cos.squeeze(dim), sin.squeeze(dim), interleave)
+        except ValueError as e:
+            return str(e)
+        if p == q.shape[-1]:
+            return "no pass-through slice: the split has one part"
+        return None
+
+    name = f"{'indexer_q' if indexer else 'mla_q'}_rope_{'interleave' if interleave else 'rotate_half'}"
+    return Spelling(name, pattern, replacement, check)
+
+
+def _q_examples():
+    """Head dim 12, cos width 4: rope 8 (interleaved) or 4 (rotate_half), both with a
+    pass-through slice. RoPE in fp32 and bf16 traces alike (no casts)."""
+    q = torch.randn(2, 3, 5, 12)
+    cos_mla = torch.randn(2, 1, 3, 4)
+    yield q, cos_mla, torch.randn_like(cos_mla)
+
+
+def _q_examples_for(indexer: bool):
+    def example_inputs():
+        for q, cos, sin in _q_examples():
+            if indexer:  # cos [B, S, 1, C]
+                cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+            yield q, cos.contiguous(), sin.contiguous()
+
+    return example_inputs
+
+
+MLA_Q_ROPE = Fusion(
+    name="mla_q_rope",
+    summary="MLA q (and V3.2 indexer q): split + RoPE + cat -> one mla_q_rope kernel",
+    doc="""q's rope slice rotated and reassembled with the pass-through slice, in one kernel.
+
+    Unfused: q_pass, q_rot = split(q.transpose(1, 2), [D - P, P]); cat(q_pass, rope(q_rot))
+             (indexer: q_rot, q_pass = split(q, [P, D - P]); cat(rope(q_rot), q_pass))
+    Fused:   query = fusion_passes.mla_q_rope(q, cos, sin, rope_first, interleave, heads_first)""",
+    spellings=tuple(_q_spelling(False, il) for il in (True, False)),
+    example_inputs=_q_examples_for(indexer=False),
+    builtin=True,
+)
+
+# The indexer's q has cos unsqueezed at another dim, so its own example: a separate fusion of
+# the same op (the registry traces every spelling of a fusion on every example).
+MLA_INDEXER_Q_ROPE = Fusion(
+    name="mla_indexer_q_rope",
+    summary="V3.2 indexer q: split + RoPE + cat -> one mla_q_rope kernel",
+    doc=MLA_Q_ROPE.doc,
+    spellings=tuple(_q_spelling(True, il) for il in (True, False)),
+    example_inputs=_q_examples_for(indexer=True),
+    builtin=True,
+)
+
+
+# --- mla_indexer_k_norm_rope ---
+
+
+def _indexer_k_spelling(interleave: bool):
+    rope = _ROPES[interleave]
+
+    def pattern(k, weight, bias, cos, sin, eps):
+        p = _rope_width(cos, interleave)
+        k = F.layer_norm(k, (k.shape[-1],), weight, bias, eps).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [p, k.shape[-1] - p], dim=-1)
+        return torch.cat([rope(k_rot, cos, sin), k_pass], dim=-1).squeeze(2)
+
+    def replacement(k, weight, bias, cos, sin, eps):
+        return torch.ops.fusion_passes.mla_indexer_k_norm_rope.default(
+            k, weight, bias, cos.squeeze(2), sin.squeeze(2), eps, interleave
+        )
+
+    def check(values: dict[str, Any]) -> str | None:
+        k, weight, bias, cos, sin = (values[n] for n in ("k", "weight", "bias", "cos", "sin"))
+        reason = _check_unsqueezed(cos, sin, 2)
+        if reason:
+            return reason
+        if k.dim() != 3:
+            return f"k {tuple(k.shape)} is not [B, S, D]"
+        try:
+            p = check_indexer_k_args(k, weight, bias, cos.squeeze(2), sin.squeeze(2), interleave)
+        except ValueError as e:
+            return str(e)
+        if p == k.shape[-1]:
+            return "no pass-through slice: the split has one part"
+        return None
+
+    name = f"layer_norm_rope_{'interleave' if interleave else 'rotate_half'}"
+    return Spelling(name, pattern, replacement, check)
+
+
+def _indexer_k_examples():
+    """fp32 graphs drop the casts that bf16/fp16 LayerNorm graphs keep: trace both."""
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(2, 3, 12, dtype=dtype)
+        w, b = torch.randn(12, dtype=dtype), torch.randn(12, dtype=dtype)
+        cos = torch.randn(2, 3, 1, 4, dtype=dtype)
+        yield k, w, b, cos, torch.randn_like(cos), DEFAULT_SCALAR_SENTINEL
+
+
+MLA_INDEXER_K_NORM_ROPE = Fusion(
+    name="mla_indexer_k_norm_rope",
+    summary="V3.2 indexer key: LayerNorm + RoPE -> one mla_indexer_k_norm_rope kernel",
+    doc="""The DSA indexer's key: LayerNorm, then RoPE on its first P dims, in one kernel.
+
+    Unfused: k = layer_norm(k).unsqueeze(2); k_rot, k_pass = split(k, [P, D - P]);
+             cat(rope(k_rot), k_pass).squeeze(2)       (a LayerNorm kernel, a RoPE + cat kernel)
+    Fused:   k = fusion_passes.mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)""",
+    spellings=tuple(_indexer_k_spelling(il) for il in (False, True)),
+    example_inputs=_indexer_k_examples,
+    scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    builtin=True,
+)
+
+for _fusion in (
+    MLA_KV_NORM_ROPE,
+    MLA_KV_NORM_ROPE_ROTATE_HALF,
+    # The indexer key first: its unsqueezed [B, S, 1, D] rope + cat also has the indexer q's shape.
+    MLA_INDEXER_K_NORM_ROPE,
+    MLA_Q_ROPE,
+    MLA_INDEXER_Q_ROPE,
+):
+    add_builtin(_fusion)

@@ -1,0 +1,65 @@
+"""Real DeepSeek V3 / V3.2 models (transformers' own modeling code, tiny random-weight configs):
+every attention layer's pre-attention path fused (MLA kv and q branches; the V3.2 indexer's key and
+query), and the output equal to eager within the dtype's tolerance. One compile per case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_passes
+from fusion_passes.models import build_model
+from fusion_passes.numerics import compare, tolerance
+
+# (model, dtype, rope_interleave): the tiny configs interleave (as the published ones do); V3 also
+# runs with rope_interleave=False (apply_rotary_pos_emb), which V3.2's MLA does not support.
+CASES = [
+    ("deepseek-v3", torch.bfloat16, True),
+    ("deepseek-v3", torch.bfloat16, False),
+    ("deepseek-v3.2", torch.bfloat16, True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,dtype,interleave", CASES, ids=[f"{n}-{str(d)[6:]}-{'il' if i else 'rh'}" for n, d, i in CASES]
+)
+def test_every_attention_pre_path_is_fused(name, dtype, interleave):
+    built = build_model(name, size="tiny", dtype=dtype)
+    if name == "deepseek-v3":
+        built.config.rope_interleave = interleave  # read by the attention at every forward
+    module, inputs, sites = built.module.eval(), built.example_inputs, built.sites
+    report = fusion_passes.Report()
+    with torch.no_grad():
+        expected = module(*inputs)
+        torch._dynamo.reset()
+        backend = fusion_passes.backend("all", report=report)
+        fused = torch.compile(module, backend=backend, fullgraph=True)(*inputs)
+
+    attention = set(sites.attention)
+    assert len(attention) == built.config.num_hidden_layers
+    kv = "mla_kv_norm_rope" if interleave else "mla_kv_norm_rope_rotate_half"
+    expected_matches = {kv: len(attention), "mla_q_rope": len(attention)}
+    if name == "deepseek-v3.2":
+        expected_matches |= {"mla_indexer_k_norm_rope": len(attention), "mla_indexer_q_rope": len(attention)}
+    assert {k: v for k, v in report.matches.items() if k.startswith("mla_") and v} == expected_matches
+    for fusion in expected_matches:
+        # A site is named by its first output's module (the kv site by kv_a_layernorm's): one
+        # site inside each attention module (inside each indexer for the indexer fusions).
+        scope = ".indexer" if "indexer" in fusion else ""
+        owners = sorted(
+            a for s in report.sites_of(fusion) for a in attention
+            if s.module == a + scope or s.module.startswith(a + scope + ".")
+        )  # fmt: skip
+        assert owners == sorted(attention), (fusion, [s.module for s in report.sites_of(fusion)])
+    assert not report.errors and not report.rejected
+    after = report.ops_after()
+    assert after["fusion_passes.mla_kv_norm_rope.default"] == len(attention)
+    # The cats of every RoPE and of every query assembly are inside the fused ops: per layer, MLA
+    # q's rope and query cats and k_pe's rope cat; the indexer's rope + reassembly cats of q and k.
+    cats_per_layer = 3 + (4 if name == "deepseek-v3.2" else 0)
+    removed = report.ops_before()["aten.cat.default"] - after["aten.cat.default"]
+    assert removed == cats_per_layer * len(attention)
+
+    result = compare(fused, expected)
+    assert result.rel_norm <= tolerance(dtype).rel_norm, result

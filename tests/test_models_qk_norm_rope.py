@@ -1,0 +1,52 @@
+"""Real models (transformers' modeling code, tiny random-weight configs): every full-attention
+layer's QK-norm + RoPE path fused into one qk_norm_rope call, outputs equal to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_passes
+from fusion_passes.models import build_model
+from fusion_passes.numerics import compare, tolerance
+from fusion_passes.patterns.qk_norm_rope import FAMILY
+
+EXPECTED = {  # model: the fusion its attention spelling maps to
+    "qwen3": "qk_norm_rope",
+    "qwen3-moe": "qk_norm_rope",
+    "qwen3-next": "qk_norm_rope_partial",
+    "qwen3.5": "qk_norm_rope_partial",
+    "qwen3.5-moe": "qk_norm_rope_partial",
+    "minimax-m2": "qk_norm_rope_whole_row",
+}
+# One compile per model (25-50 s each on 2 cores): bf16, and fp32 for one.
+CASES = [(name, torch.bfloat16) for name in EXPECTED] + [("minimax-m2", torch.float32)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_every_attention_prelude_is_fused(name, dtype):
+    built = build_model(name, size="tiny", dtype=dtype)
+    module, inputs, sites = built.module.eval(), built.example_inputs, built.sites
+    report = fusion_passes.Report()
+    with torch.no_grad():
+        expected = module(*inputs)
+        torch._dynamo.reset()
+        fused = torch.compile(
+            module, backend=fusion_passes.backend(report=report), fullgraph=True
+        )(*inputs)
+    assert sites.attention
+    fusion = EXPECTED[name]
+    assert {f: report.matches[f] for f in FAMILY if report.matches[f]} == {
+        fusion: len(sites.attention)
+    }
+    fused_modules = {s.module for s in report.sites if s.fusion == fusion}
+    assert fused_modules == set(sites.attention), (fused_modules, sites.attention)
+    assert not report.errors and not report.rejected
+    after = report.ops_after()
+    assert after["fusion_passes.qk_norm_rope.default"] == len(sites.attention)
+    # rotate_half's negations (q and k) are gone from every attention layer.
+    removed = report.ops_before()["aten.neg.default"] - after["aten.neg.default"]
+    assert removed == 2 * len(sites.attention)
+    ours = compare(fused, expected).rel_norm
+    assert ours <= tolerance(dtype).rel_norm, ours

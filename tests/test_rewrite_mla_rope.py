@@ -1,0 +1,201 @@
+"""Rewrite tests of the DeepSeek V3 / V3.2 pre-attention fusions (mla_rope): every spelling, with
+its match count, the ops before/after, and outputs bit-exact against eager on the reference path
+(CPU); and the near misses that must not match."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_interleave,
+)
+
+import fusion_passes
+from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm
+
+B, S, H, NOPE, ROPE, V, R = 2, 5, 3, 16, 8, 12, 24
+MLA_FUSIONS = {True: "mla_kv_norm_rope", False: "mla_kv_norm_rope_rotate_half"}
+
+
+def _run(fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    backend = fusion_passes.backend("all", report=report)
+    with torch.no_grad():
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+        expected = fn(*args)
+    return out, expected, report
+
+
+def _matched(report):
+    return {k: v for k, v in report.matches.items() if v}
+
+
+def _cos_sin(dtype, width=ROPE):
+    angle = torch.rand(B, S, width // 2) * 50
+    emb = torch.cat([angle, angle], dim=-1)  # HF: cat(freqs, freqs)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mla_pre_attention(q, kv, kv_b, w, cos, sin, interleave=True, norm=llama_rms_norm):
+    """DeepseekV3Attention.forward from q_b_proj's output to query/key/value (kv_b_proj given as
+    kv_b, a [R, H * (NOPE + V)] weight), as transformers 5 writes it."""
+    q_states = q.view(B, S, -1, NOPE + ROPE).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [NOPE, ROPE], dim=-1)
+    kv_nope, k_rot = torch.split(kv, [R, ROPE], dim=-1)
+    kv_nope = norm(kv_nope, w, 1e-6).view(B, 1, S, R)
+    k_rot = k_rot.view(B, 1, S, ROPE)
+    rope = apply_rotary_pos_emb_interleave if interleave else apply_rotary_pos_emb
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    kv_full = (kv_nope @ kv_b).view(B, S, -1, NOPE + V).transpose(1, 2)
+    k_nope, value = torch.split(kv_full, [NOPE, V], dim=-1)
+    k_rot = k_rot.expand(-1, k_nope.shape[1], -1, -1)
+    key = kv_full.new_empty(*kv_full.shape[:-1], NOPE + ROPE)
+    key[..., :NOPE].copy_(k_nope)
+    key[..., NOPE:].copy_(k_rot)
+    return query, key, value
+
+
+def _mla_inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, H * (NOPE + ROPE), generator=g).to(dtype)
+    kv = torch.randn(B, S, R + ROPE, generator=g).to(dtype)
+    kv_b = (0.2 * torch.randn(R, H * (NOPE + V), generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(R, generator=g)).to(dtype)
+    return q, kv, kv_b, w, *_cos_sin(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+def test_mla_q_and_kv_branches_fuse_bit_exact(interleave, dtype):
+    out, expected, report = _run(
+        lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype)
+    )
+    assert _matched(report) == {"rms_norm": 1, MLA_FUSIONS[interleave]: 1, "mla_q_rope": 1}
+    (kv_site,) = report.sites_of(MLA_FUSIONS[interleave])
+    rope = "interleave" if interleave else "rotate_half"
+    assert kv_site.spelling == f"rms_norm_llama_rope_{rope}"
+    assert report.sites_of("mla_q_rope")[0].spelling == f"mla_q_rope_{rope}"
+    before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
+    assert after["fusion_passes.mla_kv_norm_rope.default"] == 1
+    assert after["fusion_passes.mla_q_rope.default"] == 1
+    assert "fusion_passes.rms_norm.default" not in after
+    # The RoPE arithmetic is gone; what stays is the key assembly (slice_scatter) of k_nope, k_pe.
+    assert before["aten.sub.Tensor"] == 2 if interleave else before["aten.neg.default"] == 2
+    assert not {"aten.sub.Tensor", "aten.neg.default", "aten.cat.default"} & set(after)
+    for a, e in zip(out, expected, strict=True):
+        assert a.shape == e.shape and torch.equal(a, e)
+
+
+def test_fp32_weight_norm_form_fuses():
+    """F.rms_norm's rounding (weight applied in fp32) is the op's cast_before_weight=False form."""
+    args = _mla_inputs(torch.bfloat16)
+    out, expected, report = _run(lambda *a: mla_pre_attention(*a, norm=functional_rms_norm), *args)
+    assert _matched(report) == {"rms_norm": 1, "mla_kv_norm_rope": 1, "mla_q_rope": 1}
+    assert report.sites_of("mla_kv_norm_rope")[0].spelling == "rms_norm_fp32_weight_rope_interleave"
+    for a, e in zip(out, expected, strict=True):
+        assert torch.equal(a, e)
+
+
+def indexer_pre_scores(q, k, weight, bias, cos, sin):
+    """DeepseekV32Indexer.forward up to the scores' operands, as transformers 5 writes it."""
+    d = 2 * ROPE
+    q = q.view(B, S, H, d)
+    q_rot, q_pass = torch.split(q, [ROPE, d - ROPE], dim=-1)
+    k = F.layer_norm(k, (d,), weight, bias, 1e-6).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [ROPE, d - ROPE], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    return q, k
+
+
+def _indexer_inputs(dtype):
+    g = torch.Generator().manual_seed(1)
+    d = 2 * ROPE
+    q = torch.randn(B, S, H * d, generator=g).to(dtype)
+    k = (2 * torch.randn(B, S, d, generator=g) + 0.5).to(dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    b = (0.1 * torch.randn(d, generator=g)).to(dtype)
+    return q, k, w, b, *_cos_sin(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_indexer_q_and_k_fuse(dtype):
+    out, expected, report = _run(indexer_pre_scores, *_indexer_inputs(dtype))
+    assert _matched(report) == {"mla_indexer_k_norm_rope": 1, "mla_indexer_q_rope": 1}
+    after = report.graphs[0].ops_after
+    assert after["fusion_passes.mla_indexer_k_norm_rope.default"] == 1
+    assert after["fusion_passes.mla_q_rope.default"] == 1
+    assert "aten.var_mean.correction" in report.graphs[0].ops_before
+    assert not {"aten.var_mean.correction", "aten.cat.default", "aten.neg.default"} & set(after)
+    q, k = out
+    assert torch.equal(q, expected[0])  # RoPE alone: bit-exact
+    # The key's LayerNorm: eager's native kernel and Inductor's decomposition (which the reference
+    # op runs as eager F.layer_norm) may differ by an ulp; the RoPE after it rounds twice more.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(k, expected[1], rtol=tol, atol=tol)
+
+
+# --- near misses: none of these may match ---
+
+
+def test_rope_without_norm_is_not_the_kv_op():
+    """k_pe rotated but the latent not normalised: only the q branch fuses."""
+    args = _mla_inputs(torch.bfloat16)
+    out, expected, report = _run(
+        lambda *a: mla_pre_attention(*a, norm=lambda x, w, eps: x * w), *args
+    )
+    assert _matched(report) == {"mla_q_rope": 1}
+    assert "fusion_passes.mla_kv_norm_rope.default" not in report.graphs[0].ops_after
+    assert torch.equal(out[0], expected[0])  # the fused q branch rounds as eager does
+    # Stock Inductor's k RoPE keeps its products in fp32 (not rounded to bf16 as eager's are).
+    torch.testing.assert_close(out[1], expected[1], rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_norm_over_another_axis_is_not_the_indexer_op():
+    """The indexer key normalised over the token axis: the LayerNorm spelling must not match."""
+
+    def fn(q, k, weight, bias, cos, sin):
+        k = F.layer_norm(k.transpose(1, 2), (S,), weight[:S], bias[:S], 1e-6).transpose(1, 2)
+        k = k.contiguous().unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [ROPE, ROPE], dim=-1)
+        k_rot = apply_rotary_pos_emb(k_rot, k_rot, cos, sin, unsqueeze_dim=2)[0]
+        return torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+
+    out, expected, report = _run(fn, *_indexer_inputs(torch.bfloat16))
+    assert "mla_indexer_k_norm_rope" not in _matched(report)
+    assert "fusion_passes.mla_indexer_k_norm_rope.default" not in report.graphs[0].ops_after
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_mismatched_cos_sin_shapes_are_rejected():
+    """sin broadcast from one position (another shape than cos): every candidate is rejected."""
+    q, kv, kv_b, w, cos, sin = _mla_inputs(torch.bfloat16)
+    sin = sin[:, :1].contiguous()
+    out, expected, report = _run(mla_pre_attention, q, kv, kv_b, w, cos, sin)
+    assert _matched(report) == {"rms_norm": 1}
+    reasons = {r.fusion: r.reason for r in report.rejected}
+    assert set(reasons) >= {"mla_kv_norm_rope", "mla_q_rope"}
+    assert all("differ" in reason for reason in reasons.values()), reasons
+    for a, e in zip(out, expected, strict=True):  # stock Inductor's RoPE: fp32 intermediates
+        torch.testing.assert_close(a, e, rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_mla_fusions_are_in_all_after_rms_norm():
+    names = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    mla = [n for n in names if n.startswith("mla_")]
+    # The indexer key's fusion runs before the indexer q's: its unsqueezed key has q's shape.
+    assert mla == [
+        "mla_kv_norm_rope",
+        "mla_kv_norm_rope_rotate_half",
+        "mla_indexer_k_norm_rope",
+        "mla_q_rope",
+        "mla_indexer_q_rope",
+    ]
+    assert names.index("rms_norm") < names.index("mla_kv_norm_rope")
+    requested = [f.name for f in fusion_passes.registry.get_fusions(["mla_kv_norm_rope"])]
+    assert requested == ["rms_norm", "mla_kv_norm_rope"]
