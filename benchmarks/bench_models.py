@@ -55,10 +55,13 @@ def main() -> None:
             )
             module, inputs = built.module.eval(), built.example_inputs
             torch._dynamo.reset()
+            report = fusion_passes.Report()
             variants = {  # compiled lazily, on their first call below
                 "eager": module,
                 "inductor": torch.compile(module, backend="inductor", fullgraph=True),
-                "fusion_passes": torch.compile(module, backend=fusion_passes.backend(), fullgraph=True),
+                "fusion_passes": torch.compile(
+                    module, backend=fusion_passes.backend(report=report), fullgraph=True
+                ),
             }
             with torch.no_grad():
                 expected = module(*inputs).float()
@@ -76,6 +79,9 @@ def main() -> None:
                         "graph_us": forward_us(fn, inputs, graph=True),
                         "rel_err_vs_eager": err,
                     }
+                    if label == "fusion_passes":
+                        row["matches"] = {k: v for k, v in report.matches.items() if v}
+                        row["errors"] = list(report.errors)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.json:  # as it goes: a run cut short keeps what it measured

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import hashlib
 import inspect
 import sys
@@ -25,9 +24,12 @@ from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
     fwd_only,
+    gen_pattern,
+    is_match,
     is_mutation_op,
     register_replacement,
 )
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # A spelling's scalar arguments (eps, offsets) are traced with these sentinel values and become
 # pattern arguments, so one pattern matches every eps. 2**-17 is exact in fp32/bf16/fp16 (an eps
@@ -239,6 +241,31 @@ def _on_match(fusion: Fusion, spelling: Spelling, match: Match) -> bool:
     return True if handler is None else handler(fusion, spelling, match)
 
 
+def _scalars_then_on_match(fusion: Fusion, spelling: Spelling, example: list) -> Callable[[Match], bool]:
+    """The extra check: restore the scalar arguments (eps) the match may lack, then _on_match.
+
+    register_replacement re-checks a candidate with the pattern re-traced on the matched values,
+    scalars burned in; torch >= 2.12 copies the scalars over from the first match, torch 2.11 does
+    not, so there the match has no ``eps``. The generic pattern (scalars as keyword arguments),
+    matched again at the same output node, gives them back."""
+    names = [n for n in inspect.signature(spelling.pattern).parameters if n in fusion.scalars]
+    generic: list[Any] = []
+
+    def check(match: Match) -> bool:
+        missing = [n for n in names if n not in match.kwargs]
+        if missing:
+            if not generic:
+                with unset_fake_temporarily():  # the check runs under the graph's fake mode
+                    generic.append(gen_pattern(spelling.pattern, example, trace_functional, fusion.scalars))
+            again = generic[0].match(match.output_nodes()[0])
+            if not is_match(again) or any(n not in again.kwargs for n in missing):
+                return False
+            match.kwargs.update({n: again.kwargs[n] for n in missing})
+        return _on_match(fusion, spelling, match)
+
+    return check
+
+
 def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
     """The fusion's PatternMatcherPass, traced on first use and kept.
 
@@ -256,7 +283,7 @@ def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
                 list(example),
                 trace_functional,
                 matcher,
-                extra_check=functools.partial(_on_match, fusion, spelling),
+                extra_check=_scalars_then_on_match(fusion, spelling, list(example)),
                 scalar_workaround=fusion.scalars,
                 skip_duplicates=True,
                 **_pattern_name(f"{fusion.name}.{spelling.name}"),

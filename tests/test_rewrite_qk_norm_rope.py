@@ -204,3 +204,31 @@ def test_family_is_in_all_after_rms_norm_and_enabled_by_name():
     assert min(names.index(n) for n in FAMILY) > names.index("rms_norm")
     enabled = [f.name for f in get_fusions(["qk_norm_rope"])]
     assert set(enabled) == {"rms_norm", *FAMILY}
+
+
+def test_scalars_restored_where_the_recheck_drops_them(monkeypatch):
+    """torch 2.11's register_replacement re-checks a match with the scalars burned in and hands
+    the check a match without them (torch >= 2.12 copies them over): emulated here, every
+    spelling still fuses and reports its eps (and MiniMax-M2's head_dim), and q / k norms of
+    different eps are still told apart."""
+    import torch._inductor.pattern_matcher as pm
+
+    unflatten = pm._unflatten_match_kwargs
+
+    def as_in_torch_2_11(kwargs, arg_info, defaults=None):
+        return unflatten(kwargs, arg_info) if defaults is None else dict(kwargs)
+
+    monkeypatch.setattr(pm, "_unflatten_match_kwargs", as_in_torch_2_11)
+    for spelling in ("qwen3", "minimax_m2"):
+        fusion, per_head, rope, rotary, gate = SPELLINGS[spelling]
+        fn = _attention_prelude(NORMS["llama"], per_head, rope, gate, eps=(1e-5, 1e-5))
+        out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, gate))
+        assert _matched(report) == {"rms_norm": 2, fusion: 1}, spelling
+        assert report.sites_of(fusion)[0].scalars["eps"] == 1e-5
+        assert not report.errors
+        for a, e in zip(out, expected, strict=True):
+            assert torch.equal(a, e), spelling
+    fusion, per_head, rope, rotary, gate = SPELLINGS["qwen3"]
+    fn = _attention_prelude(NORMS["llama"], per_head, rope, gate, eps=(1e-6, 1e-5))
+    _, _, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, gate))
+    assert _matched(report) == {"rms_norm": 2} and not report.errors
