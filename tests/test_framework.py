@@ -273,3 +273,16 @@ def test_custom_fusion_example():
     assert dict(report.matches) == {"silu_mul": 1, "rms_norm": 1}
     assert not report.rejected and not report.errors
     fusion_passes.unregister_fusion("silu_mul")
+
+
+def test_direct_launch_rejects_ops_inductor_cannot_lower_post_grad():
+    """A launcher returning a transpose (decomposed by Inductor before its post-grad passes, so
+    without a lowering there) is refused before it can fail the compile; permute is fine."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusion_passes.lowering.direct_launch import check_lowerable
+
+    x = torch.randn(2, 3, 4, 5)
+    check_lowerable(make_fx(lambda t: torch.empty_like(t).permute(0, 2, 1, 3))(x).graph)
+    with pytest.raises(RuntimeError, match="transpose"):
+        check_lowerable(make_fx(lambda t: torch.empty_like(t).transpose(1, 2))(x).graph)

@@ -47,6 +47,18 @@ def _cos_sin(lead, c, dtype, g, batch_broadcast=False):
     return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
 
 
+def _assert_rope_equal(out, ref, dtype):
+    """RoPE outputs bit for bit; except fp32 on CUDA, within an ulp: there the compiler contracts
+    x1 * c1 - x2 * s1 into an FMA (one rounding fewer than eager's separate mul and sub; bf16 and
+    fp16 round each product explicitly, so they stay exact)."""
+    if DEVICE == "cuda" and dtype == torch.float32:
+        # One product's rounding (half an ulp of |x * c| <= 8 for these randn inputs: 2^-21),
+        # absolute: the difference of the products may cancel to near 0.
+        torch.testing.assert_close(out, ref, rtol=2.0**-22, atol=2.0**-20)
+    else:
+        assert torch.equal(out, ref)
+
+
 def _within_ulp(a, b, dtype, ulps=1):
     diff = (a.double() - b.double()).abs()
     return bool(torch.all(diff <= ulps * ULP[dtype] * b.double().abs().clamp_min(1e-3)))
@@ -66,7 +78,7 @@ def test_kv_norm_rope(dtype, interleave, config):
     ref_normed, ref_pe = mla_kv_norm_rope_reference(kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
     assert normed.shape == (*lead, r) and k_pe.shape == (*lead, p)
     assert normed.is_contiguous() and k_pe.is_contiguous()
-    assert torch.equal(k_pe, ref_pe)
+    _assert_rope_equal(k_pe, ref_pe, dtype)
     assert _within_ulp(normed, ref_normed, dtype, ulps=2)
 
 
@@ -98,7 +110,7 @@ def test_q_rope_bit_exact(dtype, interleave, layout, config):
     ref = mla_q_rope_reference(q, cos, sin, rope_first, interleave, heads_first)
     assert out.is_contiguous() and out.shape == ref.shape
     assert out.shape == ((b, h, s, nope + p) if heads_first else q.shape)
-    assert torch.equal(out, ref)
+    _assert_rope_equal(out, ref, dtype)
 
 
 @pytest.mark.parametrize("dims", [(128, 64), (32, 16), (40, 8)], ids=str)

@@ -53,6 +53,19 @@ def inline_triton_launches(graph: torch.fx.Graph) -> int:
     return count
 
 
+def check_lowerable(graph: torch.fx.Graph) -> None:
+    """Raise if Inductor could not lower a node of a traced launch: an op that Inductor
+    decomposes before its post-grad passes (e.g. aten.transpose.int into permute) has no lowering
+    of its own, and met after them it fails the whole compile. Raised here instead, the pass
+    manager keeps the op's dispatch call and warns."""
+    from torch._inductor.decomposition import decompositions
+    from torch._inductor.lowering import lowerings
+
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target not in lowerings and node.target in decompositions:
+            raise RuntimeError(f"the traced launch calls {node.target}, which Inductor cannot lower here")
+
+
 def _inline(
     graph: torch.fx.Graph, node: torch.fx.Node, launcher: Callable[..., Any], args: list[Any]
 ) -> None:
@@ -77,6 +90,7 @@ def _inline(
     if mutations:
         raise RuntimeError(f"the traced launch writes its inputs ({mutations[0].format_node()})")
     sub.graph.eliminate_dead_code()
+    check_lowerable(sub.graph)
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(node.args[i] for i in tensor_positions)
     result: Any = None

@@ -265,4 +265,6 @@ def qk_norm_rope_triton(
         CAST_BEFORE_WEIGHT=cast_before_weight,
         num_warps=num_warps,
     )  # fmt: skip
-    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    # permute, not transpose: inlined as a direct launch, this lands in Inductor's post-grad graph,
+    # where torch 2.11 has no lowering for aten.transpose.int (its decomposition runs earlier).
+    return q_out.permute(0, 2, 1, 3), k_out.permute(0, 2, 1, 3)
