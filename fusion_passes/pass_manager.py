@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._functorch.compile_utils import fx_graph_cse
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Match, stable_topological_sort
 
@@ -88,8 +89,20 @@ class FusionPassManager(CustomGraphPass):
         index = len(self.report.graphs)
         first_error = len(self.report.errors)
         before = op_counts(graph)
+        deduplicated = False
         with match_handler(self._on_match):
             for fusion in self.fusions:
+                if fusion.cse_before and not deduplicated:
+                    # Identical subgraphs computed twice (an activation quantized once per
+                    # projection that reads it: q / k / v, gate / up) become one, so the norm
+                    # feeding them has one consumer to fuse with. AOTAutograd leaves them
+                    # duplicated in inference graphs.
+                    deduplicated = True
+                    self._guarded(
+                        "common subexpression elimination",
+                        lambda: eliminate_common_subexpressions(graph),
+                        graph,
+                    )
                 self._apply(fusion, graph, index)
         self._guarded(
             "near-miss analysis",
@@ -231,6 +244,19 @@ def _replacement_region(fusion: Fusion, spelling: Spelling) -> Region:
 
 def _argnames(spelling: Spelling) -> list[str]:
     return list(inspect.signature(spelling.pattern).parameters)
+
+
+def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
+    """Inductor's own CSE (functorch's fx_graph_cse: pure ops only, random ops and outputs'
+    storages kept apart), applied in place; returns the number of nodes removed."""
+    count = len(graph.nodes)
+    deduplicated = fx_graph_cse(graph)
+    if len(deduplicated.nodes) == count:
+        return 0
+    live = [n for n in graph.nodes if n.op == "placeholder"]
+    new = [n for n in deduplicated.nodes if n.op == "placeholder"]
+    _restore(graph, (deduplicated, dict(zip(new, live, strict=True))))
+    return count - len(graph.nodes)
 
 
 def _snapshot(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node]]:

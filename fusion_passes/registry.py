@@ -80,6 +80,11 @@ class Fusion:
     requires: tuple[str, ...] = ()
     # Part of fusions="all"; False keeps a fusion opt-in (by name) until its CUDA kernel is proven.
     in_all: bool = True
+    # Deduplicate identical subgraphs before this fusion runs (see pass_manager): its pattern needs
+    # one consumer where the model computes the same thing several times (an activation quantized
+    # once per projection). After the fusions that need a shared input kept apart (the RoPE
+    # patterns: cos.unsqueeze per layer), so they come first in application order.
+    cse_before: bool = False
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
 
@@ -93,7 +98,7 @@ class Fusion:
             if fn is None:
                 continue
             h.update(_source_of(fn).encode())
-        h.update(repr(sorted(self.scalars.items())).encode())
+        h.update(repr((sorted(self.scalars.items()), self.cse_before)).encode())
         return h.hexdigest()
 
 

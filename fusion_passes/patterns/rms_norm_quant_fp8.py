@@ -151,6 +151,7 @@ def _fusion(with_residual: bool, scheme: str) -> Fusion:
         example_inputs=_examples(with_residual, scheme),
         scalars={"eps": DEFAULT_SCALAR_SENTINEL},
         requires=("add_rms_norm", "rms_norm"),
+        cse_before=True,  # q / k / v (gate / up) each quantize the norm's output: one after CSE
         # Opt-in by name until the Triton kernel has been checked and measured on a GPU.
         in_all=False,
         builtin=True,
