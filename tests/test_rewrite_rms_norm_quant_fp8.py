@@ -115,3 +115,30 @@ def test_quant_fusion_enables_the_norm_fusions_it_starts_from():
     names = [f.name for f in fusion_passes.registry.get_fusions(["rms_norm_quant_fp8_per_token"])]
     assert names == ["add_rms_norm", "rms_norm", "rms_norm_quant_fp8_per_token"]
     assert not set(QUANT_FUSIONS) & {f.name for f in fusion_passes.registry.get_fusions("all")}
+
+
+def test_one_activation_quantized_per_projection_fuses_once():
+    """q / k / v projections each quantize the same normed activation (Fp8Linear per projection):
+    the pass deduplicates the three quantizations first, then fuses the norm with the one left;
+    without the deduplication the norm would have three consumers and stay unfused."""
+
+    def fn(x, w, projections):
+        y = llama_rms_norm(x, w, 1e-6)
+        outs = []
+        for p in projections:  # each projection quantizes y itself, then multiplies
+            q, s = quant_per_token(y)
+            outs.append((q.float() * s) @ p)
+        return outs
+
+    x, w = torch.randn(4, 256).bfloat16(), (1 + 0.3 * torch.randn(256)).bfloat16()
+    projections = [torch.randn(256, 64) for _ in range(3)]
+    out, expected, report = _run(fn, x, w, projections)
+    assert {k: v for k, v in report.matches.items() if v} == {
+        "rms_norm": 1,
+        "rms_norm_quant_fp8_per_token": 1,
+    }
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.amax.default"] == 3 and "aten.amax.default" not in after
+    assert after["fusion_passes.rms_norm_quant_fp8.default"] == 1
+    for a, e in zip(out, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
