@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one run: the CUDA tests, then the benchmarks.
 # Usage (repository root): OUT=out benchmarks/run_gpu.sh   (logs and tables go to $OUT)
-# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, MODELS=0; extra
+# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, SILU=0, QK=0, MLA=0, MODELS=0; extra
 # arguments for a benchmark go in QUANT_ARGS / MODELS_ARGS (e.g. MODELS_ARGS="--models qwen3.5-moe").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
 set -uo pipefail
@@ -22,13 +22,20 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember a failure
   tail -3 "$OUT/$name.log"
 }
 [ "${TESTS:-1}" = 1 ] && run gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-  tests/test_rms_norm_kernel.py tests/test_rms_norm_quant_fp8_kernel.py
+  tests/test_rms_norm_kernel.py tests/test_rms_norm_quant_fp8_kernel.py tests/test_qk_norm_rope_kernel.py \
+  tests/test_mla_rope_kernel.py tests/test_silu_mul_quant_fp8_kernel.py
 [ "${LAUNCH:-1}" = 1 ] && run launch_overhead python3 benchmarks/bench_launch_overhead.py --layers 16 \
   --tokens 1 4 64 --json "$OUT/launch_overhead.json"
 [ "${RMS_NORM:-1}" = 1 ] && run bench_rms_norm python3 benchmarks/bench_rms_norm.py \
   --out "$OUT/bench_rms_norm.md" --json "$OUT/bench_rms_norm.json"
 [ "${QUANT:-1}" = 1 ] && run bench_rms_norm_quant_fp8 python3 benchmarks/bench_rms_norm_quant_fp8.py \
   --out "$OUT/bench_rms_norm_quant_fp8.md" --json "$OUT/bench_rms_norm_quant_fp8.json" ${QUANT_ARGS:-}
+[ "${SILU:-1}" = 1 ] && run bench_silu_mul_quant_fp8 python3 benchmarks/bench_silu_mul_quant_fp8.py \
+  --out "$OUT/bench_silu_mul_quant_fp8.md" --json "$OUT/bench_silu_mul_quant_fp8.json"
+[ "${QK:-1}" = 1 ] && run bench_qk_norm_rope python3 benchmarks/bench_qk_norm_rope.py \
+  --out "$OUT/bench_qk_norm_rope.md" --json "$OUT/bench_qk_norm_rope.json"
+[ "${MLA:-1}" = 1 ] && run bench_mla_rope python3 benchmarks/bench_mla_rope.py \
+  --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json"
 [ "${MODELS:-1}" = 1 ] && run bench_models python3 benchmarks/bench_models.py \
   --json "$OUT/bench_models.json" ${MODELS_ARGS:-}
 exit $status

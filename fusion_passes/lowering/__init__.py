@@ -5,6 +5,7 @@ from fusion_passes.lowering.rms_norm import add_rms_norm, rms_norm
 from fusion_passes.lowering.rms_norm_quant_fp8 import add_rms_norm_quant_fp8, rms_norm_quant_fp8
 from fusion_passes.lowering.qk_norm_rope import qk_norm_rope
 from fusion_passes.lowering.mla_rope import mla_indexer_k_norm_rope, mla_kv_norm_rope, mla_q_rope
+from fusion_passes.lowering.silu_mul_quant_fp8 import silu_mul_quant_fp8
 
 __all__ = [
     "add_rms_norm",
@@ -15,4 +16,5 @@ __all__ = [
     "qk_norm_rope",
     "rms_norm",
     "rms_norm_quant_fp8",
+    "silu_mul_quant_fp8",
 ]

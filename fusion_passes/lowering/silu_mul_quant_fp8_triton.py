@@ -1,0 +1,195 @@
+"""One Triton kernel for SiLU-and-mul + FP8 (float8_e4m3fn) quantization over the last dim.
+
+Unfused: silu(gate) * up writes y in the input dtype, an amax reduction reads y, and a
+    scale-and-cast kernel reads y again to write the fp8 codes (the down projection's input).
+Fused:   gate and up read once, codes and scales written once; all math in fp32, rounding where
+    silu_mul_quant_fp8_reference.py (eager) rounds:
+    s     = to_dtype(f32(gate) / (1 + exp(-f32(gate))))        F.silu's own formula
+    y32   = f32(to_dtype(f32(s) * f32(up)))
+    scale = the given one (static), or max(amax(|y32|) / 448, MIN_SCALE) per row (per_token) or
+            per group of G columns (per_group), rounded up to a power of two under scale_ue8m0
+    q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448)), stored with the computed scales
+
+The exp: on a GPU the kernel calls libdevice's expf (__nv_expf), the function torch's CUDA silu
+calls (``x / (1 + ::expf(-x))`` in opmath fp32), and divides correctly rounded (div_rn) as nvcc
+does by default, so y is meant to equal eager's bit for bit there (the GPU test checks it). Under
+the CPU interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu
+differs for 17% of N(0, 9) inputs, by up to 4 ulps (3.3e-7 relative; 4M measured); rounded to
+bf16 none of 65536 differed, so an fp32 y is a few ulps off, a bf16/fp16 y rarely one.
+
+Each program holds [ROWS, GROUPS, GROUP] blocks: a per_group program GROUPS groups of G columns,
+a static one a tile of up to 1024 columns (no reduction: the columns split among programs, so one
+token still spreads over intermediate / 1024 programs), a per_token one a whole row (its amax
+needs every column), so one reduction over the last axis gives the amax of a group or a row alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, check_quant_args
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
+    _FP8_MAX,
+    _MIN_SCALE,
+    _RECIPROCAL_FP8_MAX,
+    _fp8_e4m3fn_codes,
+)
+from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
+from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
+
+# Columns a static or per_group program covers (the per_token row is whole): at one token of
+# DeepSeek V3's intermediate 18432 that is 18 programs, each reading 4 KB of bf16 gate + up.
+# Not tuned yet: the GPU benchmark (benchmarks/bench_silu_mul_quant_fp8.py) decides.
+_COLUMNS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr, HW_CONVERT: tl.constexpr):
+    """fp32 v rounded to dtype (to nearest, ties to even), returned as fp32: where eager rounds.
+
+    Under the interpreter Triton 3.6 truncates fp32 -> bf16 (probed: 50% of N(0, 16) values came
+    out one bf16 ulp low), so bf16 is rounded there by integer steps: add 0x7FFF plus the lowest
+    kept bit (ties to even), drop the 16 low bits; an overflow carries into inf as the cast does.
+    fp16 casts round correctly in the interpreter (numpy's). HW_CONVERT: the GPU's cvt.rn."""
+    if dtype == tl.float32:
+        return v
+    if dtype == tl.bfloat16 and not HW_CONVERT:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000 as int32
+        return bits.to(tl.float32, bitcast=True)
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_quant_fp8_kernel(
+    gate_ptr,  # *dtype [M, N]: silu's input; column stride 1, row stride stride_gate
+    up_ptr,  # *dtype [M, N]: the other factor; column stride 1, row stride stride_up
+    q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn bit patterns (the fp8 output views them)
+    scale_ptr,  # *fp32: STATIC: the given scale (1 element, read); else [M, num_groups], written
+    M,  # number of rows (tokens)
+    N,  # row length (the MLP's intermediate size): the quantized dimension
+    num_groups,  # groups a row is quantized in (per_group: N / G; per_token: 1) or tiled in (static)
+    group_size,  # columns of a group: G (per_group), N (per_token), the tile (static)
+    stride_gate,  # elements between the starts of consecutive rows of gate
+    stride_up,  # elements between the starts of consecutive rows of up
+    STATIC: tl.constexpr,  # the scale is given (static scheme); else computed per group, stored
+    SCALE_UE8M0: tl.constexpr,  # round computed scales up to powers of two
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,  # scale = amax * fp32(1/448) (CUDA torch), else amax / 448
+    HW_CONVERT: tl.constexpr,  # compiled for a GPU: libdevice exp, hardware bf16 / fp8 conversions
+    BLOCK_GROUPS: tl.constexpr,  # groups each program covers (a power of two)
+    BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size)
+    ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
+):
+    rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    groups = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    in_group = tl.arange(0, BLOCK_GROUP)
+    cols = (groups[:, None] * group_size + in_group[None, :])[None, :, :]
+    group_mask = (rows < M)[:, None] & (groups < num_groups)[None, :]  # [ROWS, GROUPS]
+    # A static tile may pass the row's end (N = 18432 is 18 tiles of 1024, N = 100 part of one).
+    mask = group_mask[:, :, None] & (in_group < group_size)[None, None, :] & (cols < N)
+    # int64 row offsets: M * N passes 2^31 elements at 116k tokens of intermediate 18432.
+    rows = rows.to(tl.int64)
+    rows_3d = rows[:, None, None]
+    dtype = gate_ptr.dtype.element_ty
+
+    gate = tl.load(gate_ptr + rows_3d * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + rows_3d * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    if HW_CONVERT:
+        e = libdevice.exp(-gate)  # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp)
+    else:
+        e = tl.exp(-gate)
+    # div_rn, not '/': Triton's '/' is an approximate division on NVIDIA GPUs (div.full.f32, 2 ulp).
+    # Masked columns: gate 0 gives silu 0 and y 0, nothing to the amax.
+    silu = _round_to(tl.div_rn(gate, 1.0 + e), dtype, HW_CONVERT)
+    # The product of two bf16/fp16 values is exact in fp32 (8 + 8 or 11 + 11 significant bits):
+    # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
+    y = _round_to(silu * up, dtype, HW_CONVERT)
+
+    if STATIC:
+        scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS_PER_PROGRAM, BLOCK_GROUPS))
+    else:
+        amax = tl.max(tl.abs(y), axis=2)
+        # The model's `amax / 448` as torch computes it on the device (see rms_norm_quant_fp8_triton:
+        # CUDA multiplies by fp32(1/448), one ulp off the quotient for 54% of bf16 amax values).
+        if AMAX_TIMES_RECIPROCAL:
+            scale = amax * _RECIPROCAL_FP8_MAX
+        else:
+            scale = tl.div_rn(amax, _FP8_MAX)
+        scale = tl.maximum(scale, _MIN_SCALE)
+        if SCALE_UE8M0:
+            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
+            scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+            scale = scale_bits.to(tl.float32, bitcast=True)
+        scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
+        tl.store(scale_ptrs, scale, mask=group_mask)
+    q = tl.div_rn(y, scale[:, :, None])
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
+
+
+def silu_mul_quant_fp8_triton(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    scheme: str,
+    scale: torch.Tensor | None = None,
+    group_size: int = 128,
+    scale_ue8m0: bool = False,
+    *,
+    wrap: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantized to float8_e4m3fn over the last dim, as
+    silu_mul_quant_fp8_reference computes it. Returns (codes, scales): codes a new contiguous fp8
+    tensor of gate's shape; scales the given scale (static), else new fp32 [..., 1] (per_token) or
+    [..., N / group_size] (per_group). gate and up may be row-strided views (the two halves of one
+    gate_up projection) and are read in place. `wrap` (e.g. torch.library.wrap_triton) is applied
+    to the kernel before launch so make_fx can trace it."""
+    check_silu_mul_args(gate, up)
+    check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
+    n = gate.shape[-1]
+    if scheme == "per_group":
+        num_groups, group = n // group_size, group_size
+    elif scheme == "per_token":
+        num_groups, group = 1, n
+    else:  # static: tiles of up to _COLUMNS_PER_PROGRAM columns, the last one masked at n
+        group = min(triton.next_power_of_2(n), _COLUMNS_PER_PROGRAM)
+        num_groups = triton.cdiv(n, group)
+    block_group = triton.next_power_of_2(group)
+    block_groups = 1 if scheme != "per_group" else max(1, _COLUMNS_PER_PROGRAM // block_group)
+    block_groups = min(block_groups, triton.next_power_of_2(num_groups))
+    gate_rows, up_rows = as_rows(gate), as_rows(up)
+    m = gate_rows.shape[0]
+    # The kernel writes the codes as bytes (see _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
+    codes = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
+    if scale is None:
+        scales = torch.empty((*gate.shape[:-1], num_groups), dtype=torch.float32, device=gate.device)
+    else:
+        scales = scale
+    _, rows_per_program, num_warps = launch_config(block_groups * block_group)
+    kernel = (wrap or (lambda k: k))(_silu_mul_quant_fp8_kernel)
+    kernel[(triton.cdiv(m, rows_per_program), triton.cdiv(num_groups, block_groups))](
+        gate_rows,
+        up_rows,
+        codes,
+        scales,
+        m,
+        n,
+        num_groups,
+        group,
+        gate_rows.stride(0),
+        up_rows.stride(0),
+        STATIC=scheme == "static",
+        SCALE_UE8M0=scale_ue8m0,
+        AMAX_TIMES_RECIPROCAL=gate.is_cuda,
+        HW_CONVERT=gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        BLOCK_GROUPS=block_groups,
+        BLOCK_GROUP=block_group,
+        ROWS_PER_PROGRAM=rows_per_program,
+        num_warps=num_warps,
+    )
+    return codes.view(FP8_DTYPE), scales

@@ -1,0 +1,245 @@
+"""Rewrite tests of SiLU-and-mul + FP8 quantization: match counts, ops before/after, codes/scales
+bit-exact against eager on the reference path (CPU), and the near misses left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion_passes
+from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static
+
+QUANT = {
+    "static": lambda y, scale: (quant_static(y, scale),),
+    "per_token": lambda y, scale: quant_per_token(y),
+    "per_group": lambda y, scale: quant_per_group(y),
+}
+# Opt-in while the CUDA kernel awaits a GPU run: enabled by name.
+FUSIONS = [f"silu_mul_quant_fp8_{s}" for s in QUANT]
+OP = "fusion_passes.silu_mul_quant_fp8.default"
+UNFUSED_OPS = {"aten.exp.default", "aten.amax.default", "aten.clamp_max.default"}
+HIDDEN, INTERMEDIATE = 64, 256
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _run(fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(FUSIONS, report=report))(*args)
+        expected = fn(*args)
+    return out, expected, report
+
+
+def _matched(report):
+    return {k: v for k, v in report.matches.items() if v}
+
+
+def _assert_equal(out, expected):
+    for a, e in zip(out, expected, strict=True):
+        assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
+
+
+# The MLP activations as models write them, each (x, w_gate, w_up, scale) -> quant(y, scale).
+def transformers_mlp(quant):
+    """LlamaMLP / Qwen3MLP / DeepseekV3MLP: act_fn(gate_proj(x)) * up_proj(x), act_fn = SiLU."""
+    return lambda x, w_gate, w_up, scale: quant(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), scale)
+
+
+def _fused_projection(split_halves):
+    def form(quant):
+        def fn(x, w_gate, w_up, scale):
+            gate_up = F.linear(x, torch.cat([w_gate, w_up]))  # one merged gate_up_proj
+            gate, up = split_halves(gate_up)
+            return quant(F.silu(gate) * up, scale)
+
+        return fn
+
+    return form
+
+
+FORMS = {
+    "transformers": (transformers_mlp, None),
+    "chunk": (_fused_projection(lambda t: t.chunk(2, -1)), "aten.split.Tensor"),
+    "split": (_fused_projection(lambda t: t.split(t.shape[-1] // 2, -1)), "aten.split.Tensor"),
+    # vLLM's SiluAndMul.forward_native: F.silu(x[..., :d]) * x[..., d:]
+    "slice": (
+        _fused_projection(lambda t: (t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2 :])),
+        "aten.slice.Tensor",
+    ),
+}
+
+
+def _inputs(dtype, tokens=(3, 5)):
+    x = torch.randn(*tokens, HIDDEN).to(dtype)
+    w_gate, w_up = (torch.randn(INTERMEDIATE, HIDDEN).div(8).to(dtype) for _ in range(2))
+    return x, w_gate, w_up, torch.tensor(0.01)
+
+
+# fp16 graphs match the bf16-traced pattern (re-traced with their dtype): once per graph shape.
+FORM_DTYPES = [(f, d) for f in FORMS for d in (torch.float32, torch.bfloat16)]
+FORM_DTYPES += [("transformers", torch.float16), ("chunk", torch.float16)]
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORM_DTYPES, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("scheme", QUANT)
+def test_silu_mul_then_quant_fuses_bit_exact(scheme, form, dtype):
+    build, view_op = FORMS[form]
+    out, expected, report = _run(build(QUANT[scheme]), *_inputs(dtype))
+    name = f"silu_mul_quant_fp8_{scheme}"
+    assert _matched(report) == {name: 1}
+    assert not report.rejected and not report.errors
+    (site,) = report.sites_of(name)
+    assert site.spelling == f"silu_mul_then_{scheme}"
+    (graph,) = report.graphs
+    before, after = graph.ops_before, graph.ops_after
+    expected_before = {"aten.exp.default", "aten.clamp_max.default", "aten.mm.default"}
+    expected_before |= {"aten.amax.default"} if scheme != "static" else set()
+    assert expected_before <= set(before) and OP not in before
+    assert after[OP] == 1 and not UNFUSED_OPS & set(after)
+    # The fused-projection forms hand the op the two halves of gate_up as views, read in place.
+    assert view_op is None or after[view_op] == before[view_op]
+    _assert_equal(out, expected)
+
+
+def test_mlp_with_a_dequantized_down_projection():
+    """The whole FP8 MLP: the codes and scales feed the down projection (dequantized per group,
+    as a CPU stand-in for a block-scaled GEMM); one site per MLP, two MLPs in one graph. Stock
+    Inductor's compile of this differs from eager (its dequantize-and-cast); the fused one not."""
+    x, w_gate, w_up, _ = _inputs(torch.bfloat16, tokens=(7,))
+    w_down = torch.randn(HIDDEN, INTERMEDIATE).div(16).to(torch.bfloat16)
+
+    def mlp(h):
+        gate, up = F.linear(h, torch.cat([w_gate, w_up])).chunk(2, -1)
+        q, scales = quant_per_group(F.silu(gate) * up)
+        dequantized = q.float().unflatten(-1, (-1, 128)) * scales.unsqueeze(-1)
+        return F.linear(dequantized.flatten(-2).to(h.dtype), w_down)
+
+    # Two MLPs in a row, no residual add between: Inductor folds an add after a matmul into addmm,
+    # which rounds otherwise than eager (outside this fusion), and the fp8 codes would amplify it.
+    out, expected, report = _run(lambda h: mlp(mlp(h)), x)
+    assert _matched(report) == {"silu_mul_quant_fp8_per_group": 2}
+    assert report.graphs[0].ops_after[OP] == 2 and "aten.exp.default" not in report.graphs[0].ops_after
+    assert torch.equal(out, expected)
+
+
+def _not_fused(fn, *args, rejected=None):
+    """fn compiles with no fusion applied: the post-grad graph unchanged (its unfused ops kept),
+    the outputs stock Inductor's bit for bit (not eager's: Inductor's compiled exp is its own).
+    ``rejected``: a substring of the one check rejection expected, else none."""
+    out, _, report = _run(fn, *args)
+    assert _matched(report) == {}, fn.__name__
+    (graph,) = report.graphs
+    assert graph.ops_after == graph.ops_before and OP not in graph.ops_after
+    assert {"aten.exp.default", "aten.clamp_max.default"} <= set(graph.ops_after)
+    reasons = [r.reason for r in report.rejected]
+    assert len(reasons) == (1 if rejected else 0) and all(rejected in r for r in reasons), reasons
+    torch._dynamo.reset()
+    with torch.no_grad():
+        stock = torch.compile(fn)(*args)
+    for a, e in zip(out, stock, strict=True):
+        assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
+
+
+def test_activation_used_elsewhere_is_not_fused():
+    """y, or silu(gate), also feeds another consumer that needs the unfused bf16 value."""
+    gate, up = (torch.randn(4, 256).to(torch.bfloat16) for _ in range(2))
+
+    def y_reused(gate, up):
+        y = F.silu(gate) * up
+        return (*quant_per_token(y), y * 2)
+
+    def silu_reused(gate, up):
+        s = F.silu(gate)
+        return (*quant_per_token(s * up), s + 1)
+
+    for fn in (y_reused, silu_reused):
+        _not_fused(fn, gate, up)
+
+
+def test_other_group_size_and_fp8_format_are_not_fused():
+    """Groups of 64 (256 and 192 columns: 128 divides only the first), and float8_e5m2 codes."""
+    gate_up = torch.randn(4, 512).to(torch.bfloat16)
+
+    def group_64(gate_up):
+        gate, up = gate_up.chunk(2, -1)
+        y32 = (F.silu(gate) * up).float().unflatten(-1, (-1, 64))
+        scale = (y32.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+        return (y32 / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).flatten(-2), scale
+
+    def e5m2(gate_up):
+        gate, up = gate_up.chunk(2, -1)
+        y32 = (F.silu(gate) * up).float()
+        scale = (y32.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+        return (y32 / scale).clamp(-448.0, 448.0).to(torch.float8_e5m2), scale
+
+    for fn, arg in ((group_64, gate_up), (group_64, gate_up[:, :384]), (e5m2, gate_up)):
+        _not_fused(fn, arg)
+
+
+def test_broadcast_and_mixed_dtypes_are_not_fused():
+    """An up that broadcasts over the tokens, or an up of another dtype (the product promotes):
+    the op computes neither. Where the graph has the spelling's shape (the broadcast; an fp32 gate
+    times a bf16 up) the check rejects it by name; a bf16 gate times an fp32 up already lacks the
+    spelling's cast of y to fp32."""
+    bf16 = torch.randn(4, 256).to(torch.bfloat16)
+
+    def fn(gate, up):
+        return quant_per_token(F.silu(gate) * up)
+
+    _not_fused(fn, bf16, torch.randn(1, 256).to(torch.bfloat16), rejected="one shape")
+    _not_fused(fn, bf16.float(), bf16, rejected="one dtype")
+    _not_fused(fn, bf16, bf16.float())
+
+
+def test_group_size_must_divide_the_intermediate_size():
+    """The per_group check refuses an activation whose width 128 does not divide (eager cannot
+    even spell that quantization: the reshape fails; the check stands guard for the op)."""
+    (fusion,) = fusion_passes.registry.get_fusions(["silu_mul_quant_fp8_per_group"])
+    (spelling,) = fusion.spellings
+    assert spelling.check({"gate": torch.empty(4, 256), "up": torch.empty(4, 256)}) is None
+    reason = spelling.check({"gate": torch.empty(4, 192), "up": torch.empty(4, 192)})
+    assert reason is not None and "must divide" in reason
+
+
+def test_fusions_are_opt_in_and_need_no_other():
+    assert [f.name for f in fusion_passes.registry.get_fusions(FUSIONS[:1])] == FUSIONS[:1]
+    assert not set(FUSIONS) & {f.name for f in fusion_passes.registry.get_fusions("all")}
+    names = [f.name for f in fusion_passes.registry.list_fusions()]
+    assert names[-3:] == FUSIONS  # registered after every existing fusion
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+def test_rewritten_graph_on_cuda(launch):
+    """On CUDA: one site per scheme, the kernel inlined (direct) or dispatched, codes within one
+    code of eager's and scales to bf16's rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, w_gate, w_up = (t.cuda() for t in _inputs(torch.bfloat16, tokens=(33,))[:3])
+    scale = torch.tensor(0.01, device="cuda")
+
+    def fn(x, w_gate, w_up, scale):
+        gate, up = F.linear(x, torch.cat([w_gate, w_up])).chunk(2, -1)
+        static = quant_static(F.silu(gate) * up, scale)
+        return (static, *quant_per_token(F.silu(up) * gate), *quant_per_group(F.silu(2 * gate) * up))
+
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusion_passes.backend(FUSIONS, report=report, launch=launch))
+    out, (code,) = run_and_get_code(compiled, x, w_gate, w_up, scale)
+    assert _matched(report) == {name: 1 for name in FUSIONS}
+    assert ("_silu_mul_quant_fp8_kernel" in code) == (launch == "direct")
+    for a, e in zip(out, fn(x, w_gate, w_up, scale), strict=True):
+        if a.dtype == torch.float8_e4m3fn:
+            a, e = (
+                torch.where(t >= 128, 128 - t, t)
+                for t in (_bits(a).to(torch.int16), _bits(e).to(torch.int16))
+            )
+            assert (a - e).abs().max().item() <= 1
+        else:
+            torch.testing.assert_close(a, e, rtol=torch.finfo(torch.bfloat16).eps, atol=0)
