@@ -16,6 +16,7 @@ import importlib.util
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,10 @@ class CliError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if not args.debug:
+        # transformers' MoE helpers call lru_cache-wrapped version checks that Dynamo warns about
+        # at every compile (a dozen lines each): noise in front of the report, not about the model.
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
     try:
         return args.run(args)
     except CliError as e:
