@@ -210,7 +210,7 @@ def test_fusions_are_opt_in_and_need_no_other():
     assert [f.name for f in fusion_passes.registry.get_fusions(FUSIONS[:1])] == FUSIONS[:1]
     assert not set(FUSIONS) & {f.name for f in fusion_passes.registry.get_fusions("all")}
     names = [f.name for f in fusion_passes.registry.list_fusions()]
-    assert names[-3:] == FUSIONS  # registered after every existing fusion
+    assert set(FUSIONS) <= set(names)
 
 
 @pytest.mark.gpu

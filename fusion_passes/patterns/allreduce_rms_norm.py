@@ -1,0 +1,251 @@
+"""Tensor-parallel allreduce + (residual add +) RMSNorm -> ``allreduce_(add_)rms_norm``.
+
+Under tensor parallelism (``parallelize_module``: column-wise q/k/v and gate/up, row-wise o_proj
+and down_proj) every row-wise projection ends in an allreduce of the ranks' partial sums, and the
+decoder layer then adds the residual and applies the next RMSNorm. Under torch.compile the
+allreduce is the functional collective pair, whether the model calls
+``funcol.all_reduce(x, "sum", group)``, DTensor's Partial -> Replicate redistribution, or an
+in-place ``dist.all_reduce(x)`` (traced to the same nodes):
+
+    s = _c10d_functional.wait_tensor(_c10d_functional.all_reduce(x, "sum", group_name))
+
+Canonicalize, then fuse: the RMSNorm fusions (``requires=``) have already turned the residual add
+and every norm spelling (Llama, F.rms_norm / nn.RMSNorm, Qwen's (1 + w)) into
+``fusion_passes.add_rms_norm`` / ``rms_norm``; these patterns take such a call fed by the
+allreduce. The add commutes bit for bit, so the canonical add_rms_norm may hold the sum as either
+operand (``residual + s`` or ``s + residual`` as the model wrote it): both positions are spellings.
+
+Unfused: s = wait(all_reduce(x)); y, r = add_rms_norm(s, residual, w, eps, offset, cast)
+         (a collective writing s, then a norm kernel reading s and residual)
+Fused:   y, r = allreduce_add_rms_norm(x, residual, w, eps, offset, cast, group_name)
+         y, s = allreduce_rms_norm(x, w, eps, offset, cast, group_name)   (no residual add)
+
+The process-group name is a string in the graph, and the pattern matcher compares strings
+literally (only float/int scalars can become pattern arguments): each pattern is traced with a
+sentinel group name, whose use in the traced graph is then pointed at the ``group_name``
+placeholder, so the name becomes a pattern argument matched at every site and handed to the
+fused call. The patterns hold no casts and no shapes (the canonical norm op carries them), so one
+trace on meta tensors serves every dtype and shape without the matcher's re-trace on the real
+values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch._inductor.pattern_matcher import PatternMatcherPass, fx_to_pattern, register_replacement
+
+# The fused ops' registration (the patterns' replacements call them).
+import fusion_passes.lowering.allreduce_add_rms_norm  # noqa: F401
+from fusion_passes.lowering.allreduce_add_rms_norm_reference import check_allreduce_rms_norm_args
+from fusion_passes.registry import (
+    DEFAULT_SCALAR_SENTINEL,
+    Fusion,
+    Spelling,
+    _pattern_name,
+    _scalars_then_on_match,
+    add_builtin,
+    trace_functional,
+)
+
+# The name the patterns are traced with: no process group has it (names are "0", "1", ... or a
+# user's tag), and no match depends on it: its use becomes the group_name pattern argument.
+GROUP_SENTINEL = "fusion_passes:any_group"
+
+_FORMS = {  # as patterns/rms_norm.py registers them: (weight_offset, cast_before_weight)
+    "llama": (0.0, True),
+    "fp32_weight": (0.0, False),
+    "offset": (1.0, False),
+}
+
+
+def _reduced(x, group_name):
+    """What every spelling of a TP allreduce becomes in the post-grad graph."""
+    reduced = torch.ops._c10d_functional.all_reduce.default(x, "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor.default(reduced)
+
+
+# --- spellings: the allreduce feeding the canonical norm ops ---
+
+
+def _allreduce_add_norm(offset: float, cast: bool, reduced_first: bool, residual_used: bool):
+    """reduced_first: where the sum sits in the canonical call. The RMSNorm fusion's pattern is
+    ``residual + x``, so a model's ``residual + s`` puts s in the x slot (first) and its
+    ``s + residual`` in the residual slot. residual_used: the new residual feeds later code (every
+    norm but the model's last one)."""
+
+    def pattern(x, residual, weight, group_name, eps):
+        s = _reduced(x, group_name)
+        a, b = (s, residual) if reduced_first else (residual, s)
+        y, new_residual = torch.ops.fusion_passes.add_rms_norm.default(a, b, weight, eps, offset, cast)
+        return (y, new_residual) if residual_used else y
+
+    return pattern
+
+
+def _allreduce_norm(offset: float, cast: bool):
+    """The sum is an output too: where no residual is added (the first layer after a reduced
+    embedding) it is the next residual. An intermediate node may be a pattern output whether or
+    not code outside reads it, so this one spelling also matches a sum read only by the norm."""
+
+    def pattern(x, weight, group_name, eps):
+        s = _reduced(x, group_name)
+        y = torch.ops.fusion_passes.rms_norm.default(s, weight, eps, offset, cast)
+        return y, s
+
+    return pattern
+
+
+def _fused_add_norm(offset: float, cast: bool, residual_used: bool):
+    def replacement(x, residual, weight, group_name, eps):
+        y, new_residual = torch.ops.fusion_passes.allreduce_add_rms_norm.default(
+            x, residual, weight, eps, offset, cast, group_name
+        )
+        return (y, new_residual) if residual_used else y
+
+    return replacement
+
+
+def _fused_norm(offset: float, cast: bool):
+    def replacement(x, weight, group_name, eps):
+        y, s = torch.ops.fusion_passes.allreduce_rms_norm.default(
+            x, weight, eps, offset, cast, group_name
+        )
+        return y, s
+
+    return replacement
+
+
+def _check(offset: float, cast: bool):
+    def check(values: dict[str, Any]) -> str | None:
+        if not isinstance(values.get("group_name"), str):
+            return f"group name is not a constant string ({values.get('group_name')!r})"
+        try:
+            check_allreduce_rms_norm_args(
+                values["x"], values["weight"], offset, cast, values.get("residual")
+            )
+        except ValueError as e:
+            return str(e)
+        return None
+
+    return check
+
+
+def _examples(with_residual: bool):
+    """Meta tensors: the patterns call only ops with fake kernels (the collective's included), so
+    they trace without a process group; the patterns hold no dtype, one example serves all."""
+
+    def example_inputs():
+        x = torch.empty(8, 16, device="meta")
+        w = torch.empty(16, device="meta")
+        tensors = (x, torch.empty_like(x), w) if with_residual else (x, w)
+        yield (*tensors, GROUP_SENTINEL, DEFAULT_SCALAR_SENTINEL)
+
+    return example_inputs
+
+
+class _GroupArgPass(PatternMatcherPass):
+    """The fusion's pattern pass, built on first use (importing stays cheap), with the group name
+    as a pattern argument (see the module docstring). registry.pattern_pass builds from traced
+    spellings where every non-float literal is fixed; this pass differs only in that step."""
+
+    def __init__(self, fusion_name: str) -> None:
+        super().__init__(pass_name=f"fusion_passes.{fusion_name}")
+        self.fusion: Fusion | None = None
+
+    def apply(self, gm):
+        if self.fusion is not None:
+            fusion, self.fusion = self.fusion, None
+            for spelling in fusion.spellings:
+                for example in fusion.example_inputs():
+                    _register(fusion, spelling, list(example), self)
+        return super().apply(gm)
+
+
+def _register(fusion: Fusion, spelling: Spelling, example: list, matcher: PatternMatcherPass) -> None:
+    argnames = list(inspect.signature(spelling.pattern).parameters)
+    gm = trace_functional(spelling.pattern, example)
+    group = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith("group_name"))
+    uses = 0
+    for node in gm.graph.nodes:
+        if node.target is torch.ops._c10d_functional.all_reduce.default:
+            node.args = tuple(group if a == GROUP_SENTINEL else a for a in node.args)
+            uses += node.args.count(group)
+    if uses != 1:
+        raise RuntimeError(f"{spelling.name}: traced {uses} uses of the group name, expected 1")
+    # No ignored literal types: "sum", weight_offset and cast_before_weight must match exactly
+    # (register_replacement's default pattern ignores floats and relies on a re-trace, which a
+    # pre-traced pattern skips).
+    pattern = fx_to_pattern(gm, ignore_types=(), argnames=argnames, scalar_workaround=fusion.scalars)
+    register_replacement(
+        spelling.pattern,
+        spelling.replacement,
+        example,
+        trace_functional,
+        matcher,
+        extra_check=_scalars_then_on_match(fusion, spelling, example),
+        scalar_workaround=fusion.scalars,
+        search_fn_pattern=pattern,
+        skip_duplicates=True,
+        **_pattern_name(f"{fusion.name}.{spelling.name}"),
+    )
+
+
+def _fusion(name: str, summary: str, spellings: list[Spelling], with_residual: bool) -> Fusion:
+    group_pass = _GroupArgPass(name)
+    fusion = Fusion(
+        name=name,
+        summary=summary,
+        doc=__doc__.split("\n\n", 1)[1],
+        spellings=tuple(spellings),
+        example_inputs=_examples(with_residual),
+        scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+        requires=("add_rms_norm", "rms_norm"),
+        # Opt-in by name until the CUDA path (NCCL + norm kernel, later symmetric memory) has run
+        # on a GPU pair; the CPU tests prove the matching and the reference only.
+        in_all=False,
+        builtin=True,
+        _pass=group_pass,
+    )
+    group_pass.fusion = fusion
+    return fusion
+
+
+ALLREDUCE_ADD_RMS_NORM = _fusion(
+    "allreduce_add_rms_norm",
+    "TP allreduce + residual add + RMSNorm (every form) -> one allreduce_add_rms_norm",
+    [
+        Spelling(
+            f"allreduce_{'residual_plus_sum' if first else 'sum_plus_residual'}_add_rms_norm_{form}"
+            + ("" if used else "_last"),
+            _allreduce_add_norm(offset, cast, first, used),
+            _fused_add_norm(offset, cast, used),
+            _check(offset, cast),
+        )
+        for form, (offset, cast) in _FORMS.items()
+        for first in (True, False)
+        # The new residual reused first; "_last": the model's final norm, whose sum nothing reads.
+        for used in (True, False)
+    ],
+    with_residual=True,
+)
+
+ALLREDUCE_RMS_NORM = _fusion(
+    "allreduce_rms_norm",
+    "TP allreduce + RMSNorm, no residual add (every form) -> one allreduce_rms_norm",
+    [
+        Spelling(
+            f"allreduce_rms_norm_{form}",
+            _allreduce_norm(offset, cast),
+            _fused_norm(offset, cast),
+            _check(offset, cast),
+        )
+        for form, (offset, cast) in _FORMS.items()
+    ],
+    with_residual=False,
+)
+
+add_builtin(ALLREDUCE_ADD_RMS_NORM)
+add_builtin(ALLREDUCE_RMS_NORM)
