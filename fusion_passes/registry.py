@@ -24,6 +24,7 @@ from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
     fwd_only,
+    fx_to_pattern,
     gen_pattern,
     is_match,
     is_mutation_op,
@@ -85,6 +86,12 @@ class Fusion:
     # once per projection). After the fusions that need a shared input kept apart (the RoPE
     # patterns: cos.unsqueeze per layer), so they come first in application order.
     cse_before: bool = False
+    # String arguments of the spellings that become pattern arguments (a process-group name):
+    # {name: sentinel the spelling is traced with}. The matcher compares strings literally, so the
+    # traced uses of the sentinel are pointed at the argument's placeholder. Such patterns are used
+    # as traced, without the matcher's re-trace on each candidate's values: they must hold no
+    # shapes or dtypes (start from canonical ops that carry them).
+    string_args: dict[str, str] = field(default_factory=dict)
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
 
@@ -98,7 +105,7 @@ class Fusion:
             if fn is None:
                 continue
             h.update(_source_of(fn).encode())
-        h.update(repr((sorted(self.scalars.items()), self.cse_before)).encode())
+        h.update(repr((sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()))).encode())
         return h.hexdigest()
 
 
@@ -282,6 +289,9 @@ def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
     matcher = PatternMatcherPass(pass_name=f"fusion_passes.{fusion.name}")
     for spelling in fusion.spellings:
         for example in fusion.example_inputs():
+            pretraced = {}
+            if fusion.string_args:
+                pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))
             register_replacement(
                 spelling.pattern,
                 spelling.replacement,
@@ -291,10 +301,33 @@ def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
                 extra_check=_scalars_then_on_match(fusion, spelling, list(example)),
                 scalar_workaround=fusion.scalars,
                 skip_duplicates=True,
+                **pretraced,
                 **_pattern_name(f"{fusion.name}.{spelling.name}"),
             )
     fusion._pass = matcher
     return matcher
+
+
+def _pattern_with_string_args(fusion: Fusion, spelling: Spelling, example: list) -> Any:
+    """The spelling's pattern with each of ``fusion.string_args`` a pattern argument: traced with
+    the sentinel, whose uses are then pointed at the argument's placeholder. No literal type is
+    ignored (register_replacement's default ignores floats and relies on its re-trace, which a
+    pre-traced pattern skips): "sum", weight_offset and the like must match exactly."""
+    argnames = list(inspect.signature(spelling.pattern).parameters)
+    gm = trace_functional(spelling.pattern, example)
+    for name, sentinel in fusion.string_args.items():
+        # make_fx names the placeholders after the arguments (group_name_1, ...).
+        placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith(name))
+        uses = 0
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            node.args = tuple(placeholder if a == sentinel else a for a in node.args)
+            uses += node.args.count(placeholder)
+        if uses == 0:
+            raise RuntimeError(f"{fusion.name}.{spelling.name}: no traced use of {name}={sentinel!r}")
+    gm.graph.eliminate_dead_code()
+    return fx_to_pattern(gm, ignore_types=(), argnames=argnames, scalar_workaround=fusion.scalars)
 
 
 def _pattern_name(name: str) -> dict[str, str]:

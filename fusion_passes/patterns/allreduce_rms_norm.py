@@ -21,21 +21,18 @@ Fused:   y, r = allreduce_add_rms_norm(x, residual, w, eps, offset, cast, group_
          y, s = allreduce_rms_norm(x, w, eps, offset, cast, group_name)   (no residual add)
 
 The process-group name is a string in the graph, and the pattern matcher compares strings
-literally (only float/int scalars can become pattern arguments): each pattern is traced with a
-sentinel group name, whose use in the traced graph is then pointed at the ``group_name``
-placeholder, so the name becomes a pattern argument matched at every site and handed to the
-fused call. The patterns hold no casts and no shapes (the canonical norm op carries them), so one
+literally (only float/int scalars can become pattern arguments): ``Fusion.string_args`` traces
+each pattern with a sentinel group name and points its use at the ``group_name`` placeholder, so
+the name becomes a pattern argument matched at every site and handed to the fused call. The patterns hold no casts and no shapes (the canonical norm op carries them), so one
 trace on meta tensors serves every dtype and shape without the matcher's re-trace on the real
 values.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
-from torch._inductor.pattern_matcher import PatternMatcherPass, fx_to_pattern, register_replacement
 
 # The fused ops' registration (the patterns' replacements call them).
 import fusion_passes.lowering.allreduce_add_rms_norm  # noqa: F401
@@ -44,10 +41,7 @@ from fusion_passes.registry import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,
     Spelling,
-    _pattern_name,
-    _scalars_then_on_match,
     add_builtin,
-    trace_functional,
 )
 
 # The name the patterns are traced with: no process group has it (names are "0", "1", ... or a
@@ -146,56 +140,8 @@ def _examples(with_residual: bool):
     return example_inputs
 
 
-class _GroupArgPass(PatternMatcherPass):
-    """The fusion's pattern pass, built on first use (importing stays cheap), with the group name
-    as a pattern argument (see the module docstring). registry.pattern_pass builds from traced
-    spellings where every non-float literal is fixed; this pass differs only in that step."""
-
-    def __init__(self, fusion_name: str) -> None:
-        super().__init__(pass_name=f"fusion_passes.{fusion_name}")
-        self.fusion: Fusion | None = None
-
-    def apply(self, gm):
-        if self.fusion is not None:
-            fusion, self.fusion = self.fusion, None
-            for spelling in fusion.spellings:
-                for example in fusion.example_inputs():
-                    _register(fusion, spelling, list(example), self)
-        return super().apply(gm)
-
-
-def _register(fusion: Fusion, spelling: Spelling, example: list, matcher: PatternMatcherPass) -> None:
-    argnames = list(inspect.signature(spelling.pattern).parameters)
-    gm = trace_functional(spelling.pattern, example)
-    group = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith("group_name"))
-    uses = 0
-    for node in gm.graph.nodes:
-        if node.target is torch.ops._c10d_functional.all_reduce.default:
-            node.args = tuple(group if a == GROUP_SENTINEL else a for a in node.args)
-            uses += node.args.count(group)
-    if uses != 1:
-        raise RuntimeError(f"{spelling.name}: traced {uses} uses of the group name, expected 1")
-    # No ignored literal types: "sum", weight_offset and cast_before_weight must match exactly
-    # (register_replacement's default pattern ignores floats and relies on a re-trace, which a
-    # pre-traced pattern skips).
-    pattern = fx_to_pattern(gm, ignore_types=(), argnames=argnames, scalar_workaround=fusion.scalars)
-    register_replacement(
-        spelling.pattern,
-        spelling.replacement,
-        example,
-        trace_functional,
-        matcher,
-        extra_check=_scalars_then_on_match(fusion, spelling, example),
-        scalar_workaround=fusion.scalars,
-        search_fn_pattern=pattern,
-        skip_duplicates=True,
-        **_pattern_name(f"{fusion.name}.{spelling.name}"),
-    )
-
-
 def _fusion(name: str, summary: str, spellings: list[Spelling], with_residual: bool) -> Fusion:
-    group_pass = _GroupArgPass(name)
-    fusion = Fusion(
+    return Fusion(
         name=name,
         summary=summary,
         doc=__doc__.split("\n\n", 1)[1],
@@ -206,11 +152,9 @@ def _fusion(name: str, summary: str, spellings: list[Spelling], with_residual: b
         # Opt-in by name until the CUDA path (NCCL + norm kernel, later symmetric memory) has run
         # on a GPU pair; the CPU tests prove the matching and the reference only.
         in_all=False,
+        string_args={"group_name": GROUP_SENTINEL},
         builtin=True,
-        _pass=group_pass,
     )
-    group_pass.fusion = fusion
-    return fusion
 
 
 ALLREDUCE_ADD_RMS_NORM = _fusion(
