@@ -68,6 +68,53 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
 
 
 @triton.jit
+def store_quantized(
+    y,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the model's activation (rounded to its dtype)
+    q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
+    scale_ptr,  # *fp32: STATIC: the given scale (read); else [M, num_groups] (written)
+    rows,  # int64 [ROWS]: this program's rows
+    groups,  # [BLOCK_GROUPS]: group indices
+    rows_3d,  # rows[:, None, None]
+    cols,  # [1, BLOCK_GROUPS, BLOCK_GROUP]: column of each element
+    N,  # row length
+    num_groups,  # groups per row (1 unless per_group)
+    group_mask,  # [ROWS, BLOCK_GROUPS]: real rows and groups
+    mask,  # [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: real elements
+    ROWS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    STATIC: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+):
+    """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
+    then codes = fp8(clamp(y / scale, -448, 448)). Shared by every "... + FP8 quantization" kernel."""
+    if STATIC:
+        scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS, BLOCK_GROUPS))
+    else:
+        # Masked elements hold 0: nothing to the amax.
+        amax = tl.max(tl.abs(y), axis=2)
+        # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
+        # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
+        # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
+        # division on NVIDIA GPUs (div.full.f32, 2 ulp).
+        if AMAX_TIMES_RECIPROCAL:
+            scale = amax * _RECIPROCAL_FP8_MAX
+        else:
+            scale = tl.div_rn(amax, _FP8_MAX)
+        scale = tl.maximum(scale, _MIN_SCALE)
+        if SCALE_UE8M0:
+            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
+            scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+            scale = scale_bits.to(tl.float32, bitcast=True)
+        scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
+        tl.store(scale_ptrs, scale, mask=group_mask)
+    q = tl.div_rn(y, scale[:, :, None])
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
+
+
+@triton.jit
 def _rms_norm_quant_fp8_kernel(
     x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
     residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
@@ -124,28 +171,10 @@ def _rms_norm_quant_fp8_kernel(
     # The model quantizes the activation it produced in x.dtype: round there, then back to fp32.
     y = y.to(dtype).to(tl.float32)
 
-    if STATIC:
-        scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS_PER_PROGRAM, BLOCK_GROUPS))
-    else:
-        amax = tl.max(tl.abs(y), axis=2)
-        # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
-        # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
-        # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
-        # division on NVIDIA GPUs (div.full.f32, 2 ulp).
-        if AMAX_TIMES_RECIPROCAL:
-            scale = amax * _RECIPROCAL_FP8_MAX
-        else:
-            scale = tl.div_rn(amax, _FP8_MAX)
-        scale = tl.maximum(scale, _MIN_SCALE)
-        if SCALE_UE8M0:
-            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
-            scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-            scale = scale_bits.to(tl.float32, bitcast=True)
-        scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
-        tl.store(scale_ptrs, scale, mask=group_mask)
-    q = tl.div_rn(y, scale[:, :, None])
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_FP8_CONVERT), mask=mask)
+    store_quantized(
+        y, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
+    )  # fmt: skip
 
 
 def rms_norm_quant_fp8_triton(

@@ -34,12 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, check_quant_args
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
-    _FP8_MAX,
-    _MIN_SCALE,
-    _RECIPROCAL_FP8_MAX,
-    _fp8_e4m3fn_codes,
-)
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import store_quantized
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
 
@@ -111,26 +106,10 @@ def _silu_mul_quant_fp8_kernel(
     # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
     y = _round_to(silu * up, dtype, HW_CONVERT)
 
-    if STATIC:
-        scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS_PER_PROGRAM, BLOCK_GROUPS))
-    else:
-        amax = tl.max(tl.abs(y), axis=2)
-        # The model's `amax / 448` as torch computes it on the device (see rms_norm_quant_fp8_triton:
-        # CUDA multiplies by fp32(1/448), one ulp off the quotient for 54% of bf16 amax values).
-        if AMAX_TIMES_RECIPROCAL:
-            scale = amax * _RECIPROCAL_FP8_MAX
-        else:
-            scale = tl.div_rn(amax, _FP8_MAX)
-        scale = tl.maximum(scale, _MIN_SCALE)
-        if SCALE_UE8M0:
-            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
-            scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-            scale = scale_bits.to(tl.float32, bitcast=True)
-        scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
-        tl.store(scale_ptrs, scale, mask=group_mask)
-    q = tl.div_rn(y, scale[:, :, None])
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
+    store_quantized(
+        y, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+    )  # fmt: skip
 
 
 def silu_mul_quant_fp8_triton(
@@ -164,7 +143,7 @@ def silu_mul_quant_fp8_triton(
     block_groups = min(block_groups, triton.next_power_of_2(num_groups))
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
-    # The kernel writes the codes as bytes (see _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
+    # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
     codes = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     if scale is None:
         scales = torch.empty((*gate.shape[:-1], num_groups), dtype=torch.float32, device=gate.device)
