@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 import fusion_passes  # noqa: E402
+from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
     FP8_DTYPE,
     add_rms_norm_quant_fp8_reference,
@@ -126,9 +127,7 @@ def check_kernel(op: str, scheme: str, args: tuple) -> dict:
         x, *rest[:-1], EPS, 0.0, True, scheme, rest[-1], GROUP_SIZE, False
     )
     out = kernel_fn(op, scheme)(*args)
-    codes = [t.view(torch.uint8).to(torch.int16) for t in (out[0], ref[0])]
-    ordered = [torch.where(c >= 128, 128 - c, c) for c in codes]  # e4m3 codes in value order
-    max_code_diff = (ordered[0] - ordered[1]).abs().max().item()
+    max_code_diff = fp8_codes_apart(out[0], ref[0])
     scale_rel = ((out[1] - ref[1]).abs() / ref[1].abs()).max().item()
     ulps = 2 if INTERPRETED else 1
     ok = max_code_diff <= 1 and scale_rel <= 2 * ulps * torch.finfo(DTYPE).eps

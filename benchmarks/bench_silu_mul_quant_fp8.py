@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 import fusion_passes  # noqa: E402
+from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import silu_mul_quant_fp8_reference  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import silu_mul_quant_fp8_triton  # noqa: E402
@@ -124,10 +125,8 @@ def check_kernel(layout: str, scheme: str, inputs: tuple) -> dict:
     scale = inputs[-1]
     ref = silu_mul_quant_fp8_reference(*_halves(layout, inputs), scheme, scale, GROUP_SIZE, False)
     out = kernel_fn(layout, scheme)(*inputs)
-    codes = [t.view(torch.uint8).to(torch.int16) for t in (out[0], ref[0])]
-    ordered = [torch.where(c >= 128, 128 - c, c) for c in codes]  # e4m3 codes in value order
-    max_code_diff = (ordered[0] - ordered[1]).abs().max().item()
-    codes_differing = (codes[0] != codes[1]).sum().item()
+    max_code_diff = fp8_codes_apart(out[0], ref[0])
+    codes_differing = (out[0].view(torch.uint8) != ref[0].view(torch.uint8)).sum().item()
     scale_rel = ((out[1] - ref[1]).abs() / ref[1].abs()).max().item()
     ok = max_code_diff <= 1 and scale_rel <= torch.finfo(DTYPE).eps
     return {

@@ -26,7 +26,10 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
+
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
+    ue8m0,
     FP8_DTYPE,
     FP8_MAX,
     MIN_SCALE,
@@ -53,18 +56,6 @@ HIDDEN = {
     "per_token": [1, 7, 100, 129, 256, 1100],
     "per_group": [128, 384],
 }
-
-
-def _ordered(q):
-    """fp8 codes as integers in the order of their values: e4m3 codes of one sign are ordered by
-    their uint8 value (sign bit, then exponent, then mantissa); -0 and +0 both map to 0."""
-    u = q.view(torch.uint8).to(torch.int16)
-    return torch.where(u >= 128, 128 - u, u)
-
-
-def _ue8m0(scales):
-    """The reference's UE8M0 rounding: 2^ceil(log2(scale))."""
-    return torch.exp2(torch.ceil(torch.log2(scales.double()))).float()
 
 
 @st.composite
@@ -151,13 +142,13 @@ def test_random_inputs_within_one_code(case):
         # from either side: check it against the exact y's unrounded scale, and the codes against
         # the reference's y quantized with the kernel's own scales.
         raw = _run({**case, "scale_ue8m0": False}, gate, up)[1][1]
-        assert torch.all((_ue8m0(raw * (1 - rtol)) <= scales) & (scales <= _ue8m0(raw * (1 + rtol))))
+        assert torch.all((ue8m0(raw * (1 - rtol)) <= scales) & (scales <= ue8m0(raw * (1 + rtol))))
         y32 = silu_mul_reference(gate, up).float()
         groups = y32.unflatten(-1, (-1, case["group_size"])) / scales.unsqueeze(-1)
         ref_q = groups.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(-2)
     else:
         torch.testing.assert_close(scales, ref_scales, rtol=rtol, atol=0)
-    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+    assert fp8_codes_apart(q, ref_q) <= 1
 
 
 @pytest.mark.parametrize(("dtype", "max_codes"), [(torch.bfloat16, 8), (torch.float16, 8)], ids=str)
@@ -232,7 +223,7 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
     for s in (scales, ref_scales):
         assert torch.all(s[[1, 3]] == expected) and torch.all(s[[0, 2, 4]] > expected)
     assert torch.all(q[[1, 3]].float() == 0) and not q.float().isnan().any()
-    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+    assert fp8_codes_apart(q, ref_q) <= 1
 
 
 @pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"])
@@ -254,7 +245,7 @@ def test_strided_inputs_fully_written(monkeypatch, scheme):
     case = dict(scheme=scheme, scale=0.01 if scheme == "static" else None, group_size=64, scale_ue8m0=False)
     (q, scales), (ref_q, ref_scales) = _run(case, gate, up)
     assert not (q.float().isnan().any() or scales.isnan().any())
-    assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+    assert fp8_codes_apart(q, ref_q) <= 1
     torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.float16], atol=0)
 
 
@@ -283,7 +274,7 @@ def test_op_matches_the_reference_and_fake(scheme, scale, group_size, scale_ue8m
         ref_q, ref_scales = silu_mul_quant_fp8_reference(gate, up, *quant)
         assert scales is not scale and scales.shape == ref_scales.shape
         torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
-        assert (_ordered(q) - _ordered(ref_q)).abs().max() <= 1
+        assert fp8_codes_apart(q, ref_q) <= 1
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,13 @@ def check_quant_args(
         raise ValueError("quant_fp8: scale_ue8m0 is only defined for the per_group scheme")
 
 
+def ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two (UE8M0) scales: 2^ceil(log2(scale)). log2 in float64, exact for a float32
+    scale: float32's log2 rounds 2^k * (1 + 2^-23) to exactly k, and ceil would then round such a
+    scale down (it must round up, to k + 1)."""
+    return torch.exp2(torch.ceil(torch.log2(scales.double()))).float()
+
+
 def quant_fp8_reference(
     y: torch.Tensor,
     scheme: str,
@@ -75,9 +82,7 @@ def quant_fp8_reference(
         y32 = y32.unflatten(-1, (y32.shape[-1] // group_size, group_size))
     scales = (y32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     if scale_ue8m0:
-        # log2 in float64, exact for a float32 scale: float32's log2 rounds 2^k * (1 + 2^-23) to
-        # exactly k, and ceil would then round such a scale down (it must round up, to k + 1).
-        scales = torch.exp2(torch.ceil(torch.log2(scales.double()))).float()
+        scales = ue8m0(scales)
     q = (y32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     if scheme == "per_group":
         return q.flatten(-2), scales.squeeze(-1)
