@@ -1,14 +1,15 @@
 """Real DeepSeek V3 / V3.2 models (transformers' own modeling code, tiny random-weight configs):
 every attention layer's pre-attention path fused (MLA kv and q branches; the V3.2 indexer's key and
-query), and the output equal to eager within the dtype's tolerance. One compile per case."""
+query), and the output equal to eager within the dtype's tolerance. One compile per case, shared with the
+other model tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import fusion_passes
-from fusion_passes.models import build_model
+from _compiled_models import compiled_model
+
 from fusion_passes.numerics import compare, tolerance
 
 # (model, dtype, rope_interleave): the tiny configs interleave (as the published ones do); V3 also
@@ -25,16 +26,10 @@ CASES = [
     "name,dtype,interleave", CASES, ids=[f"{n}-{str(d)[6:]}-{'il' if i else 'rh'}" for n, d, i in CASES]
 )
 def test_every_attention_pre_path_is_fused(name, dtype, interleave):
-    built = build_model(name, size="tiny", dtype=dtype)
-    if name == "deepseek-v3":
-        built.config.rope_interleave = interleave  # read by the attention at every forward
-    module, inputs, sites = built.module.eval(), built.example_inputs, built.sites
-    report = fusion_passes.Report()
-    with torch.no_grad():
-        expected = module(*inputs)
-        torch._dynamo.reset()
-        backend = fusion_passes.backend("all", report=report)
-        fused = torch.compile(module, backend=backend, fullgraph=True)(*inputs)
+    # The tiny configs interleave: that case shares the default compile of the other model tests.
+    compiled = compiled_model(name, dtype, None if interleave else False)
+    built, report, fused, expected = compiled.built, compiled.report, compiled.fused, compiled.expected
+    sites = built.sites
 
     attention = set(sites.attention)
     assert len(attention) == built.config.num_hidden_layers

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fusion_passes
-from fusion_passes.models import build_model
+from _compiled_models import compiled_model
+
 from fusion_passes.numerics import compare, tolerance
 from fusion_passes.patterns.qk_norm_rope import FAMILY
 
@@ -19,22 +19,16 @@ EXPECTED = {  # model: the fusion its attention spelling maps to
     "qwen3.5-moe": "qk_norm_rope_partial",
     "minimax-m2": "qk_norm_rope_whole_row",
 }
-# One compile per model (25-50 s each on 2 cores): bf16, and fp32 for one.
+# One compile per model (25-50 s each on 2 cores, shared with the other model tests): bf16,
+# and fp32 for one.
 CASES = [(name, torch.bfloat16) for name in EXPECTED] + [("minimax-m2", torch.float32)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
 def test_every_attention_prelude_is_fused(name, dtype):
-    built = build_model(name, size="tiny", dtype=dtype)
-    module, inputs, sites = built.module.eval(), built.example_inputs, built.sites
-    report = fusion_passes.Report()
-    with torch.no_grad():
-        expected = module(*inputs)
-        torch._dynamo.reset()
-        fused = torch.compile(
-            module, backend=fusion_passes.backend(report=report), fullgraph=True
-        )(*inputs)
+    compiled = compiled_model(name, dtype)
+    report, fused, expected, sites = compiled.report, compiled.fused, compiled.expected, compiled.built.sites
     assert sites.attention
     fusion = EXPECTED[name]
     assert {f: report.matches[f] for f in FAMILY if report.matches[f]} == {

@@ -1,0 +1,39 @@
+"""Whole tiny models compiled once with every default fusion, shared by the model tests.
+
+Compiling a tiny model takes 25-50 s on 2 cores; the RMSNorm, QK-norm + RoPE and MLA model tests
+check different fusions of the same compiles, so each (model, dtype, variant) compiles once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import fusion_passes
+from fusion_passes.models import BuiltModel, build_model
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    built: BuiltModel
+    report: fusion_passes.Report  # of the fusion_passes compile
+    fused: torch.Tensor  # the compiled model's output
+    expected: torch.Tensor  # eager's output
+
+
+@functools.cache
+def compiled_model(name: str, dtype: torch.dtype, rope_interleave: bool | None = None) -> CompiledModel:
+    """``name`` (tiny) compiled with fusion_passes' default fusions, run once on its inputs.
+    rope_interleave: overrides the config's (DeepSeek V3 MLA); None keeps it."""
+    built = build_model(name, size="tiny", dtype=dtype)
+    if rope_interleave is not None:
+        built.config.rope_interleave = rope_interleave  # read by the attention at every forward
+    module, inputs = built.module.eval(), built.example_inputs
+    report = fusion_passes.Report()
+    with torch.no_grad():
+        expected = module(*inputs)
+        torch._dynamo.reset()
+        fused = torch.compile(module, backend=fusion_passes.backend(report=report), fullgraph=True)(*inputs)
+    return CompiledModel(built, report, fused, expected)
