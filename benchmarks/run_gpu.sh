@@ -31,11 +31,11 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember a failure
 [ "${QUANT:-1}" = 1 ] && run bench_rms_norm_quant_fp8 python3 benchmarks/bench_rms_norm_quant_fp8.py \
   --out "$OUT/bench_rms_norm_quant_fp8.md" --json "$OUT/bench_rms_norm_quant_fp8.json" ${QUANT_ARGS:-}
 [ "${SILU:-1}" = 1 ] && run bench_silu_mul_quant_fp8 python3 benchmarks/bench_silu_mul_quant_fp8.py \
-  --out "$OUT/bench_silu_mul_quant_fp8.md" --json "$OUT/bench_silu_mul_quant_fp8.json"
+  --out "$OUT/bench_silu_mul_quant_fp8.md" --json "$OUT/bench_silu_mul_quant_fp8.json" ${SILU_ARGS:-}
 [ "${QK:-1}" = 1 ] && run bench_qk_norm_rope python3 benchmarks/bench_qk_norm_rope.py \
-  --out "$OUT/bench_qk_norm_rope.md" --json "$OUT/bench_qk_norm_rope.json"
+  --out "$OUT/bench_qk_norm_rope.md" --json "$OUT/bench_qk_norm_rope.json" ${QK_ARGS:-}
 [ "${MLA:-1}" = 1 ] && run bench_mla_rope python3 benchmarks/bench_mla_rope.py \
-  --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json"
+  --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json" ${MLA_ARGS:-}
 [ "${MODELS:-1}" = 1 ] && run bench_models python3 benchmarks/bench_models.py \
   --json "$OUT/bench_models.json" ${MODELS_ARGS:-}
 exit $status

@@ -47,16 +47,6 @@ def _cos_sin(lead, c, dtype, g, batch_broadcast=False):
     return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
 
 
-def _fp32_on_cuda_known_gap(request, dtype):
-    """fp32 on CUDA: the compiler contracts x1 * c1 - x2 * s1 into an FMA, one rounding fewer than
-    eager's separate mul and sub (bf16 / fp16 round each product explicitly and stay exact), so the
-    RoPE outputs may miss eager's by an ulp. The test keeps demanding bit equality and reports the
-    gap as an expected failure (not strict: a small case may have no element where it shows)
-    until the kernel stops contracting (Triton's enable_fp_fusion=False, to be run on a GPU)."""
-    if DEVICE == "cuda" and dtype == torch.float32:
-        request.applymarker(pytest.mark.xfail(reason="fp32 FMA contraction on CUDA"))
-
-
 def _within_ulp(a, b, dtype, ulps=1):
     diff = (a.double() - b.double()).abs()
     return bool(torch.all(diff <= ulps * ULP[dtype] * b.double().abs().clamp_min(1e-3)))
@@ -65,8 +55,7 @@ def _within_ulp(a, b, dtype, ulps=1):
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kv_norm_rope(dtype, interleave, config, request):
-    _fp32_on_cuda_known_gap(request, dtype)
+def test_kv_norm_rope(dtype, interleave, config):
     r, p, _, _ = config
     g = torch.Generator().manual_seed(r + p)
     lead = (2, 5)
@@ -98,8 +87,7 @@ def test_kv_norm_forms_and_strided_rows(form):
 @pytest.mark.parametrize("layout", ["mla", "indexer"])
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_q_rope_bit_exact(dtype, interleave, layout, config, request):
-    _fp32_on_cuda_known_gap(request, dtype)
+def test_q_rope_bit_exact(dtype, interleave, layout, config):
     _, p, h, nope = config
     g = torch.Generator().manual_seed(h + nope)
     b, s = 2, 3

@@ -16,6 +16,7 @@ compiled and interpreted, so the CPU tests are bit-exact. (NaN inputs are not pr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,9 @@ from fusion_passes.lowering.mla_rope_reference import (
 
 # Elements one program works on at once: narrow rows are packed several to a program.
 _ELEMENTS_PER_PROGRAM = 4096
+# Compiled kernels spell the fp32 RoPE products as PTX mul.rn (see _product); the interpreter has
+# no inline assembly and no contraction either, so it multiplies plainly.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -46,11 +50,25 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _product(a, b, dtype: tl.constexpr):
+    """a * b (fp32), rounded on its own. In fp32 the compiler would contract a product and the
+    sum after it into one FMA (one rounding fewer than eager's mul then sub: outputs an ulp off);
+    mul.rn.f32 is the PTX multiply that is never contracted. bf16 / fp16 products are rounded
+    through _round's integer steps / casts, which already keep them apart."""
+    if dtype == tl.float32 and not _INTERPRETED:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
 def _rope(x1, x2, c1, s1, c2, s2, dtype: tl.constexpr):
     """The two halves of the rotated slice, each product and sum rounded as HF rounds them:
     o1 = x1 * c1 - x2 * s1, o2 = x2 * c2 + x1 * s2 (rotate_half: -x2 * s1 rounds to -(x2 * s1))."""
-    o1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
-    o2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
+    o1 = _round(_round(_product(x1, c1, dtype), dtype) - _round(_product(x2, s1, dtype), dtype), dtype)
+    o2 = _round(_round(_product(x2, c2, dtype), dtype) + _round(_product(x1, s2, dtype), dtype), dtype)
     return o1, o2
 
 
