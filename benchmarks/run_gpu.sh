@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one run: the CUDA tests, then the benchmarks.
 # Usage (repository root): OUT=out benchmarks/run_gpu.sh   (logs and tables go to $OUT)
-# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, SILU=0, QK=0, MLA=0, MODELS=0; extra
-# arguments for a benchmark go in QUANT_ARGS / MODELS_ARGS (e.g. MODELS_ARGS="--models qwen3.5-moe").
+# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, SILU=0, QK=0, MLA=0, MODELS=0;
+# extra arguments for a benchmark go in QUANT_ARGS / SILU_ARGS / QK_ARGS / MLA_ARGS / MODELS_ARGS
+# (e.g. MODELS_ARGS="--models qwen3.5-moe", QK_ARGS="--tokens 1 64 4096").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-out}
