@@ -90,8 +90,10 @@ def inputs(tokens, dims, device, g):
     )
 
 
-def check_ours(x, dims) -> bool:
-    """The kernels against the references and the eager region (bit-exact RoPE, norm +- 1 ulp)."""
+def check_ours(x, dims) -> list[str]:
+    """The kernels against the references and the eager region: RoPE outputs bit-exact; the
+    normalised latent within an ulp of both (the reference and eager reduce the row in different
+    orders: eager reads a strided slice, the reference a contiguous row). Returns what failed."""
     rope = dims["rope"]
     c, s = x["cos"][..., : rope // 2], x["sin"][..., : rope // 2]
     q4 = x["q"].view(*x["q"].shape[:2], dims["heads"], -1)
@@ -99,10 +101,19 @@ def check_ours(x, dims) -> bool:
     normed, k_pe = mla_kv_norm_rope_triton(x["kv"], x["w"], c, s, EPS, 0.0, True, True)
     ref_normed, ref_pe = mla_kv_norm_rope_reference(x["kv"], x["w"], c, s, EPS, 0.0, True, True)
     e_query, e_normed, e_pe = region(**x, dims=dims)
-    ok = torch.equal(query, mla_q_rope_reference(q4, c, s, False, True, True))
-    ok &= torch.equal(query, e_query) and torch.equal(k_pe, ref_pe)
-    ok &= torch.equal(k_pe.unsqueeze(1), e_pe) and torch.equal(ref_normed, e_normed)
-    return ok and bool(((normed.float() - ref_normed.float()).abs() <= 2**-7 * ref_normed.float().abs() + 1e-6).all())
+
+    def within_ulp(a, b):
+        return bool(((a.float() - b.float()).abs() <= 2**-7 * b.float().abs() + 1e-6).all())
+
+    checks = {
+        "query == reference": torch.equal(query, mla_q_rope_reference(q4, c, s, False, True, True)),
+        "query == eager": torch.equal(query, e_query),
+        "k_pe == reference": torch.equal(k_pe, ref_pe),
+        "k_pe == eager": torch.equal(k_pe.unsqueeze(1), e_pe),
+        "normed ~ reference": within_ulp(normed, ref_normed),
+        "normed ~ eager": within_ulp(normed, e_normed),
+    }
+    return [name for name, ok in checks.items() if not ok]
 
 
 def min_bytes(x) -> int:
@@ -125,7 +136,8 @@ def make_calls(impl, input_sets, dims):
 
 def bench(tokens, dims, device, g) -> dict:
     sets = [inputs(tokens, dims, device, g) for _ in range(GRAPH_CALLS if device == "cuda" else 1)]
-    record = {"tokens": tokens, "correct": check_ours(sets[0], dims), "bytes": min_bytes(sets[0])}
+    failed = check_ours(sets[0], dims)
+    record = {"tokens": tokens, "correct": not failed, "failed_checks": failed, "bytes": min_bytes(sets[0])}
     torch._dynamo.reset()
     record["plain_us"], record["graph_us"], record["kernels"] = {}, {}, {}
     for impl in IMPLS:
@@ -185,7 +197,8 @@ def main() -> int:
     print(text)
     bad = [r["tokens"] for r in records if not r["correct"]]
     if bad:
-        print(f"CORRECTNESS FAILURE at tokens {bad}")
+        print(f"CORRECTNESS FAILURE at tokens {bad}: " + "; ".join(
+            f"{r['tokens']}: {', '.join(r['failed_checks'])}" for r in records if not r["correct"]))
     return 1 if bad else 0
 
 

@@ -22,6 +22,7 @@ from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm
 FUSIONS = ["allreduce_add_rms_norm", "allreduce_rms_norm"]
 WORLD = 2
 C10D = ("_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default")
+SYMM_MEM_REASON = "symm_mem_eligible"  # key of the spellings job's result for the one-shot gate
 NORM_OPS = ("aten.rsqrt.default", "fusion_passes.add_rms_norm.default", "fusion_passes.rms_norm.default")
 
 
@@ -163,6 +164,10 @@ def _spellings_job(rank: int, world_size: int) -> dict:
             "equal": [a.dtype == e.dtype and torch.equal(a, e) for a, e in zip(out, expected, strict=True)],
             "errors": list(report.errors),
         }
+    # Piggybacks on this job's spawn (a spawn costs ~9 s): the one-shot gate on a gloo group.
+    from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible
+
+    results[SYMM_MEM_REASON] = symm_mem_eligible(torch.randn(3, 64), dist.group.WORLD.group_name)
     return results
 
 
@@ -245,3 +250,11 @@ def test_fusions_are_opt_in_require_the_norms_and_launch_no_collective():
     # A collective must stay a dispatcher call, never be inlined as a bare Triton launch.
     ops = torch.ops.fusion_passes
     assert not {ops.allreduce_add_rms_norm.default, ops.allreduce_rms_norm.default} & set(LAUNCHERS)
+
+
+
+def test_symm_mem_eligible_gives_the_reason_on_cpu_gloo(spellings):
+    """The one-shot kernel's gate answers with a one-line reason (here: not CUDA) on every rank,
+    so the CUDA dispatch would record it and take the fallback."""
+    reasons = [results[SYMM_MEM_REASON] for results in spellings]
+    assert all(isinstance(r, str) and "not CUDA" in r and "\n" not in r for r in reasons), reasons

@@ -19,9 +19,12 @@ extends. ``allreduce_rms_norm`` also returns the sum: where no residual is added
 (``_c10d_functional.all_reduce(x, "sum", group_name)``).
 
 The math lives in ``allreduce_add_rms_norm_reference``: it is the implementation on every device
-and backend. On CUDA the op runs the fallback below: the NCCL allreduce then the fused
-add_rms_norm Triton kernel. A one-shot symmetric-memory kernel (reduce + add + norm in one launch)
-will replace it where the group can use symmetric memory. No direct launcher is registered: a
+and backend. On CUDA the op runs the one-shot symmetric-memory kernel
+(``allreduce_add_rms_norm_symm_mem``: reduce + add + norm in one launch) when
+``symm_mem_eligible`` says the group and the rows allow it, else the fallback: the NCCL allreduce
+then the fused add_rms_norm Triton kernel. The last reason a group fell back is kept in
+``fallback_reasons`` for reports. The choice depends only on what every rank shares (the group,
+x's shape, dtype and layout), so all ranks take the same path. No direct launcher is registered: a
 collective must stay a dispatcher call, never be inlined as a bare Triton launch.
 """
 
@@ -72,11 +75,31 @@ def allreduce_rms_norm(
     return out.contiguous(), reduced.contiguous()
 
 
-# CUDA fallback (NCCL + the fused norm kernel), for groups that cannot use symmetric memory.
+# group_name -> the reason the last call on that group took the NCCL fallback instead of the
+# one-shot kernel (kept after later one-shot calls: it is the last fallback, for a report).
+fallback_reasons: dict[str, str] = {}
+
+
+def _one_shot_usable(x: torch.Tensor, group_name: str) -> bool:
+    """Whether the one-shot kernel serves this call; records the reason when it does not."""
+    from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible
+
+    reason = symm_mem_eligible(x, group_name)
+    if reason is not None:
+        fallback_reasons[group_name] = reason
+    return reason is None
+
+
 @allreduce_add_rms_norm.register_kernel("cuda")
 def _allreduce_add_rms_norm_cuda(
     x, residual, weight, eps, weight_offset, cast_before_weight, group_name
 ):
+    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    if _one_shot_usable(x, group_name):
+        from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import launch_eligible
+
+        return launch_eligible(x, residual, weight, eps, weight_offset, cast_before_weight, group_name)
+    # Fallback (NCCL + the fused norm kernel), for groups or sizes the one-shot kernel does not take.
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
     reduced = all_reduce_sum(x, group_name)
@@ -87,6 +110,11 @@ def _allreduce_add_rms_norm_cuda(
 
 @allreduce_rms_norm.register_kernel("cuda")
 def _allreduce_rms_norm_cuda(x, weight, eps, weight_offset, cast_before_weight, group_name):
+    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
+    if _one_shot_usable(x, group_name):
+        from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import launch_eligible
+
+        return launch_eligible(x, None, weight, eps, weight_offset, cast_before_weight, group_name)
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
     reduced = all_reduce_sum(x, group_name).contiguous()

@@ -31,8 +31,8 @@ from fusion_passes.lowering.mla_rope_reference import (
 
 # Elements one program works on at once: narrow rows are packed several to a program.
 _ELEMENTS_PER_PROGRAM = 4096
-# Compiled kernels spell the fp32 RoPE products as PTX mul.rn (see _product); the interpreter has
-# no inline assembly and no contraction either, so it multiplies plainly.
+# Compiled kernels spell the RoPE products as PTX mul.rn (see _product); the interpreter has no
+# inline assembly and no contraction either, so it multiplies plainly.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
@@ -50,25 +50,26 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _product(a, b, dtype: tl.constexpr):
-    """a * b (fp32), rounded on its own. In fp32 the compiler would contract a product and the
-    sum after it into one FMA (one rounding fewer than eager's mul then sub: outputs an ulp off);
-    mul.rn.f32 is the PTX multiply that is never contracted. bf16 / fp16 products are rounded
-    through _round's integer steps / casts, which already keep them apart."""
-    if dtype == tl.float32 and not _INTERPRETED:
+def _product(a, b):
+    """a * b (fp32), rounded on its own. The compiler would otherwise contract a product and the
+    sum after it into one FMA -- in fp32, and in fp16 too, where LLVM first narrows
+    fp16(f32(a) * f32(b)) to a half multiply and then fuses it with the half subtraction --
+    one rounding fewer than eager's mul then sub (measured on an H200: outputs an ulp off in fp32
+    and fp16, bf16 exact). mul.rn.f32 is the PTX multiply that is never contracted or narrowed."""
+    if _INTERPRETED:
+        return a * b
+    else:
         return tl.inline_asm_elementwise(
             "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
         )
-    else:
-        return a * b
 
 
 @triton.jit
 def _rope(x1, x2, c1, s1, c2, s2, dtype: tl.constexpr):
     """The two halves of the rotated slice, each product and sum rounded as HF rounds them:
     o1 = x1 * c1 - x2 * s1, o2 = x2 * c2 + x1 * s2 (rotate_half: -x2 * s1 rounds to -(x2 * s1))."""
-    o1 = _round(_round(_product(x1, c1, dtype), dtype) - _round(_product(x2, s1, dtype), dtype), dtype)
-    o2 = _round(_round(_product(x2, c2, dtype), dtype) + _round(_product(x1, s2, dtype), dtype), dtype)
+    o1 = _round(_round(_product(x1, c1), dtype) - _round(_product(x2, s1), dtype), dtype)
+    o2 = _round(_round(_product(x2, c2), dtype) + _round(_product(x1, s2), dtype), dtype)
     return o1, o2
 
 
@@ -125,6 +126,13 @@ def _mla_kv_norm_rope_kernel(
     mask = row_mask & (cols < R)[None, :]
     w = tl.load(weight_ptr + cols, mask=cols < R, other=0.0).to(tl.float32)[None, :]
     x = tl.load(kv_ptr + rows * stride_kv + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Every load before the reduction, so their latencies overlap (a decode step is one row).
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    pmask = row_mask & (j < HALF)
+    x1, x2, c1, s1, c2, s2 = _load_rope_operands(
+        kv_ptr + rows * stride_kv + R, cos_ptr + rows * stride_cos, sin_ptr + rows * stride_sin,
+        j, pmask, HALF, INTERLEAVE,
+    )  # fmt: skip
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / R + eps)
     n = x * rstd[:, None]
     if CAST_BEFORE_WEIGHT:  # Llama form: weight * n.to(dtype), in dtype
@@ -132,13 +140,6 @@ def _mla_kv_norm_rope_kernel(
     else:
         y = _round(n * (w + weight_offset), dtype)
     tl.store(normed_ptr + rows * R + cols[None, :], y.to(dtype), mask=mask)
-
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    pmask = row_mask & (j < HALF)
-    x1, x2, c1, s1, c2, s2 = _load_rope_operands(
-        kv_ptr + rows * stride_kv + R, cos_ptr + rows * stride_cos, sin_ptr + rows * stride_sin,
-        j, pmask, HALF, INTERLEAVE,
-    )  # fmt: skip
     o1, o2 = _rope(x1, x2, c1, s1, c2, s2, dtype)
     out = pe_ptr + rows * (2 * HALF) + j
     tl.store(out, o1.to(dtype), mask=pmask)
@@ -287,7 +288,7 @@ def _identity(kernel):
 
 def mla_kv_norm_rope_triton(
     kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
-    *, wrap: Callable | None = None,
+    *, wrap: Callable | None = None, rows: int | None = None, num_warps: int = 4,
 ):  # fmt: skip
     """(normed [*lead, R], k_pe [*lead, P]) as mla_kv_norm_rope_reference, new contiguous
     tensors; `wrap` (torch.library.wrap_triton) is applied to the kernel before launch."""
@@ -299,20 +300,21 @@ def mla_kv_norm_rope_triton(
     m = kv_rows.shape[0]
     normed = torch.empty((*lead, r), dtype=kv.dtype, device=kv.device)
     k_pe = torch.empty((*lead, p), dtype=kv.dtype, device=kv.device)
-    rows = _rows_per_program(kv.shape[-1])
+    rows = rows or _rows_per_program(kv.shape[-1])
     (wrap or _identity)(_mla_kv_norm_rope_kernel)[(triton.cdiv(m, rows),)](
         kv_rows, weight.contiguous(), cos_rows, sin_rows, normed, k_pe,
         m, r, kv_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), eps, weight_offset,
         HALF=p // 2, INTERLEAVE=interleave, CAST_BEFORE_WEIGHT=cast_before_weight,
         BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=triton.next_power_of_2(p // 2), ROWS=rows,
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     return normed, k_pe
 
 
 def mla_q_rope_triton(
-    q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap: Callable | None = None
-):
+    q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap: Callable | None = None,
+    block_h: int | None = None, num_warps: int = 4,
+):  # fmt: skip
     """q with RoPE on its rope slice, as mla_q_rope_reference, in a new contiguous tensor
     ([..., H, S, D] when heads_first, else q's shape)."""
     p = check_mla_q_args(q, cos, sin, interleave)
@@ -329,13 +331,15 @@ def mla_q_rope_triton(
         out = torch.empty((*lead[:-1], h, s, d), dtype=q.dtype, device=q.device)
     else:
         out = torch.empty((*lead, h, d), dtype=q.dtype, device=q.device)
-    block_h = min(triton.next_power_of_2(h), max(1, _ELEMENTS_PER_PROGRAM // triton.next_power_of_2(d)))
+    block_h = block_h or min(
+        triton.next_power_of_2(h), max(1, _ELEMENTS_PER_PROGRAM // triton.next_power_of_2(d))
+    )
     (wrap or _identity)(_mla_q_rope_kernel)[(t, triton.cdiv(h, block_h))](
         q_rows, cos_rows, sin_rows, out, h, s,
         q_rows.stride(0), q_rows.stride(1), cos_rows.stride(0), sin_rows.stride(0),
         D=d, HALF=p // 2, ROPE_FIRST=rope_first, INTERLEAVE=interleave, HEADS_FIRST=heads_first,
         BLOCK_H=block_h, BLOCK_PASS=triton.next_power_of_2(max(1, d - p)),
-        BLOCK_HALF=triton.next_power_of_2(p // 2), num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(p // 2), num_warps=num_warps,
     )  # fmt: skip
     return out
 

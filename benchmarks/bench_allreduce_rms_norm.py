@@ -1,0 +1,402 @@
+"""Time the tensor-parallel allreduce + residual add + RMSNorm (bf16, Llama form) on 2 GPUs, three
+ways side by side:
+
+    s = sum over the ranks of x;  r = s + residual;  y = weight * to_bf16(f32(r) * rsqrt(mean(f32(r)^2) + eps))
+    returns (y, r)
+
+  nccl      NCCL all_reduce (the functional collective + wait, as a compiled TP graph calls it),
+            then torch.compile (stock Inductor) of the add + RMSNorm spelling: two+ launches
+  symm_mem  torch.ops.symm_mem.one_shot_all_reduce on a symmetric buffer (its _copy variant when
+            present, which copies x in inside the kernel; else a copy_ first), then the same
+            Inductor add + RMSNorm
+  ours      torch.ops.fusion_passes.allreduce_add_rms_norm: the one-shot kernel (reduce + add +
+            norm in one launch) when symm_mem_eligible allows, else its NCCL fallback; the "path"
+            column says which, and why
+
+Each is timed on every rank with the same fixed number of calls (a collective must be called as
+often on every rank: adaptive repeat counts such as do_bench's would hang), rank 0 reports:
+  plain  median over PLAIN_ITERS calls of CUDA events around each call, after a synchronize and a
+         dist.barrier; includes the host's launch time where the host is the bottleneck
+  graph  GRAPH_CALLS calls, each on its own input set, captured in one CUDA graph; the median over
+         GRAPH_REPLAYS replays, per call
+Ours is checked against nccl first (within the bf16 tolerance; the two sums may differ by one
+rounding) and for bit-identical outputs on every rank. The table's speedups are the baseline's
+time over ours; where ours fell back (rows > MAX_ROWS) they compare NCCL with NCCL. Use the
+graph columns to place MAX_ROWS at the switch point.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_allreduce_rms_norm.py [--hidden 7168 4096 3072]
+        [--tokens 1 8 64 256 512 2048 16384] [--out bench_allreduce_rms_norm.md]
+        [--json bench_allreduce_rms_norm.json]
+    python benchmarks/bench_allreduce_rms_norm.py --smoke   # CPU, gloo, 2 spawned ranks: fallback only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    # No GPU: Triton (imported by the package) must be in its CPU interpreter before it loads.
+    os.environ["TRITON_INTERPRET"] = "1"
+# No NVLink multicast on shared machines: NCCL NVLS and symmetric-memory multicast stay off.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import triton  # noqa: E402
+
+# Run as a script from anywhere: the package lives one level up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fusion_passes  # noqa: E402, F401 - registers the ops
+from fusion_passes.lowering.allreduce_add_rms_norm import fallback_reasons  # noqa: E402
+from fusion_passes.lowering.allreduce_add_rms_norm_reference import all_reduce_sum  # noqa: E402
+from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (  # noqa: E402
+    MAX_ROWS,
+    symm_mem_eligible,
+)
+from fusion_passes.numerics import compare  # noqa: E402
+
+HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Llama 3 8B / Qwen 3 8B, Llama 3.2 3B
+TOKENS = (1, 8, 64, 256, 512, 2048, 16384)
+SMOKE_HIDDEN, SMOKE_TOKENS = (64,), (1, 4)
+DTYPE = torch.bfloat16
+EPS = 1e-6
+PLAIN_ITERS, PLAIN_WARMUP = 200, 20
+# Calls per captured graph, each on its own input set (decode-sized sets stay in L2 together, as a
+# model's activations do), and replays timed; the same fixed counts on every rank.
+GRAPH_CALLS, GRAPH_REPLAYS, GRAPH_WARMUP = 20, 30, 3
+SMOKE_ITERS = 3
+IMPLS = ("nccl", "symm_mem", "ours")
+
+
+def add_rms_norm(s, residual, weight, eps):
+    """The decoder layer after the collective (Hugging Face spelling): returns (normed, r)."""
+    r = s + residual
+    h = r.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(r.dtype), r
+
+
+def _symm_mem_one_shot():
+    """(op, fused copy?) for torch's own one-shot all_reduce, or (None, reason)."""
+    ops = torch.ops.symm_mem
+    if not torch.cuda.is_available():
+        return None, "no CUDA"
+    if hasattr(ops, "one_shot_all_reduce_copy"):
+        return ops.one_shot_all_reduce_copy, True
+    if hasattr(ops, "one_shot_all_reduce"):
+        return ops.one_shot_all_reduce, False
+    return None, "torch.ops.symm_mem.one_shot_all_reduce missing in this torch"
+
+
+def make_calls(impl, input_sets, group_name, norm, symm_buffer):
+    """One zero-argument call of `impl` per input set, each returning (normed, r); None if the
+    implementation is unavailable here."""
+    if impl == "nccl":
+        return [lambda s=s: norm(all_reduce_sum(s["x"], group_name), s["residual"], s["weight"], EPS)
+                for s in input_sets]
+    if impl == "ours":
+        op = torch.ops.fusion_passes.allreduce_add_rms_norm
+        return [lambda s=s: op(s["x"], s["residual"], s["weight"], EPS, 0.0, True, group_name)
+                for s in input_sets]
+    one_shot, fused_copy = _symm_mem_one_shot()
+    if one_shot is None or symm_buffer is None:
+        return None
+    if fused_copy:
+        def call(s):
+            return norm(one_shot(symm_buffer, s["x"], "sum", group_name), s["residual"], s["weight"], EPS)
+    else:
+        def call(s):
+            symm_buffer.copy_(s["x"])
+            return norm(one_shot(symm_buffer, "sum", group_name), s["residual"], s["weight"], EPS)
+    return [lambda s=s: call(s) for s in input_sets]
+
+
+def time_plain_us(fn, device) -> float:
+    """Median microseconds per call: CUDA events around each of PLAIN_ITERS calls (host clock on
+    a CPU smoke run). Every rank makes the same calls between two barriers."""
+    cuda = device.type == "cuda"
+    iters, warmup = (PLAIN_ITERS, PLAIN_WARMUP) if cuda else (SMOKE_ITERS, 1)
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    if not cuda:
+        samples = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e6)
+        dist.barrier()
+        return statistics.median(samples)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
+
+
+def time_graph_us(calls, device) -> float | None:
+    """Median microseconds per call of the calls replayed from one CUDA graph (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream()  # warm up off the capture stream, as torch.cuda.graphs asks
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(GRAPH_WARMUP):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(GRAPH_REPLAYS)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(GRAPH_REPLAYS)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    dist.barrier()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def random_inputs(hidden, tokens, device, rank, seed) -> dict:
+    """x differs per rank (each holds a partial sum); residual and weight are replicated; weight
+    near 1 as in trained norms."""
+    shared = torch.Generator(device=device).manual_seed(seed)
+    own = torch.Generator(device=device).manual_seed(seed * 7919 + 1 + rank)
+    return {
+        "x": torch.randn(tokens, hidden, device=device, generator=own).to(DTYPE),
+        "residual": torch.randn(tokens, hidden, device=device, generator=shared).to(DTYPE),
+        "weight": (1 + 0.1 * torch.randn(hidden, device=device, generator=shared)).to(DTYPE),
+    }
+
+
+def _same_on_every_rank(t) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    bits = [g.view(torch.uint8) for g in gathered]
+    return all(torch.equal(b, bits[0]) for b in bits[1:])
+
+
+def check_ours(inputs, group_name, norm) -> dict:
+    """Ours against nccl (bf16 tolerance) and the same bits on every rank."""
+    ours = torch.ops.fusion_passes.allreduce_add_rms_norm(
+        inputs["x"], inputs["residual"], inputs["weight"], EPS, 0.0, True, group_name
+    )
+    ref = norm(all_reduce_sum(inputs["x"], group_name), inputs["residual"], inputs["weight"], EPS)
+    comparisons = [compare(o, r) for o, r in zip(ours, ref, strict=True)]
+    identical = all(_same_on_every_rank(o) for o in ours)
+    return {
+        "correct": all(c.ok for c in comparisons),
+        "identical_across_ranks": identical,
+        "max_abs_err": max(c.max_abs for c in comparisons),
+    }
+
+
+def bench_shape(hidden, tokens, device, rank, group_name, norm_for_shape) -> dict:
+    """Check ours, then time the three implementations on fresh inputs of one shape."""
+    sets = GRAPH_CALLS if device.type == "cuda" else 1
+    input_sets = [random_inputs(hidden, tokens, device, rank, seed) for seed in range(sets)]
+    norm = norm_for_shape()
+    # Path first: the gate is collective at its first call per shape, on every rank alike.
+    reason = symm_mem_eligible(input_sets[0]["x"], group_name)
+    record = {"hidden": hidden, "tokens": tokens, "path": "one-shot" if reason is None else f"fallback: {reason}"}
+    record.update(check_ours(input_sets[0], group_name, norm))
+    symm_buffer = None
+    if _symm_mem_one_shot()[0] is not None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_buffer = symm_mem.empty((tokens, hidden), dtype=DTYPE, device=device)
+        symm_mem.rendezvous(symm_buffer, group_name)
+    record["plain_us"], record["graph_us"] = {}, {}
+    for impl in IMPLS:
+        calls = make_calls(impl, input_sets, group_name, norm, symm_buffer)
+        record["plain_us"][impl] = None if calls is None else time_plain_us(calls[0], device)
+        record["graph_us"][impl] = None if calls is None else time_graph_us(calls, device)
+    del symm_buffer
+    return record
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _speedup(baseline, ours) -> str:
+    return "-" if baseline is None or ours is None else f"{baseline / ours:.2f}x"
+
+
+def table(records, mode) -> list[str]:
+    lines = [
+        "| hidden | tokens | nccl | symm_mem | ours | vs nccl | vs symm_mem | path |",
+        "|---:|---:|---:|---:|---:|---:|---:|:---|",
+    ]
+    for r in records:
+        t = r[f"{mode}_us"]
+        lines.append(
+            f"| {r['hidden']} | {r['tokens']} | {_us(t['nccl'])} | {_us(t['symm_mem'])} | {_us(t['ours'])} "
+            f"| {_speedup(t['nccl'], t['ours'])} | {_speedup(t['symm_mem'], t['ours'])} | {r['path']} |"
+        )
+    return lines
+
+
+def report(records, device_name, world_size, symm_note) -> str:
+    failures = [r for r in records if not (r["correct"] and r["identical_across_ranks"])]
+    lines = [
+        "# allreduce + add + RMSNorm benchmark (Llama form, bf16)",
+        "",
+        f"Device: {device_name} x {world_size}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"MAX_ROWS {MAX_ROWS}; NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.",
+        "",
+        "- Times: median microseconds per call on rank 0 (every rank makes the same calls). plain: "
+        f"CUDA events around each of {PLAIN_ITERS} calls (host launch time included where it "
+        f"dominates). graph: {GRAPH_CALLS} calls on their own input sets in one CUDA graph, median of "
+        f"{GRAPH_REPLAYS} replays, per call. Compare by the graph columns."
+        + (" (This CPU smoke run: a host clock over 3 calls; no graphs; the op's CPU path is "
+           "its reference.)" if device_name.startswith("CPU") else ""),
+        "- nccl: NCCL all_reduce + torch.compile (stock Inductor) add+RMSNorm. symm_mem: "
+        f"torch.ops.symm_mem one-shot all_reduce ({symm_note}) + the same Inductor add+RMSNorm. "
+        "ours: fusion_passes::allreduce_add_rms_norm (path column: one-shot, or the NCCL fallback "
+        "and why). Speedup = baseline time / ours.",
+        f"- Ours vs nccl within bf16 tolerance and bit-identical across ranks: "
+        f"{'all shapes pass' if not failures else f'{len(failures)} FAILURES'}.",
+    ]
+    for mode, title in (("plain", "Plain launches"), ("graph", "CUDA graph")):
+        lines += ["", f"## {title}: us per call", "", *table(records, mode)]
+    return "\n".join(lines) + "\n"
+
+
+def run(rank, world_size, args, device) -> int:
+    """Every rank runs every shape; rank 0 writes the report. Returns the exit status."""
+    group_name = dist.group.WORLD.group_name
+    hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
+    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    one_shot, fused_copy = _symm_mem_one_shot()
+    symm_note = (
+        ("one_shot_all_reduce_copy: copy-in fused" if fused_copy else "copy_ + one_shot_all_reduce")
+        if one_shot is not None else f"unavailable: {fused_copy}"
+    )
+
+    def norm_for_shape():
+        # One static-shape compile per shape, clear of the recompile limit; the smoke run keeps the
+        # eager spelling (an Inductor C++ compile on a CPU would dominate a short check).
+        if args.smoke:
+            return add_rms_norm
+        torch._dynamo.reset()
+        return torch.compile(add_rms_norm, dynamic=False)
+
+    records = []
+    with torch.no_grad():
+        for h in hidden:
+            for t in tokens:
+                records.append(bench_shape(h, t, device, rank, group_name, norm_for_shape))
+                r = records[-1]
+                if rank == 0:
+                    print(
+                        f"hidden={h} tokens={t} [{r['path']}] plain "
+                        + ", ".join(f"{i} {_us(r['plain_us'][i])}" for i in IMPLS)
+                        + " | graph " + ", ".join(f"{i} {_us(r['graph_us'][i])}" for i in IMPLS),
+                        flush=True,
+                    )
+                    if not (r["correct"] and r["identical_across_ranks"]):
+                        print(f"CORRECTNESS FAILURE: hidden={h} tokens={t} {r}", flush=True)
+    status = 1 if any(not (r["correct"] and r["identical_across_ranks"]) for r in records) else 0
+    if rank == 0:
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
+        text = report(records, device_name, world_size, symm_note)
+        Path(args.out).write_text(text)
+        Path(args.json).write_text(json.dumps({
+            "device": device_name,
+            "world_size": world_size,
+            "dtype": str(DTYPE),
+            "eps": EPS,
+            "max_rows": MAX_ROWS,
+            "symm_mem_baseline": symm_note,
+            "plain_iters": PLAIN_ITERS,
+            "graph_calls": GRAPH_CALLS,
+            "graph_replays": GRAPH_REPLAYS,
+            "fallback_reasons": dict(fallback_reasons),
+            "records": records,
+        }, indent=1))
+        print(text)
+    return status
+
+
+def _init(rank, world_size, init_method) -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=300), device_id=device)
+        return device
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    return torch.device("cpu")
+
+
+def _spawned_rank(rank, world_size, tmp, args) -> None:
+    """A rank of the smoke run's own 2-process world (when not started by torchrun)."""
+    device = _init(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
+    try:
+        status = run(rank, world_size, args, device)
+    finally:
+        dist.destroy_process_group()
+    if status:
+        raise SystemExit(status)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_allreduce_rms_norm.md", help="markdown report path")
+    parser.add_argument("--json", default="bench_allreduce_rms_norm.json", help="raw numbers path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only")
+    parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {HIDDEN})")
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # started by torchrun
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if not torch.cuda.is_available() and not args.smoke:
+            parser.error("no CUDA device: only --smoke runs on a CPU")
+        device = _init(rank, world_size, "env://")
+        try:
+            return run(rank, world_size, args, device)
+        finally:
+            dist.destroy_process_group()
+    if not args.smoke:
+        parser.error("run under torchrun --nproc-per-node 2 (only --smoke spawns its own ranks)")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(_spawned_rank, args=(2, tmp, args), nprocs=2, join=True)
+        except mp.ProcessExitedException:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
