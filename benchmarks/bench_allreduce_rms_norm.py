@@ -25,7 +25,7 @@ time over ours; where ours fell back (rows > MAX_ROWS) they compare NCCL with NC
 graph columns to place MAX_ROWS at the switch point.
 
     torchrun --nproc-per-node 2 benchmarks/bench_allreduce_rms_norm.py [--hidden 7168 4096 3072]
-        [--tokens 1 8 64 256 512 2048 16384] [--out bench_allreduce_rms_norm.md]
+        [--tokens 1 8 64 256 512 2048 16384] [--max-rows N] [--out bench_allreduce_rms_norm.md]
         [--json bench_allreduce_rms_norm.json]
     python benchmarks/bench_allreduce_rms_norm.py --smoke   # CPU, gloo, 2 spawned ranks: fallback only
 """
@@ -61,10 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fusion_passes  # noqa: E402, F401 - registers the ops
 from fusion_passes.lowering.allreduce_add_rms_norm import fallback_reasons  # noqa: E402
 from fusion_passes.lowering.allreduce_add_rms_norm_reference import all_reduce_sum  # noqa: E402
-from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (  # noqa: E402
-    MAX_ROWS,
-    symm_mem_eligible,
-)
+from fusion_passes.lowering import allreduce_add_rms_norm_symm_mem as one_shot_module  # noqa: E402
+from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible  # noqa: E402
 from fusion_passes.numerics import compare  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Llama 3 8B / Qwen 3 8B, Llama 3.2 3B
@@ -270,7 +268,7 @@ def report(records, device_name, world_size, symm_note) -> str:
         "# allreduce + add + RMSNorm benchmark (Llama form, bf16)",
         "",
         f"Device: {device_name} x {world_size}; torch {torch.__version__}; triton {triton.__version__}; "
-        f"MAX_ROWS {MAX_ROWS}; NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.",
+        f"MAX_ROWS {one_shot_module.MAX_ROWS}; NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.",
         "",
         "- Times: median microseconds per call on rank 0 (every rank makes the same calls). plain: "
         f"CUDA events around each of {PLAIN_ITERS} calls (host launch time included where it "
@@ -292,6 +290,10 @@ def report(records, device_name, world_size, symm_note) -> str:
 
 def run(rank, world_size, args, device) -> int:
     """Every rank runs every shape; rank 0 writes the report. Returns the exit status."""
+    if args.max_rows is not None:
+        # Before any workspace exists (they are sized by it): lets one run time the one-shot path
+        # past the default bound, to find where it stops winning.
+        one_shot_module.MAX_ROWS = args.max_rows
     group_name = dist.group.WORLD.group_name
     hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
@@ -334,7 +336,7 @@ def run(rank, world_size, args, device) -> int:
             "world_size": world_size,
             "dtype": str(DTYPE),
             "eps": EPS,
-            "max_rows": MAX_ROWS,
+            "max_rows": one_shot_module.MAX_ROWS,
             "symm_mem_baseline": symm_note,
             "plain_iters": PLAIN_ITERS,
             "graph_calls": GRAPH_CALLS,
@@ -378,6 +380,8 @@ def main() -> int:
                         help="tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only")
     parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {HIDDEN})")
     parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
+    parser.add_argument("--max-rows", type=int,
+                        help=f"override MAX_ROWS (default {one_shot_module.MAX_ROWS}) for this run")
     args = parser.parse_args()
     if "RANK" in os.environ:  # started by torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

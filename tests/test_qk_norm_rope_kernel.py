@@ -66,33 +66,36 @@ def _assert_close(actual, expected, dtype):
     assert torch.all((a - e).abs() <= bound), float(((a - e).abs() / scale).max())
 
 
-def _check(args, eps, form, per_head, dtype):
+def _check(args, eps, form, per_head, dtype, whole_head_tile=None):
     offset, cast = FORMS[form]
-    outs = qk_norm_rope_triton(*args, eps, offset, cast, per_head)
+    outs = qk_norm_rope_triton(*args, eps, offset, cast, per_head, whole_head_tile=whole_head_tile)
     refs = qk_norm_rope_reference(*args, eps, offset, cast, per_head)
     for out, ref in zip(outs, refs, strict=True):
         assert not out.isnan().any()
         _assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_kernel_matches_reference(config, dtype):
+def test_kernel_matches_reference(config, dtype, tile):
+    """Both row bodies of the kernel (three column tiles per head, or one whole-head tile)."""
     per_head = CONFIGS[config][4]
     for i, form in enumerate(FORMS):
         args = _inputs(CONFIGS[config], dtype, form, seed=i)
-        _check(args, [1e-6, 1e-5, 0.1][i], form, per_head, dtype)
+        _check(args, [1e-6, 1e-5, 0.1][i], form, per_head, dtype, tile)
 
 
+@pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
 @pytest.mark.parametrize("config", ["qwen3_5", "minimax_m2"])
-def test_strided_q_batched_cos_and_one_token(config):
+def test_strided_q_batched_cos_and_one_token(config, tile):
     """Qwen 3.5's strided q, cos/sin per sequence (batch 3), and a decode step of one token."""
     per_head = CONFIGS[config][4]
     for tokens, cos_batch in (((3, 5), 3), ((1, 1), 1), ((4, 1), 1)):
         args = _inputs(CONFIGS[config], torch.bfloat16, "offset", tokens, q_chunk=True,
                        cos_batch=cos_batch)  # fmt: skip
         assert args[0].stride(-2) == 2 * args[0].shape[-1]
-        _check(args, 1e-6, "offset", per_head, torch.bfloat16)
+        _check(args, 1e-6, "offset", per_head, torch.bfloat16, tile)
 
 
 def test_rotation_is_applied_per_position():
@@ -117,9 +120,10 @@ def test_outputs_fully_written(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     for config in ("odd", "odd_whole_row"):
-        args = _inputs(CONFIGS[config], torch.float16, "llama", (3, 7), q_chunk=True)
-        outs = qk_norm_rope_triton(*args, 1e-6, 0.0, True, CONFIGS[config][4])
-        assert not any(o.isnan().any() for o in outs)
+        for tile in (False, True):
+            args = _inputs(CONFIGS[config], torch.float16, "llama", (3, 7), q_chunk=True)
+            outs = qk_norm_rope_triton(*args, 1e-6, 0.0, True, CONFIGS[config][4], whole_head_tile=tile)
+            assert not any(o.isnan().any() for o in outs)
 
 
 def test_op_matches_reference_and_fake():

@@ -30,7 +30,14 @@ from fusion_passes.lowering.mla_rope_reference import (
 )
 
 # Elements one program works on at once: narrow rows are packed several to a program.
-_ELEMENTS_PER_PROGRAM = 4096
+# kv and q: 1024 (one kv row of 576, four q heads of 192) at 2 warps. Measured on an H200 with
+# benchmarks/tune_mla_rope.py (DeepSeek V3 widths, bf16, CUDA graph, us at 1 / 64 / 4096 tokens):
+# kv 1 row x 2 warps 2.14 / 2.29 / 5.29 against 4 rows x 4 warps 2.65 / 2.96 / 5.41; q 4 heads x
+# 2 warps 2.65 / 3.88 / 106.6 against 16 heads x 4 warps 2.92 / 4.93 / 114.9 (the best at each
+# size was within 0.5 us of these). The indexer key keeps 4096 x 4 warps (not measured).
+_ELEMENTS_PER_PROGRAM = 1024
+_WARPS = 2
+_INDEXER_ELEMENTS_PER_PROGRAM = 4096
 # Compiled kernels spell the RoPE products as PTX mul.rn (see _product); the interpreter has no
 # inline assembly and no contraction either, so it multiplies plainly.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -278,8 +285,8 @@ def _rows(t: torch.Tensor, lead: tuple) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _rows_per_program(width: int) -> int:
-    return max(1, _ELEMENTS_PER_PROGRAM // triton.next_power_of_2(width))
+def _rows_per_program(width: int, elements: int = _ELEMENTS_PER_PROGRAM) -> int:
+    return max(1, elements // triton.next_power_of_2(width))
 
 
 def _identity(kernel):
@@ -288,7 +295,7 @@ def _identity(kernel):
 
 def mla_kv_norm_rope_triton(
     kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
-    *, wrap: Callable | None = None, rows: int | None = None, num_warps: int = 4,
+    *, wrap: Callable | None = None, rows: int | None = None, num_warps: int = _WARPS,
 ):  # fmt: skip
     """(normed [*lead, R], k_pe [*lead, P]) as mla_kv_norm_rope_reference, new contiguous
     tensors; `wrap` (torch.library.wrap_triton) is applied to the kernel before launch."""
@@ -313,7 +320,7 @@ def mla_kv_norm_rope_triton(
 
 def mla_q_rope_triton(
     q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap: Callable | None = None,
-    block_h: int | None = None, num_warps: int = 4,
+    block_h: int | None = None, num_warps: int = _WARPS,
 ):  # fmt: skip
     """q with RoPE on its rope slice, as mla_q_rope_reference, in a new contiguous tensor
     ([..., H, S, D] when heads_first, else q's shape)."""
@@ -354,7 +361,7 @@ def mla_indexer_k_norm_rope_triton(
     cos_rows, sin_rows = _rows(cos, lead), _rows(sin, lead)
     m = k_rows.shape[0]
     out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    rows = _rows_per_program(d)
+    rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
     (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[(triton.cdiv(m, rows),)](
         k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out,
         m, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), eps,

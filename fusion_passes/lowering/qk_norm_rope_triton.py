@@ -135,6 +135,74 @@ def _norm_rope_rows(
 
 
 @triton.jit
+def _norm_rope_rows_tile(
+    x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, local_pid, n_rows, S, H,
+    stride_b, stride_s, stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s,
+    eps, weight_offset,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    NORM_PER_HEAD: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """_norm_rope_rows with each head row as one [ROWS, BLOCK_D] tile: contiguous, vectorised loads
+    and one store per row, whatever the split of rotary and pass-through dims (the three narrow
+    tiles of _norm_rope_rows load 32 bf16 at a time when the rotary half is 32 wide). The rotation
+    partner of each rotary column (j + R/2 in the first half, j - R/2 in the second) is read by
+    two shifted loads of the same row, served from L1: DRAM still sees each byte once.
+        out[j] = to_x_dtype(to_x_dtype(y[j] * cos[j]) -+ to_x_dtype(y[partner(j)] * sin[j]))  j < R
+        out[j] = y[j]                                                                      j >= R
+    """
+    D: tl.constexpr = 2 * HALF + PASS
+    R: tl.constexpr = 2 * HALF
+    dtype = out_ptr.dtype.element_ty
+    lanes = tl.arange(0, ROWS)
+    if NORM_PER_HEAD:
+        rows = local_pid * ROWS + lanes
+        row_mask = rows < n_rows
+    else:  # one token per program: its H heads
+        rows = local_pid * H + lanes
+        row_mask = lanes < H
+    rows = rows.to(tl.int64)
+    head = rows % H
+    token = rows // H
+    seq = token % S
+    batch = token // S
+    x_row = (x_ptr + batch * stride_b + seq * stride_s + head * stride_h)[:, None]
+    cos_row = (cos_ptr + batch * cos_stride_b + seq * cos_stride_s)[:, None]
+    sin_row = (sin_ptr + batch * sin_stride_b + seq * sin_stride_s)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    row_mask = row_mask[:, None]
+    mask = row_mask & (cols < D)
+    first = row_mask & (cols < HALF)  # partner at j + HALF
+    second = row_mask & (cols >= HALF) & (cols < R)  # partner at j - HALF
+    rot = row_mask & (cols < R)
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_row + cols + HALF, mask=first, other=0.0).to(tl.float32)
+    x_partner += tl.load(x_row + cols - HALF, mask=second, other=0.0).to(tl.float32)
+    if NORM_PER_HEAD:  # one [D] weight shared by every head
+        w_row = w_ptr
+    else:  # each head its own slice of the [H * D] weight
+        w_row = (w_ptr + head * D)[:, None]
+    w = tl.load(w_row + cols, mask=mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_row + cols + HALF, mask=first, other=0.0).to(tl.float32)
+    w_partner += tl.load(w_row + cols - HALF, mask=second, other=0.0).to(tl.float32)
+    c = tl.load(cos_row + cols, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + cols, mask=rot, other=0.0).to(tl.float32)
+    squares = tl.sum(x * x, axis=1)
+    if NORM_PER_HEAD:
+        rstd = tl.rsqrt(squares / D + eps)[:, None]
+    else:
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
+    y = _rounded(scale_by_weight(x * rstd, w, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
+    y_partner = scale_by_weight(x_partner * rstd, w_partner, weight_offset, dtype, CAST_BEFORE_WEIGHT)
+    y_partner = _rounded(y_partner, dtype)
+    # rotate_half: the first half subtracts its partner's product, the second adds it (negation
+    # is exact, so the rounding matches the reference's separate sub and add).
+    sign = tl.where(cols < HALF, -1.0, 1.0)
+    o = _rounded(y * c, dtype) + sign * _rounded(y_partner * s, dtype)
+    o = tl.where(cols < R, o, y)
+    tl.store(out_ptr + rows[:, None] * D + cols, o.to(dtype), mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr,  # *dtype [B, S, HQ, D] queries (any strides, unit column stride)
     k_ptr,  # *dtype [B, S, HK, D] keys
@@ -169,12 +237,28 @@ def _qk_norm_rope_kernel(
     ROWS: tl.constexpr,
     NORM_PER_HEAD: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    WHOLE_HEAD_TILE: tl.constexpr,  # _norm_rope_rows_tile (BLOCK_PASS is then next_power_of_2(D))
 ):
     # Inductor's launches pass Python floats as fp64: pin them to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
     weight_offset = tl.cast(weight_offset, tl.float32)
     pid = tl.program_id(0)
-    if pid < q_programs:
+    if WHOLE_HEAD_TILE:
+        if pid < q_programs:
+            _norm_rope_rows_tile(
+                q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
+                q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
+                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, ROWS,
+                NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+            )  # fmt: skip
+        else:
+            _norm_rope_rows_tile(
+                k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
+                k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
+                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, ROWS,
+                NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+            )  # fmt: skip
+    elif pid < q_programs:
         _norm_rope_rows(
             q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
             q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
@@ -190,13 +274,19 @@ def _qk_norm_rope_kernel(
         )  # fmt: skip
 
 
-def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool):
+def launch_config(
+    head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool, whole_head_tile: bool
+):
     """(BLOCK_HALF, BLOCK_PASS, ROWS, num_warps): independent of the token count, so a dynamic
-    token count never re-specialises the kernel. `heads` is the larger of q's and k's."""
+    token count never re-specialises the kernel. `heads` is the larger of q's and k's. With
+    whole_head_tile, BLOCK_PASS is the padded head width (the tile's columns)."""
     half, pass_ = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
-    block_pass = triton.next_power_of_2(pass_) if pass_ else 1
-    padded = 2 * block_half + (block_pass if pass_ else 0)
+    if whole_head_tile:
+        block_pass = padded = triton.next_power_of_2(head_dim)
+    else:
+        block_pass = triton.next_power_of_2(pass_) if pass_ else 1
+        padded = 2 * block_half + (block_pass if pass_ else 0)
     if norm_per_head:
         fit = max(1, _ELEMENTS_PER_PROGRAM // padded)
         rows = 1 << (fit.bit_length() - 1)  # a power of two (tl.arange), rounded down
@@ -224,6 +314,9 @@ def qk_norm_rope_triton(
     norm_per_head: bool = True,
     *,
     wrap: Callable | None = None,
+    whole_head_tile: bool | None = None,
+    rows: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """QK-norm + RoPE as qk_norm_rope_reference computes it, in one launch. Returns (q_out, k_out),
     [B, H, S, D] transposes of new contiguous [B, S, H, D] tensors; inputs are only read. `wrap`
@@ -238,9 +331,14 @@ def qk_norm_rope_triton(
     rotary_dim = cos.shape[-1]
     q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
-    block_half, block_pass, rows, num_warps = launch_config(
-        d, rotary_dim, max(hq, hk), norm_per_head
+    if whole_head_tile is None:
+        whole_head_tile = rotary_dim < d
+    block_half, block_pass, default_rows, default_warps = launch_config(
+        d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
+    # Overrides (benchmarks/tune_qk_norm_rope.py); a whole-row norm needs every head in one program.
+    rows = rows if rows and norm_per_head else default_rows
+    num_warps = num_warps or default_warps
     n_q, n_k = b * s * hq, b * s * hk
     if norm_per_head:
         q_programs, k_programs = triton.cdiv(n_q, rows), triton.cdiv(n_k, rows)
@@ -263,6 +361,7 @@ def qk_norm_rope_triton(
         ROWS=rows,
         NORM_PER_HEAD=norm_per_head,
         CAST_BEFORE_WEIGHT=cast_before_weight,
+        WHOLE_HEAD_TILE=whole_head_tile,
         num_warps=num_warps,
     )  # fmt: skip
     # permute, not transpose: inlined as a direct launch, this lands in Inductor's post-grad graph,

@@ -1,0 +1,82 @@
+"""Launch-shape sweep of the qk_norm_rope kernel at each model's real head configuration (bf16,
+one GPU, the kernel alone inside a CUDA graph of GRAPH_CALLS calls): row body (three column tiles
+per head, or one whole-head tile) x head rows per program x warps.
+
+The defaults of qk_norm_rope_triton.launch_config come from this table; rerun it when they change.
+
+    python benchmarks/tune_qk_norm_rope.py [--tokens 1 64 4096] [--out tune_qk_norm_rope.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, bench_qk_norm_rope.py
+
+from bench_qk_norm_rope import EPS, MODELS, inputs  # noqa: E402
+from timing import time_graph_us  # noqa: E402
+
+from fusion_passes.lowering.qk_norm_rope_triton import qk_norm_rope_triton  # noqa: E402
+
+GRAPH_CALLS = 20
+ROWS = (2, 4, 8, 16)  # per-head norm only; a whole-row norm takes one token per program
+WARPS = (2, 4, 8, 16)
+
+
+def _kernel_args(model, x):
+    """bench_qk_norm_rope's inputs as the kernel takes them: [B, S, H, D] views."""
+    hq, hk, d, r, per_head, gate, form = model
+    q, k, wq, wk, cos, sin = x
+    b, s = q.shape[:2]
+    q4 = q.view(b, s, hq, 2 * d)[..., :d] if gate else q.view(b, s, hq, d)
+    offset, cast = (1.0, False) if form == "offset" else (0.0, True)
+    return (q4, k.view(b, s, hk, d), wq, wk, cos, sin, EPS, offset, cast, per_head)
+
+
+def sweep(model, tokens):
+    sets = [_kernel_args(model, inputs(model, tokens, "cuda")) for _ in range(GRAPH_CALLS)]
+    per_head = model[4]
+    results = [("default", None, None, time_graph_us([lambda a=a: qk_norm_rope_triton(*a) for a in sets]))]
+    for tile in (False, True):
+        for rows in ROWS if per_head else (None,):
+            for warps in WARPS:
+                calls = [
+                    lambda a=a: qk_norm_rope_triton(*a, whole_head_tile=tile, rows=rows, num_warps=warps)
+                    for a in sets
+                ]
+                results.append(("tile" if tile else "split", rows, warps, time_graph_us(calls)))
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--out", default="tune_qk_norm_rope.md")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    torch.manual_seed(0)
+    lines = [f"# qk_norm_rope launch shapes, bf16, {torch.cuda.get_device_name()} (CUDA graph, us per call)", ""]
+    lines += ["| model | tokens | body | rows | warps | us |", "|---|---|---|---|---|---|"]
+    for name in args.models:
+        for t in args.tokens:
+            results = sweep(MODELS[name], t)
+            best = min(r[3] for r in results)
+            for body, rows, warps, us in results:
+                mark = " (best)" if us == best else ""
+                lines.append(f"| {name} | {t} | {body} | {rows or '-'} | {warps or '-'} | {us:.2f}{mark} |")
+            print(f"{name} tokens={t} done", flush=True)
+    text = "\n".join(lines) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
