@@ -234,7 +234,8 @@ def _qk_norm_rope_kernel(
     PASS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per q program
+    ROWS_K: tl.constexpr,  # rows per k program (ROWS, unless a whole-row norm with fewer k heads)
     NORM_PER_HEAD: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     WHOLE_HEAD_TILE: tl.constexpr,  # _norm_rope_rows_tile (BLOCK_PASS is then next_power_of_2(D))
@@ -255,7 +256,7 @@ def _qk_norm_rope_kernel(
             _norm_rope_rows_tile(
                 k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
                 k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
-                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, ROWS,
+                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, ROWS_K,
                 NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
             )  # fmt: skip
     elif pid < q_programs:
@@ -269,7 +270,7 @@ def _qk_norm_rope_kernel(
         _norm_rope_rows(
             k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
             k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
-            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
+            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
             NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
         )  # fmt: skip
 
@@ -279,7 +280,13 @@ def launch_config(
 ):
     """(BLOCK_HALF, BLOCK_PASS, ROWS, num_warps): independent of the token count, so a dynamic
     token count never re-specialises the kernel. `heads` is the larger of q's and k's. With
-    whole_head_tile, BLOCK_PASS is the padded head width (the tile's columns)."""
+    whole_head_tile, BLOCK_PASS is the padded head width (the tile's columns).
+
+    Measured on an H200 (benchmarks/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096
+    tokens): Qwen 3.5 (head 256, rotary 64) whole-head tile at 8 rows x 4 warps 2.6 / 3.6 / 38.6
+    against 5.1 / 5.3 / 84.6 with the split tiles (4 rows x 2 warps); MiniMax-M2 (whole-row norm,
+    48 heads of 128, rotary 64) split tiles at 16 warps 2.7 / 3.3 / 70.5, the whole-head tile
+    3.5 / 4.4 / 180 (the [64, 128] tile's partner loads thrash), fewer warps slower."""
     half, pass_ = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     if whole_head_tile:
@@ -331,8 +338,8 @@ def qk_norm_rope_triton(
     rotary_dim = cos.shape[-1]
     q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
-    if whole_head_tile is None:
-        whole_head_tile = rotary_dim < d
+    if whole_head_tile is None:  # partial rotary, per-head norm (see launch_config)
+        whole_head_tile = rotary_dim < d and norm_per_head
     block_half, block_pass, default_rows, default_warps = launch_config(
         d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
@@ -359,6 +366,7 @@ def qk_norm_rope_triton(
         BLOCK_HALF=block_half,
         BLOCK_PASS=block_pass,
         ROWS=rows,
+        ROWS_K=rows if norm_per_head else triton.next_power_of_2(hk),
         NORM_PER_HEAD=norm_per_head,
         CAST_BEFORE_WEIGHT=cast_before_weight,
         WHOLE_HEAD_TILE=whole_head_tile,
