@@ -92,8 +92,8 @@ def inputs(tokens, dims, device, g):
 
 def check_ours(x, dims) -> list[str]:
     """The kernels against the references and the eager region: RoPE outputs bit-exact; the
-    normalised latent within an ulp of both (the reference and eager reduce the row in different
-    orders: eager reads a strided slice, the reference a contiguous row). Returns what failed."""
+    normalised latent within two bf16 ulps of both, the kernel tests' bound (two roundings, and
+    the row reduced in another order: eager reads a strided slice). Returns what failed."""
     rope = dims["rope"]
     c, s = x["cos"][..., : rope // 2], x["sin"][..., : rope // 2]
     q4 = x["q"].view(*x["q"].shape[:2], dims["heads"], -1)
@@ -103,7 +103,7 @@ def check_ours(x, dims) -> list[str]:
     e_query, e_normed, e_pe = region(**x, dims=dims)
 
     def within_ulp(a, b):
-        return bool(((a.float() - b.float()).abs() <= 2**-7 * b.float().abs() + 1e-6).all())
+        return bool(((a.float() - b.float()).abs() <= 2 * 2**-7 * b.float().abs() + 1e-6).all())
 
     checks = {
         "query == reference": torch.equal(query, mla_q_rope_reference(q4, c, s, False, True, True)),

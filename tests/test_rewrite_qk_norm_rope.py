@@ -177,6 +177,26 @@ def test_mismatched_cos_sin_is_not_fused(case):
     _assert_close(out, expected)
 
 
+def test_whole_row_norm_left_unfused_at_prefill_sizes(monkeypatch):
+    """MiniMax-M2's whole-row spelling is slower fused than Inductor's from WHOLE_ROW_MAX_TOKENS
+    tokens on: a static token count at the bound stays unfused, with the reason; one below fuses."""
+    import fusion_passes.patterns.qk_norm_rope as patterns
+
+    monkeypatch.setattr(patterns, "WHOLE_ROW_MAX_TOKENS", 6)  # tiny shapes; the rule, not the value
+    fusion, per_head, rope, rotary, gate = SPELLINGS["minimax_m2"]
+    fn = _attention_prelude(NORMS["llama"], per_head, rope, gate)
+    out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, tokens=(2, 3)))
+    assert _matched(report) == {"rms_norm": 2}
+    assert report.rejected and all(r.fusion == fusion for r in report.rejected)
+    assert any("whole-row norm at 6 tokens" in r.reason for r in report.rejected)
+    assert report.graphs[0].ops_after.get("fusion_passes.qk_norm_rope.default", 0) == 0
+    _assert_close(out, expected)
+    out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, tokens=(1, 5)))
+    assert _matched(report) == {"rms_norm": 2, fusion: 1}
+    assert report.graphs[0].ops_after["fusion_passes.qk_norm_rope.default"] == 1
+    _assert_close(out, expected)
+
+
 def test_different_eps_or_normed_value_reused_is_not_fused():
     """q_norm and k_norm with different eps (one op has one eps); a normed q also used elsewhere
     (the fused op does not return it)."""
