@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusion_passes
-from fusion_passes.patterns.qk_norm_rope import FAMILY, rope_full, rope_partial
+from fusion_passes.patterns.qk_norm_rope import FAMILY, WHOLE_ROW_MAX_TOKENS, rope_full, rope_partial
 from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm, offset_rms_norm
 from fusion_passes.numerics import tolerance
 from fusion_passes.registry import get_fusions
@@ -177,21 +177,22 @@ def test_mismatched_cos_sin_is_not_fused(case):
     _assert_close(out, expected)
 
 
-def test_whole_row_norm_left_unfused_at_prefill_sizes(monkeypatch):
+def test_whole_row_norm_left_unfused_at_prefill_sizes():
     """MiniMax-M2's whole-row spelling is slower fused than Inductor's from WHOLE_ROW_MAX_TOKENS
-    tokens on: a static token count at the bound stays unfused, with the reason; one below fuses."""
-    import fusion_passes.patterns.qk_norm_rope as patterns
-
-    monkeypatch.setattr(patterns, "WHOLE_ROW_MAX_TOKENS", 6)  # tiny shapes; the rule, not the value
+    tokens on: a static token count at the bound stays unfused, with the reason; one below fuses.
+    (The bound itself, not a patched one: a compile cached under a patched bound would answer
+    later compiles of the same graph.)"""
     fusion, per_head, rope, rotary, gate = SPELLINGS["minimax_m2"]
     fn = _attention_prelude(NORMS["llama"], per_head, rope, gate)
-    out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, tokens=(2, 3)))
+    args = _args(torch.bfloat16, "llama", per_head, rotary, tokens=(1, WHOLE_ROW_MAX_TOKENS))
+    out, expected, report = _run(fn, *args)
     assert _matched(report) == {"rms_norm": 2}
     assert report.rejected and all(r.fusion == fusion for r in report.rejected)
-    assert any("whole-row norm at 6 tokens" in r.reason for r in report.rejected)
+    assert any(f"whole-row norm at {WHOLE_ROW_MAX_TOKENS} tokens" in r.reason for r in report.rejected)
     assert report.graphs[0].ops_after.get("fusion_passes.qk_norm_rope.default", 0) == 0
     _assert_close(out, expected)
-    out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, tokens=(1, 5)))
+    args = _args(torch.bfloat16, "llama", per_head, rotary, tokens=(1, WHOLE_ROW_MAX_TOKENS - 1))
+    out, expected, report = _run(fn, *args)
     assert _matched(report) == {"rms_norm": 2, fusion: 1}
     assert report.graphs[0].ops_after["fusion_passes.qk_norm_rope.default"] == 1
     _assert_close(out, expected)
