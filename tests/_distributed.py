@@ -1,6 +1,6 @@
-"""Spawn harness for the tensor-parallel tests: a gloo process group of ``world_size`` CPU
-processes, bounded by a timeout so that a hang (a rank stuck in a collective) fails the test
-instead of stalling CI."""
+"""Spawn harness for the tensor-parallel tests: a process group of ``world_size`` spawned
+processes (gloo on CPUs, or NCCL with one GPU per rank), bounded by a timeout so that a hang (a
+rank stuck in a collective) fails the test instead of stalling CI."""
 
 from __future__ import annotations
 
@@ -12,19 +12,27 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_world(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on every rank of a fresh gloo group (spawned processes;
-    ``fn`` must be importable, and its result picklable); return the results in rank order.
-    Raises TimeoutError after ``timeout`` seconds (the ranks are killed), or the first rank's
-    exception with its traceback."""
+def run_world(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    collective_timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank of a fresh ``backend`` group (spawned
+    processes; ``fn`` must be importable, and its result picklable); return the results in rank
+    order. Raises TimeoutError after ``timeout`` seconds (the ranks are killed), or the first
+    rank's exception with its traceback. NCCL ranks each take GPU ``rank``."""
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
             _rank_main,
-            args=(world_size, tmp, fn, args),
+            args=(world_size, tmp, fn, args, backend, collective_timeout),
             nprocs=world_size,
             join=False,
             start_method="spawn",  # fork would copy the parent's threads and Inductor state
@@ -46,15 +54,26 @@ def run_world(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
         return results
 
 
-def _rank_main(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple) -> None:
-    # A collective that waits longer than this raises in the rank (the outer timeout kills it
-    # anyway); the file store needs no free port.
+def _rank_main(
+    rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple, backend: str,
+    collective_timeout: float,
+) -> None:  # fmt: skip
+    extra = {}
+    if backend == "nccl":
+        # No NVLink multicast on shared machines (NCCL NVLS, symmetric-memory multicast objects).
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    # A collective that waits longer than collective_timeout raises in the rank (the outer
+    # timeout kills it anyway); the file store needs no free port.
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{os.path.join(tmp, 'store')}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=collective_timeout),
+        **extra,
     )
     try:
         result = fn(rank, world_size, *args)
