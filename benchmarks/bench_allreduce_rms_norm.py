@@ -21,8 +21,9 @@ often on every rank: adaptive repeat counts such as do_bench's would hang), rank
          GRAPH_REPLAYS replays, per call
 Ours is checked against nccl first (within the bf16 tolerance; the two sums may differ by one
 rounding) and for bit-identical outputs on every rank. The table's speedups are the baseline's
-time over ours; where ours fell back (rows > MAX_ROWS) they compare NCCL with NCCL. Use the
-graph columns to place MAX_ROWS at the switch point.
+time over ours; where ours fell back they compare NCCL with NCCL. Above MAX_ROWS rows the op
+runs the one-shot kernel in launches of MAX_ROWS rows (two ranks; the path column counts them);
+--max-rows N times a workspace of N rows instead (one launch), to compare the two.
 
     torchrun --nproc-per-node 2 benchmarks/bench_allreduce_rms_norm.py [--hidden 7168 4096 3072]
         [--tokens 1 8 64 256 512 2048 16384] [--max-rows N] [--out bench_allreduce_rms_norm.md]
@@ -222,8 +223,10 @@ def bench_shape(hidden, tokens, device, rank, group_name, norm_for_shape) -> dic
     input_sets = [random_inputs(hidden, tokens, device, rank, seed) for seed in range(sets)]
     norm = norm_for_shape()
     # Path first: the gate is collective at its first call per shape, on every rank alike.
-    reason = symm_mem_eligible(input_sets[0]["x"], group_name)
-    record = {"hidden": hidden, "tokens": tokens, "path": "one-shot" if reason is None else f"fallback: {reason}"}
+    reason = symm_mem_eligible(input_sets[0]["x"], group_name, chunked=True)
+    launches = -(-tokens // one_shot_module.MAX_ROWS)
+    path = "one-shot" + (f" ({launches} launches)" if launches > 1 else "")
+    record = {"hidden": hidden, "tokens": tokens, "path": path if reason is None else f"fallback: {reason}"}
     record.update(check_ours(input_sets[0], group_name, norm))
     symm_buffer = None
     if _symm_mem_one_shot()[0] is not None:

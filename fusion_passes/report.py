@@ -137,8 +137,17 @@ class Report:
             for m in g["near_misses"]:
                 self.near_misses.append(NearMiss(**{**m, "graph": index}))
 
+    def runtime_fallbacks(self) -> dict[str, dict[str, str]]:
+        """For the ops this report's rewrites added that can choose a path at run time (the
+        collective ops): op -> {process group: why its last call there took the fallback}. Only
+        calls made so far count: read it after running the compiled model."""
+        from fusion_passes.lowering.collective_ops import runtime_fallbacks
+
+        added = {op for site in self.sites for op in site.ops_added}
+        return {op: dict(groups) for op, groups in runtime_fallbacks.items() if op in added}
+
     def summary(self) -> str:
-        """A few plain lines: matches per fusion, rejections, failures."""
+        """A few plain lines: matches per fusion, rejections, failures, run-time fallbacks."""
         lines = [f"{name}: {n} site(s)" for name, n in sorted(self.matches.items())]
         lines += [f"rejected {r.fusion} at {r.module or r.location}: {r.reason}" for r in self.rejected]
         lines += [
@@ -147,6 +156,11 @@ class Report:
             for m in self.near_misses
         ]
         lines += [f"failed: {e}" for e in self.errors]
+        lines += [
+            f"run time: {op} on group {group!r} took its fallback: {reason}"
+            for op, groups in self.runtime_fallbacks().items()
+            for group, reason in groups.items()
+        ]
         return "\n".join(lines) or "no fusion matched"
 
 

@@ -163,6 +163,9 @@ def _spellings_job(rank: int, world_size: int) -> dict:
             "after": dict(graph.ops_after),
             "equal": [a.dtype == e.dtype and torch.equal(a, e) for a, e in zip(out, expected, strict=True)],
             "errors": list(report.errors),
+            "fallbacks": report.runtime_fallbacks(),
+            "group": _group().group_name,
+            "summary": report.summary(),
         }
     # Piggybacks on this job's spawn (a spawn costs ~9 s): the one-shot gate on a gloo group.
     from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible
@@ -188,7 +191,14 @@ def test_allreduce_norm_spelling(spellings, case):
         if fusion is None:  # not fused: the norm still canonicalizes, the collective stays
             assert r["matches"] == {norm_fusion: 1}, (rank, r["matches"])
             assert all(after.get(op) == 1 for op in C10D)
+            assert r["fallbacks"] == {}, (rank, r["fallbacks"])  # no collective op was added
             continue
+        # The report names the path the op took at run time on this group: on a CPU, the reference.
+        op = f"fusion_passes.{fusion}.default"
+        # (The table is per process: groups of earlier cases stay in it.)
+        assert list(r["fallbacks"]) == [op], (rank, r["fallbacks"])
+        assert r["fallbacks"][op][r["group"]] == "x is on cpu: the reference path", (rank, r)
+        assert f"run time: {op} on group {r['group']!r} took its fallback: x is on cpu" in r["summary"]
         assert r["matches"] == {norm_fusion: 1, fusion: 1}, (rank, r["matches"])
         assert r["spellings"] == [spelling], (rank, r["spellings"])
         assert after.get(f"fusion_passes.{fusion}.default") == 1

@@ -11,7 +11,10 @@ check, the list of its failures on that rank, and one test per check asserts its
     repeated          20 calls in a row, fresh inputs each (the workspace halves alternate)
     cuda_graph        3 calls captured in one CUDA graph, replayed 10 times on new inputs
     dispatch          the ops take the one-shot path (no fallback recorded) and equal the launcher
-    fallback          rows > MAX_ROWS: the NCCL fallback, its reason recorded, still correct
+    chunked           rows > MAX_ROWS (2 * MAX_ROWS + 37, and a 3-D x): the one-shot kernel in
+                      launches of MAX_ROWS rows (no fallback at 2 ranks), correct, same on both ranks
+    fallback          x whose hidden dimension is strided: the NCCL fallback, its reason recorded
+                      (per group and in the report's table), still correct
 Skipped unless 2 CUDA GPUs are visible; the job is killed (and the tests fail) after TIMEOUT s.
 """
 
@@ -36,7 +39,7 @@ HIDDEN = (4096, 7168, 3072, 1000)
 ROWS = (1, 3, 37, 1000)
 FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
 EPS = 1e-6
-CHECKS = ("matches_nccl", "bit_identical", "repeated", "cuda_graph", "dispatch", "fallback")
+CHECKS = ("matches_nccl", "bit_identical", "repeated", "cuda_graph", "dispatch", "chunked", "fallback")
 
 
 # --- the job: everything below runs inside the spawned ranks ---
@@ -206,20 +209,44 @@ def _job(rank: int, world_size: int) -> dict:
             if not torch.equal(_bits(a), _bits(b)):
                 failures["dispatch"].append("op output differs from the one-shot launcher's")
 
-    def fallback():
-        rows = MAX_ROWS + 1
-        for has_residual in (True, False):
+    def chunked():
+        for rows, has_residual in ((2 * MAX_ROWS + 37, True), (2 * MAX_ROWS + 37, False), (MAX_ROWS + 1, True)):
             fallback_reasons.pop(group_name, None)
-            x, res, w = _inputs(rows, 1000, torch.bfloat16, rank, 50_000, has_residual)
+            x, res, w = _inputs(rows, 1000, torch.bfloat16, rank, 45_000 + rows, has_residual)
+            if rows == MAX_ROWS + 1:  # a 3-D x, as a model's [batch, seq, hidden] activations
+                x, res = x.view(1, rows, 1000), res.view(1, rows, 1000)
             if has_residual:
                 outs = ops.allreduce_add_rms_norm(x, res, w, EPS, 0.0, True, group_name)
             else:
                 outs = ops.allreduce_rms_norm(x, w, EPS, 0.0, True, group_name)
-            reason = fallback_reasons.get(group_name, "")
-            if "MAX_ROWS" not in reason:
-                failures["fallback"].append(f"no fallback reason recorded (got {reason!r})")
+            if group_name in fallback_reasons:
+                failures["chunked"].append(f"rows={rows}: fell back: {fallback_reasons[group_name]}")
             refs = _reference(x, res, w, 0.0, True, group_name)
             for found in _case_failures(f"rows={rows} residual={has_residual}", outs, refs, world_size):
+                failures["chunked"] += found
+
+    def fallback():
+        from fusion_passes.lowering.collective_ops import runtime_fallbacks
+
+        for has_residual in (True, False):
+            fallback_reasons.pop(group_name, None)
+            x, res, w = _inputs(37, 2000, torch.bfloat16, rank, 50_000, has_residual)
+            x = x[:, ::2]  # hidden 1000 at stride 2: the one-shot kernel needs unit stride
+            res = None if res is None else res[:, ::2].contiguous()
+            w = w[::2].contiguous()
+            if has_residual:
+                op = "fusion_passes.allreduce_add_rms_norm.default"
+                outs = ops.allreduce_add_rms_norm(x, res, w, EPS, 0.0, True, group_name)
+            else:
+                op = "fusion_passes.allreduce_rms_norm.default"
+                outs = ops.allreduce_rms_norm(x, w, EPS, 0.0, True, group_name)
+            reason = fallback_reasons.get(group_name, "")
+            if "not contiguous" not in reason:
+                failures["fallback"].append(f"no fallback reason recorded (got {reason!r})")
+            if runtime_fallbacks.get(op, {}).get(group_name) != reason:
+                failures["fallback"].append(f"{op}: the report's table lacks the reason {reason!r}")
+            refs = _reference(x, res, w, 0.0, True, group_name)
+            for found in _case_failures(f"strided residual={has_residual}", outs, refs, world_size):
                 failures["fallback"] += found
 
     # The same order on every rank: each check's collectives pair up.
@@ -227,6 +254,7 @@ def _job(rank: int, world_size: int) -> dict:
     guarded(("repeated",), repeated)
     guarded(("cuda_graph",), cuda_graph)
     guarded(("dispatch",), dispatch)
+    guarded(("chunked",), chunked)
     guarded(("fallback",), fallback)
     torch.cuda.synchronize()
     return {"failures": failures, "info": info}

@@ -26,6 +26,11 @@ then the fused add_rms_norm Triton kernel. The last reason a group fell back is 
 ``fallback_reasons`` for reports. The choice depends only on what every rank shares (the group,
 x's shape, dtype and layout), so all ranks take the same path. No direct launcher is registered: a
 collective must stay a dispatcher call, never be inlined as a bare Triton launch.
+
+Both ops are plain torch.library definitions (``collective_ops.define_collective_op``), not
+custom_op: a dispatcher call on every step, so its host cost counts (see collective_ops). Where an
+op did not take the one-shot kernel, the reason is recorded per group
+(``collective_ops.runtime_fallbacks``, shown by ``Report.summary``).
 """
 
 from __future__ import annotations
@@ -38,67 +43,67 @@ from fusion_passes.lowering.allreduce_add_rms_norm_reference import (
     allreduce_rms_norm_reference,
     check_allreduce_rms_norm_args,
 )
+from fusion_passes.lowering.collective_ops import define_collective_op, record_fallback
+
+# group_name -> the reason the last call on that group took the NCCL fallback instead of the
+# one-shot kernel (kept after later one-shot calls: it is the last fallback, for a report). The
+# report's per-op table is collective_ops.runtime_fallbacks.
+fallback_reasons: dict[str, str] = {}
 
 
-@torch.library.custom_op("fusion_passes::allreduce_add_rms_norm", mutates_args=())
-def allreduce_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(x) over the group + residual, then RMSNorm: returns (normed, new_residual)."""
+_one_shot_module = None
+
+
+def one_shot_module():
+    """The one-shot kernel's module, imported at the first CUDA call (it imports Triton and
+    symmetric memory, which a CPU user never needs) and kept: an import statement in the per-call
+    path costs host time on every step."""
+    global _one_shot_module
+    if _one_shot_module is None:
+        from fusion_passes.lowering import allreduce_add_rms_norm_symm_mem
+
+        _one_shot_module = allreduce_add_rms_norm_symm_mem
+    return _one_shot_module
+
+
+def one_shot_usable(x: torch.Tensor, group_name: str, op: str, chunked: bool = False) -> bool:
+    """Whether the one-shot kernel serves this call of ``op`` ("fusion_passes.<name>.default");
+    records the reason when it does not. ``chunked``: the caller's launch runs rows beyond the
+    workspace in several launches (see symm_mem_eligible)."""
+    reason = one_shot_module().symm_mem_eligible(x, group_name, chunked=chunked)
+    if reason is not None:
+        fallback_reasons[group_name] = reason
+        record_fallback(op, group_name, reason)
+    return reason is None
+
+
+def _reference_add(x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
+    """Every device and backend (gloo included): the functional collective, then the norm."""
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    if x.device.type != "cuda":
+        record_fallback(_ADD_OP, group_name, f"x is on {x.device.type}: the reference path")
     out, new_residual = allreduce_add_rms_norm_reference(
         x, residual, weight, eps, weight_offset, cast_before_weight, group_name
     )
     return out.contiguous(), new_residual.contiguous()
 
 
-@torch.library.custom_op("fusion_passes::allreduce_rms_norm", mutates_args=())
-def allreduce_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(x) over the group, then RMSNorm: returns (normed, reduced)."""
+def _reference(x, weight, eps, weight_offset, cast_before_weight, group_name):
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
+    if x.device.type != "cuda":
+        record_fallback(_OP, group_name, f"x is on {x.device.type}: the reference path")
     out, reduced = allreduce_rms_norm_reference(
         x, weight, eps, weight_offset, cast_before_weight, group_name
     )
     return out.contiguous(), reduced.contiguous()
 
 
-# group_name -> the reason the last call on that group took the NCCL fallback instead of the
-# one-shot kernel (kept after later one-shot calls: it is the last fallback, for a report).
-fallback_reasons: dict[str, str] = {}
-
-
-def _one_shot_usable(x: torch.Tensor, group_name: str) -> bool:
-    """Whether the one-shot kernel serves this call; records the reason when it does not."""
-    from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible
-
-    reason = symm_mem_eligible(x, group_name)
-    if reason is not None:
-        fallback_reasons[group_name] = reason
-    return reason is None
-
-
-@allreduce_add_rms_norm.register_kernel("cuda")
-def _allreduce_add_rms_norm_cuda(
-    x, residual, weight, eps, weight_offset, cast_before_weight, group_name
-):
+def _cuda_add(x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
-    if _one_shot_usable(x, group_name):
-        from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import launch_eligible
-
-        return launch_eligible(x, residual, weight, eps, weight_offset, cast_before_weight, group_name)
+    if one_shot_usable(x, group_name, _ADD_OP, chunked=True):
+        return one_shot_module().launch_eligible(
+            x, residual, weight, eps, weight_offset, cast_before_weight, group_name
+        )
     # Fallback (NCCL + the fused norm kernel), for groups or sizes the one-shot kernel does not take.
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
@@ -108,28 +113,44 @@ def _allreduce_add_rms_norm_cuda(
     )
 
 
-@allreduce_rms_norm.register_kernel("cuda")
-def _allreduce_rms_norm_cuda(x, weight, eps, weight_offset, cast_before_weight, group_name):
+def _cuda(x, weight, eps, weight_offset, cast_before_weight, group_name):
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
-    if _one_shot_usable(x, group_name):
-        from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import launch_eligible
-
-        return launch_eligible(x, None, weight, eps, weight_offset, cast_before_weight, group_name)
+    if one_shot_usable(x, group_name, _OP, chunked=True):
+        return one_shot_module().launch_eligible(
+            x, None, weight, eps, weight_offset, cast_before_weight, group_name
+        )
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
     reduced = all_reduce_sum(x, group_name).contiguous()
     return rms_norm_triton(reduced, weight, eps, weight_offset, cast_before_weight)[0], reduced
 
 
-@allreduce_add_rms_norm.register_fake
-def _allreduce_add_rms_norm_fake(
-    x, residual, weight, eps, weight_offset, cast_before_weight, group_name
-):
+def _fake_add(x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@allreduce_rms_norm.register_fake
-def _allreduce_rms_norm_fake(x, weight, eps, weight_offset, cast_before_weight, group_name):
+def _fake(x, weight, eps, weight_offset, cast_before_weight, group_name):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_ADD_OP = "fusion_passes.allreduce_add_rms_norm.default"
+_OP = "fusion_passes.allreduce_rms_norm.default"
+
+# sum(x) over the group + residual, then RMSNorm: returns (normed, new_residual).
+allreduce_add_rms_norm = define_collective_op(
+    "allreduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, "
+    "float weight_offset, bool cast_before_weight, str group_name) -> (Tensor, Tensor)",
+    _reference_add,
+    _cuda_add,
+    _fake_add,
+)
+# sum(x) over the group, then RMSNorm: returns (normed, reduced).
+allreduce_rms_norm = define_collective_op(
+    "allreduce_rms_norm(Tensor x, Tensor weight, float eps, float weight_offset, "
+    "bool cast_before_weight, str group_name) -> (Tensor, Tensor)",
+    _reference,
+    _cuda,
+    _fake,
+)

@@ -22,9 +22,13 @@ in its own order (ring/tree, per-step rounding to the dtype for W > 2), so the f
 "NCCL + reference" only within one rounding of the dtype of the sum (for W = 2 both are one
 rounding of the exact x_0 + x_1, so the sums should agree bit for bit; the GPU test reports it).
 
-One-shot means each rank reads all W buffers: W * M * N elements over NVLink per rank, against
-NCCL's ring ~2 * M * N; it wins where latency, not bandwidth, sets the time (decode). MAX_ROWS
-bounds it; above it the op keeps the NCCL fallback.
+One-shot means each rank reads all W buffers: (W - 1) * M * N elements over NVLink per rank,
+against the ring's 2 * (W - 1) / W * M * N: the same bytes at W = 2, where it is faster at every
+size measured (two H200: 2.4x NCCL + Inductor at 1 token, 1.38x at 16384 tokens of hidden 7168,
+see BENCHMARKS.md), and up to 2x the bytes at W = 8. The workspace holds MAX_ROWS rows (a memory
+bound, not a switch point); more rows run as several launches of MAX_ROWS rows each at W <=
+CHUNKED_MAX_WORLD_SIZE, and take the NCCL fallback in larger groups (not measured: one host here
+has two GPUs).
 
 Workspace (per group, device, dtype, hidden; created once, outside CUDA-graph capture):
     buffer  symmetric [2, MAX_ROWS, hidden] (x.dtype): two halves, alternated per use (below)
@@ -99,6 +103,7 @@ import triton
 import triton.language as tl
 
 from fusion_passes.lowering.allreduce_add_rms_norm_reference import check_allreduce_rms_norm_args
+from fusion_passes.lowering.fast_launch import FastLauncher, specialization_of
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config, scale_by_weight
 
 try:  # torch >= 2.5 on every platform; absent from builds without distributed
@@ -115,11 +120,14 @@ else:
         f"symmetric memory unavailable in this torch (no {', '.join(_missing)})" if _missing else None
     )
 
-# Rows (tokens) up to which the one-shot kernel is used; more rows take the NCCL fallback. One-shot
-# moves W * rows * hidden elements over NVLink per rank against the ring's ~2x, so it wins at decode
-# sizes and loses at some size in the thousands: TO BE MEASURED with
-# benchmarks/bench_allreduce_rms_norm.py on the target machine, then set to the switch point.
+# Rows of one workspace half: its memory, 2 * MAX_ROWS * hidden elements per rank (58.7 MB at
+# hidden 7168 in bf16). A call with more rows runs in launches of MAX_ROWS rows where the group has
+# at most CHUNKED_MAX_WORLD_SIZE ranks, else takes the NCCL fallback.
 MAX_ROWS = 2048
+# Largest group that takes the one-shot kernel above MAX_ROWS rows (in chunks). Measured at W = 2
+# (two H200, hidden 7168): faster than NCCL + Inductor at every size up to 16384 rows. Larger groups
+# read (W - 1) / (2 (W - 1) / W) = W / 2 times the ring's bytes, and were not measured.
+CHUNKED_MAX_WORLD_SIZE = 2
 # Larger groups are not one NVLink domain on the machines this targets, and W partial rows per
 # program would not fit in registers.
 MAX_WORLD_SIZE = 8
@@ -130,6 +138,81 @@ _PROGRAMS_PER_SM = 2
 # Signal pad bytes when torch does not say (the smallest any torch >= 2.5 allocates).
 _MIN_SIGNAL_PAD_BYTES = 2048
 _SIGNAL_BYTES = 4  # one uint32 slot per (program, peer)
+
+
+@triton.jit
+def one_shot_half_offset(epochs_ptr, pid, max_rows, N):
+    """Step 1 of the protocol: count this program's use and return the element offset of the
+    buffer half it works on (use parity). The same on every rank, since each rank's program pid
+    has run exactly as often; no host state. A scalar atomic runs once per program and its old
+    value reaches every thread."""
+    epoch = tl.atomic_add(epochs_ptr + pid, 1, sem="relaxed", scope="gpu")
+    # int64: 2 * max_rows * N passes 2^31 only for hidden > 512k, but keep every offset 64-bit.
+    return (epoch & 1).to(tl.int64) * max_rows * N
+
+
+@triton.jit
+def one_shot_peer_buffer(peer_buffers_ptr, peer, dtype: tl.constexpr):
+    """Rank ``peer``'s workspace buffer as a typed pointer. The workspace is granularity-aligned
+    and its offset checked to be a multiple of 16 bytes on the host: tell Triton, or loads through
+    an integer-made pointer are not vectorised."""
+    return tl.multiple_of(tl.load(peer_buffers_ptr + peer).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def one_shot_copy_in(
+    x_ptr, stride_x, my_buffer, half_offset, pid, num_programs, M, N,
+    BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+):  # fmt: skip
+    """Step 2: copy this program's rows of x into this rank's buffer half. Row block i is always
+    handled by program i % num_programs (num_programs is the fixed cap whenever blocks exceed it),
+    so each buffer region has exactly one program index."""
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    for block in range(pid, tl.cdiv(M, ROWS_PER_PROGRAM), num_programs):
+        rows = block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask)
+        tl.store(my_buffer + half_offset + rows * N + cols[None, :], x, mask=mask)
+
+
+@triton.jit
+def one_shot_barrier(peer_signals_ptr, rank, pid, WORLD: tl.constexpr):
+    """Step 3: meet program pid of every peer. All threads' stores before the call complete (CTA
+    scope) before the one thread that runs the scalar atomics releases at system scope; every
+    thread's loads after the call come after the acquire."""
+    tl.debug_barrier()
+    signal_slot = pid * WORLD  # this program's WORLD slots on every pad: [pid, sender]
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            peer_pad = tl.load(peer_signals_ptr + peer).to(tl.pointer_type(tl.int32))
+            # Wait for the slot to be free (the peer consumed the previous use's signal), set it.
+            while tl.atomic_cas(peer_pad + signal_slot + rank, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    my_pad = tl.load(peer_signals_ptr + rank).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            # Consume the peer's signal (resetting the slot to 0): its copy-in is now visible.
+            while tl.atomic_cas(my_pad + signal_slot + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def one_shot_sum(peer_buffers_ptr, offsets, mask, WORLD: tl.constexpr, dtype: tl.constexpr):
+    """Step 4's reduction: the elements at ``offsets`` (any block shape) of every rank's buffer,
+    summed in fp32 in rank order (the same additions in the same order on every rank), then rounded
+    to the dtype as the collective's result is. Masked elements are 0."""
+    for peer in tl.static_range(WORLD):
+        part = tl.load(
+            one_shot_peer_buffer(peer_buffers_ptr, peer, dtype) + offsets, mask=mask, other=0.0
+        ).to(tl.float32)
+        if peer == 0:
+            acc = part  # not 0 + part: keeps the sign of a -0.0 sum, as NCCL does
+        else:
+            acc = acc + part
+    return acc.to(dtype)
 
 
 # M and rank are not specialised (Triton would make a value of 1 a constant): every rank then runs
@@ -163,71 +246,25 @@ def _one_shot_allreduce_add_rms_norm_kernel(
     weight_offset = tl.cast(weight_offset, tl.float32)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    num_blocks = tl.cdiv(M, ROWS_PER_PROGRAM)
     dtype = out_ptr.dtype.element_ty
 
-    # 1. This program's use count picks the half: the same on every rank (each rank's program pid
-    # has run exactly as often), no host state. A scalar atomic runs once per program and its old
-    # value reaches every thread.
-    epoch = tl.atomic_add(epochs_ptr + pid, 1, sem="relaxed", scope="gpu")
-    # int64: 2 * max_rows * N passes 2^31 only for hidden > 512k, but keep every offset 64-bit.
-    half_offset = (epoch & 1).to(tl.int64) * max_rows * N
-
+    half_offset = one_shot_half_offset(epochs_ptr, pid, max_rows, N)
+    my_buffer = one_shot_peer_buffer(peer_buffers_ptr, rank, dtype)
+    one_shot_copy_in(
+        x_ptr, stride_x, my_buffer, half_offset, pid, num_programs, M, N, BLOCK_N, ROWS_PER_PROGRAM
+    )
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    # The workspace is granularity-aligned and its offset checked to be a multiple of 16 bytes on
-    # the host: tell Triton, or loads through an integer-made pointer are not vectorised.
-    my_buffer = tl.multiple_of(tl.load(peer_buffers_ptr + rank).to(tl.pointer_type(dtype)), 16)
-
-    # 2. Copy-in: row block i is always handled by program i % num_programs (num_programs is the
-    # fixed cap whenever blocks exceed it), so each buffer region has exactly one program index.
-    for block in range(pid, num_blocks, num_programs):
-        rows = block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-        mask = (rows < M)[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask)
-        tl.store(my_buffer + half_offset + rows * N + cols[None, :], x, mask=mask)
-
     # The weight does not depend on the peers: load it before the barrier, off the critical path.
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-
-    # 3. Barrier with the same program index on every peer. All threads' stores above complete
-    # (CTA scope) before the one thread that runs the scalar atomics releases at system scope.
-    tl.debug_barrier()
-    signal_slot = pid * WORLD  # this program's WORLD slots on every pad: [pid, sender]
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            peer_pad = tl.load(peer_signals_ptr + peer).to(tl.pointer_type(tl.int32))
-            # Wait for the slot to be free (the peer consumed the previous use's signal), set it.
-            while tl.atomic_cas(peer_pad + signal_slot + rank, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    my_pad = tl.load(peer_signals_ptr + rank).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            # Consume the peer's signal (resetting the slot to 0): its copy-in is now visible.
-            while tl.atomic_cas(my_pad + signal_slot + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
-    # Every thread's loads below come after the acquire above.
-    tl.debug_barrier()
+    one_shot_barrier(peer_signals_ptr, rank, pid, WORLD)
 
     # 4. Reduce in rank order, round, add, normalise.
-    for block in range(pid, num_blocks, num_programs):
+    for block in range(pid, tl.cdiv(M, ROWS_PER_PROGRAM), num_programs):
         rows = block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
         mask = (rows < M)[:, None] & col_mask[None, :]
         rows = rows.to(tl.int64)[:, None]
-        offsets = half_offset + rows * N + cols[None, :]
-        # Rank 0 first, then 1, ...: the same fp32 additions in the same order on every rank.
-        for peer in tl.static_range(WORLD):
-            peer_buffer = tl.multiple_of(
-                tl.load(peer_buffers_ptr + peer).to(tl.pointer_type(dtype)), 16
-            )
-            part = tl.load(peer_buffer + offsets, mask=mask, other=0.0).to(tl.float32)
-            if peer == 0:
-                acc = part  # not 0 + part: keeps the sign of a -0.0 sum, as NCCL does
-            else:
-                acc = acc + part
-        # The collective's result is in the dtype: round it, as NCCL's would be.
-        r = acc.to(dtype)
+        r = one_shot_sum(peer_buffers_ptr, half_offset + rows * N + cols[None, :], mask, WORLD, dtype)
         if HAS_RESIDUAL:
             residual = tl.load(
                 residual_ptr + rows * stride_residual + cols[None, :], mask=mask, other=0.0
@@ -240,6 +277,10 @@ def _one_shot_allreduce_add_rms_norm_kernel(
         rstd = tl.rsqrt(tl.sum(r * r, axis=1) / N + eps)
         y = scale_by_weight(r * rstd[:, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
         tl.store(out_ptr + rows * N + cols[None, :], y.to(dtype), mask=mask)
+
+
+# Every call of the op launches this kernel: the launch's host time counts (see fast_launch).
+_launch_one_shot = FastLauncher(_one_shot_allreduce_add_rms_norm_kernel)
 
 
 @dataclass
@@ -259,6 +300,7 @@ class _Workspace:
     peer_buffers: torch.Tensor  # int64 [W]: address of every rank's buffer (offset applied)
     peer_signals: torch.Tensor  # int64 [W]: address of every rank's signal pad
     info: _GroupInfo
+    launch: tuple[int, int, int]  # rms_norm_triton.launch_config(hidden): block, rows, warps
 
 
 # (group_name, device index) -> _GroupInfo, or the reason the group cannot use symmetric memory.
@@ -415,14 +457,17 @@ def _create_workspace(
         peer_buffers=torch.tensor([p + offset for p in buffer_ptrs], dtype=torch.int64, device=device),
         peer_signals=torch.tensor(signal_ptrs, dtype=torch.int64, device=device),
         info=info,
+        launch=launch_config(hidden),
     )
 
 
-def symm_mem_eligible(x: torch.Tensor, group_name: str) -> str | None:
+def symm_mem_eligible(x: torch.Tensor, group_name: str, chunked: bool = False) -> str | None:
     """None when the one-shot kernel can reduce x over the group (its workspace is then ready),
-    else the one-line reason it cannot. Every check depends only on facts all ranks share (x's
-    shape, dtype and layout are the same on every rank), so every rank takes the same path. The
-    first call per group and per (dtype, hidden) is collective (see prepare_workspace)."""
+    else the one-line reason it cannot. ``chunked``: the caller launches rows beyond the
+    workspace's in several launches (``launch_eligible`` does), so more rows are eligible in
+    groups of at most CHUNKED_MAX_WORLD_SIZE ranks. Every check depends only on facts all ranks
+    share (x's shape, dtype and layout are the same on every rank), so every rank takes the same
+    path. The first call per group and per (dtype, hidden) is collective (see prepare_workspace)."""
     if _SYMM_MEM_MISSING is not None:
         return _SYMM_MEM_MISSING
     if x.device.type != "cuda":
@@ -432,10 +477,26 @@ def symm_mem_eligible(x: torch.Tensor, group_name: str) -> str | None:
         return "x has no hidden dimension"
     if x.stride(-1) != 1:
         return f"hidden dimension not contiguous (stride {x.stride(-1)})"
+    reason = prepare_workspace(group_name, x.dtype, hidden, x.device)
+    if reason is not None:
+        return reason
     rows = x.numel() // hidden
-    if rows > MAX_ROWS:
-        return f"{rows} rows > MAX_ROWS ({MAX_ROWS})"
-    return prepare_workspace(group_name, x.dtype, hidden, x.device)
+    workspace = _workspaces[(group_name, x.device.index, x.dtype, hidden)]
+    capacity = workspace.buffer.shape[1]  # MAX_ROWS when the workspace was made
+    if rows > capacity:
+        if not chunked:
+            return f"{rows} rows > MAX_ROWS ({capacity})"
+        if workspace.info.world_size > CHUNKED_MAX_WORLD_SIZE:
+            return (
+                f"{rows} rows > MAX_ROWS ({capacity}) at world size {workspace.info.world_size} "
+                f"(one-shot beyond it only up to {CHUNKED_MAX_WORLD_SIZE} ranks)"
+            )
+    return None
+
+
+def _rows_and_stride(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    rows = as_rows(t)
+    return rows, rows.stride(0)
 
 
 def launch_eligible(
@@ -453,19 +514,84 @@ def launch_eligible(
     n = x.shape[-1]
     workspace = _workspaces[(group_name, x.device.index, x.dtype, n)]
     weight = weight.contiguous()  # read at unit stride
-    x_rows = as_rows(x)
-    m = x_rows.shape[0]
-    residual_rows = x_rows if residual is None else as_rows(residual)  # x stands in: never read
+    # A contiguous tensor is already rows of stride n: no reshape (host time, on every call).
+    x_rows, stride_x = (x, n) if x.is_contiguous() else _rows_and_stride(x)
+    if residual is None:
+        residual_rows, stride_residual = x_rows, stride_x  # never read (HAS_RESIDUAL=False)
+    elif residual.is_contiguous():
+        residual_rows, stride_residual = residual, n
+    else:
+        residual_rows, stride_residual = _rows_and_stride(residual)
+    m = x.numel() // n
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     sum_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if m == 0:  # every rank has no rows: nothing to exchange
         return out, sum_out
-    block_n, rows_per_program, num_warps = launch_config(n)
-    grid = min(triton.cdiv(m, rows_per_program), workspace.info.max_programs)
+    launch = (workspace, weight, eps, weight_offset, cast_before_weight, residual is not None)
+    capacity = workspace.buffer.shape[1]
     # Triton launches on the current device: switch only when x is elsewhere (it costs host time).
     switch = x.device.index != torch.cuda.current_device()
     with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
-        _one_shot_allreduce_add_rms_norm_kernel[(grid,)](
+        if m <= capacity:
+            _launch_rows(*launch, x_rows, stride_x, residual_rows, stride_residual, out, sum_out, m)
+            return out, sum_out
+        # Beyond one workspace half (symm_mem_eligible(chunked=True) allowed it): launches of
+        # `capacity` rows, each a complete use of the protocol, in the same order on every rank.
+        x_rows, residual_rows = x_rows.view(-1, n), residual_rows.view(-1, n)
+        out_rows, sum_rows = out.view(-1, n), sum_out.view(-1, n)
+        for start in range(0, m, capacity):
+            stop = min(start + capacity, m)
+            _launch_rows(
+                *launch,
+                x_rows[start:stop],
+                stride_x,
+                residual_rows[start:stop],
+                stride_residual,
+                out_rows[start:stop],
+                sum_rows[start:stop],
+                stop - start,
+            )
+    return out, sum_out
+
+
+def _launch_rows(
+    workspace: _Workspace,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    cast_before_weight: bool,
+    has_residual: bool,
+    x_rows: torch.Tensor,
+    stride_x: int,
+    residual_rows: torch.Tensor,
+    stride_residual: int,
+    out: torch.Tensor,
+    sum_out: torch.Tensor,
+    m: int,
+) -> None:
+    """One launch of the kernel over m <= workspace rows (out and sum_out: contiguous rows)."""
+    block_n, rows_per_program, num_warps = workspace.launch
+    grid = min(triton.cdiv(m, rows_per_program), workspace.info.max_programs)
+    # What can change between calls on one workspace and decides Triton's specialization: the
+    # alignment of the pointers (x, residual and weight are the caller's; out and sum_out too when
+    # chunked), the row strides, the weight's dtype and the two flags. The rest (workspace tensors,
+    # rank, N, max_rows, WORLD, block shape) is fixed per workspace; M is not specialized (< 2^31).
+    key = (
+        id(workspace),
+        x_rows.data_ptr() % 16,
+        residual_rows.data_ptr() % 16,
+        weight.data_ptr() % 16,
+        out.data_ptr() % 16,
+        sum_out.data_ptr() % 16,
+        weight.dtype,
+        specialization_of(stride_x),
+        specialization_of(stride_residual),
+        has_residual,
+        cast_before_weight,
+    )
+    _launch_one_shot(
+        grid,
+        (
             x_rows,
             residual_rows,
             weight,
@@ -476,20 +602,21 @@ def launch_eligible(
             workspace.epochs,
             workspace.info.rank,
             m,
-            n,
-            x_rows.stride(0),
-            residual_rows.stride(0),
-            MAX_ROWS,
+            workspace.buffer.shape[2],  # N
+            stride_x,
+            stride_residual,
+            workspace.buffer.shape[1],  # max_rows: the rows of one half
             eps,
             weight_offset,
-            WORLD=workspace.info.world_size,
-            HAS_RESIDUAL=residual is not None,
-            CAST_BEFORE_WEIGHT=cast_before_weight,
-            BLOCK_N=block_n,
-            ROWS_PER_PROGRAM=rows_per_program,
-            num_warps=num_warps,
-        )
-    return out, sum_out
+            workspace.info.world_size,  # WORLD
+            has_residual,  # HAS_RESIDUAL
+            cast_before_weight,  # CAST_BEFORE_WEIGHT
+            block_n,  # BLOCK_N
+            rows_per_program,  # ROWS_PER_PROGRAM
+        ),
+        num_warps,
+        key,
+    )
 
 
 def _require_eligible(x: torch.Tensor, group_name: str) -> None:
