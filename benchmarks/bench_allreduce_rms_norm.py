@@ -195,7 +195,7 @@ def random_inputs(hidden, tokens, device, rank, seed) -> dict:
     }
 
 
-def _same_on_every_rank(t) -> bool:
+def same_on_every_rank(t) -> bool:
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t.contiguous())
     bits = [g.view(torch.uint8) for g in gathered]
@@ -209,7 +209,7 @@ def check_ours(inputs, group_name, norm) -> dict:
     )
     ref = norm(all_reduce_sum(inputs["x"], group_name), inputs["residual"], inputs["weight"], EPS)
     comparisons = [compare(o, r) for o, r in zip(ours, ref, strict=True)]
-    identical = all(_same_on_every_rank(o) for o in ours)
+    identical = all(same_on_every_rank(o) for o in ours)
     return {
         "correct": all(c.ok for c in comparisons),
         "identical_across_ranks": identical,
@@ -351,7 +351,7 @@ def run(rank, world_size, args, device) -> int:
     return status
 
 
-def _init(rank, world_size, init_method) -> torch.device:
+def init_distributed(rank, world_size, init_method) -> torch.device:
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local_rank)
@@ -366,7 +366,7 @@ def _init(rank, world_size, init_method) -> torch.device:
 
 def _spawned_rank(rank, world_size, tmp, args) -> None:
     """A rank of the smoke run's own 2-process world (when not started by torchrun)."""
-    device = _init(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
+    device = init_distributed(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
     try:
         status = run(rank, world_size, args, device)
     finally:
@@ -390,7 +390,7 @@ def main() -> int:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if not torch.cuda.is_available() and not args.smoke:
             parser.error("no CUDA device: only --smoke runs on a CPU")
-        device = _init(rank, world_size, "env://")
+        device = init_distributed(rank, world_size, "env://")
         try:
             return run(rank, world_size, args, device)
         finally:

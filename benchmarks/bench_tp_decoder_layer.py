@@ -62,8 +62,8 @@ from bench_allreduce_rms_norm import (  # noqa: E402
     GRAPH_CALLS,
     GRAPH_REPLAYS,
     PLAIN_ITERS,
-    _init,
-    _same_on_every_rank,
+    init_distributed,
+    same_on_every_rank,
     time_graph_us,
     time_plain_us,
 )
@@ -111,7 +111,7 @@ def replicated_weights_agree(module) -> bool:
     """The weights parallelize leaves whole (embedding, norms) must be the same on every rank: the
     sharded ones are scattered from one rank, these come from each rank's own seeded build."""
     sums = [p.sum(dtype=torch.float64) for p in module.parameters() if not isinstance(p, DTensor)]
-    return _same_on_every_rank(torch.stack(sums))
+    return same_on_every_rank(torch.stack(sums))
 
 
 def input_ids(vocab, tokens, seed, device) -> torch.Tensor:
@@ -144,7 +144,7 @@ def check_variant(variant, out, expected, report, layers, group_name) -> dict:
         "rel_norm_vs_eager": comparison.rel_norm,
         "max_abs_vs_eager": comparison.max_abs,
         "elementwise_ok": comparison.ok,
-        "identical_across_ranks": _same_on_every_rank(out),
+        "identical_across_ranks": same_on_every_rank(out),
     }
     if variant != "fusion_passes":
         return record
@@ -351,7 +351,7 @@ def run(rank, world_size, args, device) -> int:
 
 def _spawned_rank(rank, world_size, tmp, args) -> None:
     """A rank of the smoke run's own 2-process world (when not started by torchrun)."""
-    device = _init(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
+    device = init_distributed(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
     try:
         status = run(rank, world_size, args, device)
     finally:
@@ -383,7 +383,7 @@ def main() -> int:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if not torch.cuda.is_available() and not args.smoke:
             parser.error("no CUDA device: only --smoke runs on a CPU")
-        device = _init(rank, world_size, "env://")
+        device = init_distributed(rank, world_size, "env://")
         try:
             return run(rank, world_size, args, device)
         finally:
