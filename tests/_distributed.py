@@ -81,3 +81,17 @@ def _rank_main(
         dist.destroy_process_group()
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes, flat (a 0-dim tensor too): equal bits, not equal values (-0.0 differs from 0.0)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_on_every_rank(t: torch.Tensor, world_size: int) -> bool:
+    """Inside a rank of run_world: gather t's bits from every rank of the default group and
+    compare them."""
+    t = bits(t)
+    gathered = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(gathered, t)
+    return all(torch.equal(g, gathered[0]) for g in gathered[1:])

@@ -25,7 +25,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from _distributed import run_world
+from _distributed import bits, run_world, same_on_every_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,17 +78,6 @@ def _ours(x, residual, weight, offset, cast, group_name):
     return one_shot_allreduce_add_rms_norm(x, residual, weight, EPS, offset, cast, group_name)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def _same_on_every_rank(t: torch.Tensor, world_size: int) -> bool:
-    """Gather t from every rank and compare the bits (so -0.0 and +0.0 differ)."""
-    gathered = [torch.empty_like(t) for _ in range(world_size)]
-    dist.all_gather(gathered, t.contiguous())
-    return all(torch.equal(_bits(g), _bits(gathered[0])) for g in gathered[1:])
-
-
 def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:
     """outs/refs: (normed, r). Returns (the outputs outside the dtype's tolerance of NCCL +
     reference, the outputs that differ between ranks)."""
@@ -99,7 +88,7 @@ def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:
         c = compare(out, ref)
         if not c.ok:
             off.append(f"{name} {label}: max_abs {c.max_abs:.3g} max_rel {c.max_rel:.3g}")
-        if not _same_on_every_rank(out, world_size):
+        if not same_on_every_rank(out, world_size):
             differ.append(f"{name} {label}: ranks differ")
     return off, differ
 
@@ -206,7 +195,7 @@ def _job(rank: int, world_size: int) -> dict:
         if group_name in fallback_reasons:
             failures["dispatch"].append(f"fell back: {fallback_reasons[group_name]}")
         for a, b in zip((*via_op, *via_op_no_res), (*via_launcher, *via_launcher_no_res), strict=True):
-            if not torch.equal(_bits(a), _bits(b)):
+            if not torch.equal(bits(a), bits(b)):
                 failures["dispatch"].append("op output differs from the one-shot launcher's")
 
     def chunked():

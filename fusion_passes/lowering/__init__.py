@@ -7,12 +7,18 @@ from fusion_passes.lowering.qk_norm_rope import qk_norm_rope
 from fusion_passes.lowering.mla_rope import mla_indexer_k_norm_rope, mla_kv_norm_rope, mla_q_rope
 from fusion_passes.lowering.silu_mul_quant_fp8 import silu_mul_quant_fp8
 from fusion_passes.lowering.allreduce_add_rms_norm import allreduce_add_rms_norm, allreduce_rms_norm
+from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
+    allreduce_add_rms_norm_quant_fp8,
+    allreduce_rms_norm_quant_fp8,
+)
 
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_quant_fp8",
     "allreduce_add_rms_norm",
+    "allreduce_add_rms_norm_quant_fp8",
     "allreduce_rms_norm",
+    "allreduce_rms_norm_quant_fp8",
     "mla_indexer_k_norm_rope",
     "mla_kv_norm_rope",
     "mla_q_rope",

@@ -115,6 +115,36 @@ def store_quantized(
 
 
 @triton.jit
+def rms_norm_quantize_block(
+    r,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the rows to normalise (masked elements 0)
+    w,  # fp32 [1, BLOCK_GROUPS, BLOCK_GROUP]: the weight (masked columns 0)
+    eps,  # fp32
+    weight_offset,  # fp32
+    q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+    dtype: tl.constexpr,  # the model's activation dtype
+    ROWS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    STATIC: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm of a [ROWS, GROUPS, GROUP] block, rounded to the model's dtype, then quantized and
+    stored (store_quantized). Shared by the norm + quant kernel below and the one-shot allreduce
+    one, so the two cannot drift apart."""
+    # Masked columns hold 0, so they add nothing to the sum (nor to the amax); divide by the true N.
+    rstd = tl.rsqrt(tl.sum(tl.sum(r * r, axis=2), axis=1) / N + eps)
+    y = scale_by_weight(r * rstd[:, None, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
+    # The model quantizes the activation it produced in its dtype: round there, then back to fp32.
+    y = y.to(dtype).to(tl.float32)
+    store_quantized(
+        y, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+    )  # fmt: skip
+
+
+@triton.jit
 def _rms_norm_quant_fp8_kernel(
     x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
     residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
@@ -165,15 +195,10 @@ def _rms_norm_quant_fp8_kernel(
         tl.store(residual_out_ptr + rows_3d * N + cols, r_rounded, mask=mask)
         r = r_rounded.to(tl.float32)
 
-    # Masked columns hold 0, so they add nothing to the sum (nor to the amax); divide by the true N.
-    rstd = tl.rsqrt(tl.sum(tl.sum(r * r, axis=2), axis=1) / N + eps)
-    y = scale_by_weight(r * rstd[:, None, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
-    # The model quantizes the activation it produced in x.dtype: round there, then back to fp32.
-    y = y.to(dtype).to(tl.float32)
-
-    store_quantized(
-        y, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
-        ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
+    rms_norm_quantize_block(
+        r, w, eps, weight_offset, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups,
+        group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, CAST_BEFORE_WEIGHT, STATIC,
+        SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
     )  # fmt: skip
 
 

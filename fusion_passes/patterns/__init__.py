@@ -10,3 +10,4 @@ from fusion_passes.patterns import qk_norm_rope  # noqa: F401
 from fusion_passes.patterns import rms_norm_quant_fp8  # noqa: F401
 from fusion_passes.patterns import silu_mul_quant_fp8  # noqa: F401  (independent of the others)
 from fusion_passes.patterns import allreduce_rms_norm  # noqa: F401  (after the norms)
+from fusion_passes.patterns import allreduce_rms_norm_quant_fp8  # noqa: F401  (after the quant fusions)
