@@ -163,8 +163,13 @@ def check_variant(variant, out, expected, report, layers, group_name) -> dict:
         problems.append(f"rel_norm vs eager {comparison.rel_norm:.3g} > {tolerance(DTYPE).rel_norm}")
     if not record["identical_across_ranks"]:
         problems.append("outputs differ across ranks")
-    if sites != sorted(expected_allreduce_sites(layers)):
-        problems.append(f"allreduce_add_rms_norm sites {sites} != {expected_allreduce_sites(layers)}")
+    expected_sites = sorted(expected_allreduce_sites(layers))
+    if not any(sites):
+        # Some torch versions (2.11) keep no nn.Module path on these post-grad nodes: count only.
+        if len(sites) != len(expected_sites):
+            problems.append(f"{len(sites)} allreduce_add_rms_norm sites, expected {len(expected_sites)}")
+    elif sites != expected_sites:
+        problems.append(f"allreduce_add_rms_norm sites {sites} != {expected_sites}")
     if report.matches["allreduce_rms_norm"]:
         problems.append(f"{report.matches['allreduce_rms_norm']} unexpected allreduce_rms_norm sites")
     if report.errors:

@@ -73,3 +73,28 @@ def fp8_codes_apart(actual: torch.Tensor, expected: torch.Tensor) -> int:
     a, e = (t.view(torch.uint8).to(torch.int16) for t in (actual, expected))
     a, e = (torch.where(t >= 128, 128 - t, t) for t in (a, e))
     return int((a - e).abs().max().item()) if a.numel() else 0
+
+
+def ue8m0_quantization_apart(
+    q: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, group_size: int, rtol: float
+) -> tuple[bool, int]:
+    """Check power-of-two (UE8M0) per-group codes and scales against the activation y (in its
+    dtype) of a reference that may differ from the kernel's by the dtype's rounding.
+
+    A group whose amax / 448 lies within rtol of a power of two may take either binade: one ulp of
+    y at the amax moves the raw scale across the boundary, which doubles the scale and halves every
+    code of the group (8 codes apart), though both sides rounded correctly. So: the scales must lie
+    in [ue8m0(raw * (1 - rtol)), ue8m0(raw * (1 + rtol))] with raw = y's unrounded scales, and the
+    codes are compared with y quantized by the kernel's own scales. Returns (scales ok, the most
+    codes apart)."""
+    from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_MAX, quant_fp8_reference, ue8m0
+
+    raw = quant_fp8_reference(y, "per_group", group_size=group_size)[1]
+    scales_ok = scales.shape == raw.shape and bool(
+        torch.all((ue8m0(raw * (1 - rtol)) <= scales) & (scales <= ue8m0(raw * (1 + rtol)))).item()
+    )
+    if not scales_ok:
+        return False, fp8_codes_apart(q, quant_fp8_reference(y, "per_group", None, group_size, True)[0])
+    groups = y.float().unflatten(-1, (-1, group_size)) / scales.unsqueeze(-1)
+    expected = groups.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
+    return True, fp8_codes_apart(q, expected)

@@ -79,17 +79,24 @@ def _quant_args(scheme, group_size, scale_ue8m0):
 
 
 def _reference(x, residual, weight, offset, cast, quant, group_name):
-    """NCCL all_reduce, then the reference: (codes, scales, new_residual or reduced)."""
+    """NCCL all_reduce, then the reference: (codes, scales, new_residual or reduced, ue8m0) with
+    ue8m0 = (the reference's activation y before quantization, the group size) where the scales
+    are UE8M0, else None (see _case_failures)."""
     from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
         allreduce_add_rms_norm_quant_fp8_reference,
         allreduce_rms_norm_quant_fp8_reference,
     )
+    from fusion_passes.lowering.rms_norm_reference import rms_norm_reference
 
     if residual is None:
-        return allreduce_rms_norm_quant_fp8_reference(x, weight, EPS, offset, cast, *quant, group_name)
-    return allreduce_add_rms_norm_quant_fp8_reference(
-        x, residual, weight, EPS, offset, cast, *quant, group_name
-    )
+        q, scales, r = allreduce_rms_norm_quant_fp8_reference(x, weight, EPS, offset, cast, *quant, group_name)
+    else:
+        q, scales, r = allreduce_add_rms_norm_quant_fp8_reference(
+            x, residual, weight, EPS, offset, cast, *quant, group_name
+        )
+    _scheme, _scale, group_size, scale_ue8m0 = quant
+    ue8m0 = (rms_norm_reference(r, weight, EPS, offset, cast), group_size) if scale_ue8m0 else None
+    return q, scales, r, ue8m0
 
 
 def _fallback(x, residual, weight, offset, cast, quant, group_name):
@@ -123,20 +130,31 @@ def _op(x, residual, weight, offset, cast, quant, group_name):
 
 
 def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:
-    """outs/refs: (codes, scales, r). Returns (the outputs off the reference: codes more than one
-    fp8 code apart, scales or r outside the dtype's tolerance (the sums may differ by one rounding:
-    NCCL adds in its own order; at 2 ranks both are one rounding of x0 + x1, counted apart); the
-    outputs that differ between ranks)."""
-    from fusion_passes.numerics import compare, fp8_codes_apart
+    """outs: (codes, scales, r); refs: _reference's. Returns (the outputs off the reference: codes
+    more than one fp8 code apart, scales or r outside the dtype's tolerance (the sums may differ by
+    one rounding: NCCL adds in its own order; at 2 ranks both are one rounding of x0 + x1, counted
+    apart); the outputs that differ between ranks). UE8M0 scales are checked against the
+    reference's y as the single-GPU kernel test checks them (fusion_passes.numerics.
+    ue8m0_quantization_apart: a group whose amax / 448 sits within an ulp of a power of two may
+    take either binade, 8 codes apart, when the two sums of squares round differently)."""
+    from fusion_passes.numerics import compare, fp8_codes_apart, tolerance, ue8m0_quantization_apart
 
-    (q, scales, r), (ref_q, ref_scales, ref_r) = outs, refs
+    (q, scales, r), (ref_q, ref_scales, ref_r, ue8m0) = outs, refs
     off, differ = [], []
-    if q.dtype != torch.float8_e4m3fn or q.shape != ref_q.shape or fp8_codes_apart(q, ref_q) > 1:
-        off.append(f"{name} codes: {fp8_codes_apart(q, ref_q)} codes apart")
-    # A scale is amax(|y|) / 448 of the activation in its dtype: an ulp of y moves it as much.
-    c = compare(scales, ref_scales, dtype=r.dtype)
-    if scales.shape != ref_scales.shape or not c.ok:
-        off.append(f"{name} scales: max_rel {c.max_rel:.3g}")
+    if ue8m0 is not None:
+        y, group_size = ue8m0
+        scales_ok, apart = ue8m0_quantization_apart(q, scales, y, group_size, tolerance(r.dtype).rtol)
+        if not scales_ok:
+            off.append(f"{name} UE8M0 scales: outside the binades of the reference y's scales")
+        if q.dtype != torch.float8_e4m3fn or apart > 1:
+            off.append(f"{name} codes: {apart} codes apart (UE8M0, the kernel's scales)")
+    else:
+        if q.dtype != torch.float8_e4m3fn or q.shape != ref_q.shape or fp8_codes_apart(q, ref_q) > 1:
+            off.append(f"{name} codes: {fp8_codes_apart(q, ref_q)} codes apart")
+        # A scale is amax(|y|) / 448 of the activation in its dtype: an ulp of y moves it as much.
+        c = compare(scales, ref_scales, dtype=r.dtype)
+        if scales.shape != ref_scales.shape or not c.ok:
+            off.append(f"{name} scales: max_rel {c.max_rel:.3g}")
     c = compare(r, ref_r)
     if not c.ok:
         off.append(f"{name} sum/residual: max_abs {c.max_abs:.3g} max_rel {c.max_rel:.3g}")
