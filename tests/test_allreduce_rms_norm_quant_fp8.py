@@ -481,7 +481,7 @@ class _SimulatedWorld:
     loops and the per-program halves (epochs) do real work."""
 
     def __init__(self, hidden: int, dtype: torch.dtype, max_rows: int = 64, max_programs: int = 2):
-        from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import _GroupInfo, _Workspace
+        from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import GroupInfo, Workspace
         from fusion_passes.lowering.rms_norm_triton import launch_config
 
         self.launch = launch_config(hidden)
@@ -491,13 +491,13 @@ class _SimulatedWorld:
         peer_buffers = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64)
         peer_signals = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64)
         self.workspaces = [
-            _Workspace(
+            Workspace(
                 buffer=self.buffers[rank],
                 handle=None,
                 epochs=torch.zeros(max_programs, dtype=torch.int32),
                 peer_buffers=peer_buffers,
                 peer_signals=peer_signals,
-                info=_GroupInfo(rank=rank, world_size=WORLD, max_programs=max_programs),
+                info=GroupInfo(rank=rank, world_size=WORLD, max_programs=max_programs),
                 launch=self.launch,
             )
             for rank in range(WORLD)

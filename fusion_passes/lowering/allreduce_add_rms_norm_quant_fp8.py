@@ -48,7 +48,7 @@ from fusion_passes.lowering.allreduce_add_rms_norm_reference import (
     check_allreduce_rms_norm_args,
 )
 from fusion_passes.lowering.collective_ops import define_collective_op, record_fallback
-from fusion_passes.lowering.rms_norm_quant_fp8 import _fake_outputs, _own
+from fusion_passes.lowering.rms_norm_quant_fp8 import fake_quant_outputs, own_scales
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import (
     add_rms_norm_quant_fp8_reference,
     check_quant_args,
@@ -142,7 +142,7 @@ def _reference_add(
         x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
         scale_ue8m0, group_name,
     )  # fmt: skip
-    return q.contiguous(), _own(scales, scale), new_residual.contiguous()
+    return q.contiguous(), own_scales(scales, scale), new_residual.contiguous()
 
 
 def _reference(
@@ -158,7 +158,7 @@ def _reference(
         x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0,
         group_name,
     )  # fmt: skip
-    return q.contiguous(), _own(scales, scale), reduced.contiguous()
+    return q.contiguous(), own_scales(scales, scale), reduced.contiguous()
 
 
 def _cuda_add(
@@ -182,7 +182,7 @@ def _cuda_add(
             all_reduce_sum(x, group_name), weight, eps, weight_offset, cast_before_weight, scheme,
             scale, group_size, scale_ue8m0, residual,
         )  # fmt: skip
-    return q, _own(scales, scale), new_residual
+    return q, own_scales(scales, scale), new_residual
 
 
 def _cuda(
@@ -206,14 +206,14 @@ def _cuda(
             reduced, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
             scale_ue8m0,
         )  # fmt: skip
-    return q, _own(scales, scale), reduced
+    return q, own_scales(scales, scale), reduced
 
 
 def _fake_add(
     x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
     scale_ue8m0, group_name,
 ):  # fmt: skip
-    q, scales = _fake_outputs(x, scheme, scale, group_size)
+    q, scales = fake_quant_outputs(x, scheme, scale, group_size)
     return q, scales, torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -221,7 +221,7 @@ def _fake(
     x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0,
     group_name,
 ):  # fmt: skip
-    q, scales = _fake_outputs(x, scheme, scale, group_size)
+    q, scales = fake_quant_outputs(x, scheme, scale, group_size)
     return q, scales, torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

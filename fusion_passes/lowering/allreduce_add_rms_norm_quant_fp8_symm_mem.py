@@ -31,7 +31,7 @@ of N columns), so one reduction over the last axis gives a group's or a row's am
 for the block comes from ``one_shot_sum`` with 3-D offsets into the buffer half, whose row stride
 is N. The copy-in stays 2-D ([ROWS, next_power_of_2(N)], ``one_shot_copy_in``).
 
-Workspace: allreduce_add_rms_norm_symm_mem's, the same object (``_workspaces[(group_name, device
+Workspace: allreduce_add_rms_norm_symm_mem's, the same object (``workspaces[(group_name, device
 index, dtype, hidden)]``: buffer halves, per-program epochs, peer addresses). Sharing it with the
 non-quantizing kernel is safe only because both map rows to programs alike: its protocol argument
 needs every buffer region to belong to one program index for any mix of calls. Row block i
@@ -63,9 +63,9 @@ from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
 from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
-    _rows_and_stride,
-    _Workspace,
-    _workspaces,
+    rows_and_stride,
+    Workspace,
+    workspaces,
     one_shot_barrier,
     one_shot_copy_in,
     one_shot_half_offset,
@@ -171,7 +171,7 @@ def _quant_layout(num_groups: int, group: int) -> tuple[int, int, int]:
 
 
 def launch_on_workspace(
-    workspace: _Workspace,
+    workspace: Workspace,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
@@ -192,13 +192,13 @@ def launch_on_workspace(
     num_groups, group = (n // group_size, group_size) if scheme == "per_group" else (1, n)
     weight = weight.contiguous()  # read at unit stride
     # A contiguous tensor is already rows of stride n: no reshape (host time, on every call).
-    x_rows, stride_x = (x, n) if x.is_contiguous() else _rows_and_stride(x)
+    x_rows, stride_x = (x, n) if x.is_contiguous() else rows_and_stride(x)
     if residual is None:
         residual_rows, stride_residual = x_rows, stride_x  # never read (HAS_RESIDUAL=False)
     elif residual.is_contiguous():
         residual_rows, stride_residual = residual, n
     else:
-        residual_rows, stride_residual = _rows_and_stride(residual)
+        residual_rows, stride_residual = rows_and_stride(residual)
     m = x.numel() // n
     # The kernel writes the codes as bytes (rms_norm_quant_fp8_triton's _fp8_e4m3fn_codes).
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -294,7 +294,7 @@ def launch_eligible(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch behind both ops, for a caller that has checked the arguments and got None from
     ``symm_mem_eligible(x, group_name)`` (which made the workspace): see launch_on_workspace."""
-    workspace = _workspaces[(group_name, x.device.index, x.dtype, x.shape[-1])]
+    workspace = workspaces[(group_name, x.device.index, x.dtype, x.shape[-1])]
     return launch_on_workspace(
         workspace, x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale,
         group_size, scale_ue8m0,

@@ -284,7 +284,7 @@ _launch_one_shot = FastLauncher(_one_shot_allreduce_add_rms_norm_kernel)
 
 
 @dataclass
-class _GroupInfo:
+class GroupInfo:
     """What every rank of a group agreed on (one all_gather, at the first call)."""
 
     rank: int
@@ -293,20 +293,20 @@ class _GroupInfo:
 
 
 @dataclass
-class _Workspace:
+class Workspace:
     buffer: torch.Tensor  # symmetric [2, MAX_ROWS, hidden]; kept alive with its handle
     handle: object  # the _SymmetricMemory of buffer
     epochs: torch.Tensor  # int32 [max_programs]
     peer_buffers: torch.Tensor  # int64 [W]: address of every rank's buffer (offset applied)
     peer_signals: torch.Tensor  # int64 [W]: address of every rank's signal pad
-    info: _GroupInfo
+    info: GroupInfo
     launch: tuple[int, int, int]  # rms_norm_triton.launch_config(hidden): block, rows, warps
 
 
-# (group_name, device index) -> _GroupInfo, or the reason the group cannot use symmetric memory.
-_groups: dict[tuple[str, int], _GroupInfo | str] = {}
-# (group_name, device index, dtype, hidden) -> _Workspace, or the reason it could not be made.
-_workspaces: dict[tuple[str, int, torch.dtype, int], _Workspace | str] = {}
+# (group_name, device index) -> GroupInfo, or the reason the group cannot use symmetric memory.
+_groups: dict[tuple[str, int], GroupInfo | str] = {}
+# (group_name, device index, dtype, hidden) -> Workspace, or the reason it could not be made.
+workspaces: dict[tuple[str, int, torch.dtype, int], Workspace | str] = {}
 
 
 def _capture_error(what: str, group_name: str) -> RuntimeError:
@@ -326,7 +326,7 @@ def _signal_pad_bytes() -> int:
     return int(getattr(_SymmetricMemory, "signal_pad_size", _MIN_SIGNAL_PAD_BYTES))
 
 
-def _group_info(group_name: str, device: torch.device) -> _GroupInfo | str:
+def _group_info(group_name: str, device: torch.device) -> GroupInfo | str:
     """The group's agreed launch facts, or why it cannot use the one-shot kernel. Collective at the
     first call per (group, device) (an all_gather_object), cached after."""
     key = (group_name, device.index)
@@ -374,7 +374,7 @@ def _group_info(group_name: str, device: torch.device) -> _GroupInfo | str:
     max_programs = min(
         slots // world_size, _PROGRAMS_PER_SM * min(sms for _, _, sms, _ in everyone)
     )
-    _groups[key] = _GroupInfo(group.rank(), world_size, max(1, max_programs))
+    _groups[key] = GroupInfo(group.rank(), world_size, max(1, max_programs))
     return _groups[key]
 
 
@@ -408,7 +408,7 @@ def prepare_workspace(
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (group_name, device.index, dtype, hidden)
-    workspace = _workspaces.get(key)
+    workspace = workspaces.get(key)
     if workspace is not None:
         return workspace if isinstance(workspace, str) else None
     info = _group_info(group_name, device)
@@ -416,14 +416,14 @@ def prepare_workspace(
         return info
     if torch.cuda.is_current_stream_capturing():
         raise _capture_error(f"workspace ({dtype}, hidden {hidden})", group_name)
-    _workspaces[key] = _create_workspace(group_name, dtype, hidden, device, info)
-    workspace = _workspaces[key]
+    workspaces[key] = _create_workspace(group_name, dtype, hidden, device, info)
+    workspace = workspaces[key]
     return workspace if isinstance(workspace, str) else None
 
 
 def _create_workspace(
-    group_name: str, dtype: torch.dtype, hidden: int, device: torch.device, info: _GroupInfo
-) -> _Workspace | str:
+    group_name: str, dtype: torch.dtype, hidden: int, device: torch.device, info: GroupInfo
+) -> Workspace | str:
     """Allocate and rendezvous the buffer; the reason instead if torch refuses (on every rank: the
     allocation and rendezvous fail alike everywhere, and the offsets are checked on gathered
     values)."""
@@ -450,7 +450,7 @@ def _create_workspace(
         return f"symmetric buffer offset {offset} is not a 16-byte multiple"
     if 0 in buffer_ptrs or 0 in signal_ptrs:
         return "a peer's symmetric buffer is not directly addressable (no P2P mapping)"
-    return _Workspace(
+    return Workspace(
         buffer=buffer,
         handle=handle,
         epochs=torch.zeros(info.max_programs, dtype=torch.int32, device=device),
@@ -478,12 +478,12 @@ def symm_mem_eligible(x: torch.Tensor, group_name: str, chunked: bool = False) -
     if x.stride(-1) != 1:
         return f"hidden dimension not contiguous (stride {x.stride(-1)})"
     key = (group_name, x.device.index, x.dtype, hidden)
-    workspace = _workspaces.get(key)
-    if not isinstance(workspace, _Workspace):  # the first call (collective), or a refusal
+    workspace = workspaces.get(key)
+    if not isinstance(workspace, Workspace):  # the first call (collective), or a refusal
         reason = prepare_workspace(group_name, x.dtype, hidden, x.device)
         if reason is not None:
             return reason
-        workspace = _workspaces[key]
+        workspace = workspaces[key]
     rows = x.numel() // hidden
     capacity = workspace.buffer.shape[1]  # MAX_ROWS when the workspace was made
     if rows > capacity:
@@ -497,7 +497,7 @@ def symm_mem_eligible(x: torch.Tensor, group_name: str, chunked: bool = False) -
     return None
 
 
-def _rows_and_stride(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+def rows_and_stride(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     rows = as_rows(t)
     return rows, rows.stride(0)
 
@@ -515,16 +515,16 @@ def launch_eligible(
     ``symm_mem_eligible(x, group_name)`` (the CUDA kernels of the ops): returns (normed, r) with r
     the new residual (residual given) or the reduced sum (residual None)."""
     n = x.shape[-1]
-    workspace = _workspaces[(group_name, x.device.index, x.dtype, n)]
+    workspace = workspaces[(group_name, x.device.index, x.dtype, n)]
     weight = weight.contiguous()  # read at unit stride
     # A contiguous tensor is already rows of stride n: no reshape (host time, on every call).
-    x_rows, stride_x = (x, n) if x.is_contiguous() else _rows_and_stride(x)
+    x_rows, stride_x = (x, n) if x.is_contiguous() else rows_and_stride(x)
     if residual is None:
         residual_rows, stride_residual = x_rows, stride_x  # never read (HAS_RESIDUAL=False)
     elif residual.is_contiguous():
         residual_rows, stride_residual = residual, n
     else:
-        residual_rows, stride_residual = _rows_and_stride(residual)
+        residual_rows, stride_residual = rows_and_stride(residual)
     m = x.numel() // n
     # empty_like takes half the host time of empty(shape, dtype=, device=) (1.1 against 2.4 us on
     # a CPU host: no parsing of shape, dtype and device); contiguous_format: the fake kernel's strides.
@@ -560,7 +560,7 @@ def launch_eligible(
 
 
 def _launch_rows(
-    workspace: _Workspace,
+    workspace: Workspace,
     weight: torch.Tensor,
     eps: float,
     weight_offset: float,

@@ -27,7 +27,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (
 from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
 
 
-def _own(scales: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def own_scales(scales: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The scales as a new contiguous tensor: the static scheme hands back the given scale."""
     return scales.clone() if scales is scale else scales.contiguous()
 
@@ -50,7 +50,7 @@ def rms_norm_quant_fp8(
     q, scales = rms_norm_quant_fp8_reference(
         x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
     )
-    return q.contiguous(), _own(scales, scale)
+    return q.contiguous(), own_scales(scales, scale)
 
 
 @torch.library.custom_op("fusion_passes::add_rms_norm_quant_fp8", mutates_args=())
@@ -72,7 +72,7 @@ def add_rms_norm_quant_fp8(
     q, scales, new_residual = add_rms_norm_quant_fp8_reference(
         x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
     )
-    return q.contiguous(), _own(scales, scale), new_residual.contiguous()
+    return q.contiguous(), own_scales(scales, scale), new_residual.contiguous()
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
@@ -96,7 +96,7 @@ def _rms_norm_quant_fp8_cuda(
     q, scales, _ = rms_norm_quant_fp8_triton(
         x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, wrap=wrap
     )
-    return q, _own(scales, scale)
+    return q, own_scales(scales, scale)
 
 
 @add_rms_norm_quant_fp8.register_kernel("cuda")
@@ -130,10 +130,10 @@ def _add_rms_norm_quant_fp8_cuda(
         residual,
         wrap=wrap,
     )
-    return q, _own(scales, scale), new_residual
+    return q, own_scales(scales, scale), new_residual
 
 
-def _fake_outputs(x, scheme, scale, group_size):
+def fake_quant_outputs(x, scheme, scale, group_size):
     """Empty (codes, scales) of the shapes and dtypes the ops return, contiguous."""
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if scheme == "static":
@@ -154,7 +154,7 @@ def _rms_norm_quant_fp8_fake(
     group_size=128,
     scale_ue8m0=False,
 ):
-    return _fake_outputs(x, scheme, scale, group_size)
+    return fake_quant_outputs(x, scheme, scale, group_size)
 
 
 @add_rms_norm_quant_fp8.register_fake
@@ -170,5 +170,5 @@ def _add_rms_norm_quant_fp8_fake(
     group_size=128,
     scale_ue8m0=False,
 ):
-    q, scales = _fake_outputs(x, scheme, scale, group_size)
+    q, scales = fake_quant_outputs(x, scheme, scale, group_size)
     return q, scales, torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -22,7 +22,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import silu_mul_quant_fp8_reference
 
 
-def _own(scales: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def own_scales(scales: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The scales as a new contiguous tensor: the static scheme hands back the given scale."""
     return scales.clone() if scales is scale else scales.contiguous()
 
@@ -38,7 +38,7 @@ def silu_mul_quant_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU-and-mul + FP8 quantization: returns (codes, scales); see silu_mul_quant_fp8_reference."""
     q, scales = silu_mul_quant_fp8_reference(gate, up, scheme, scale, group_size, scale_ue8m0)
-    return q.contiguous(), _own(scales, scale)
+    return q.contiguous(), own_scales(scales, scale)
 
 
 # The CUDA kernel doubles as the direct launcher (`wrap` given when Inductor inlines the launch).
@@ -48,7 +48,7 @@ def _silu_mul_quant_fp8_cuda(gate, up, scheme, scale=None, group_size=128, scale
     from fusion_passes.lowering.silu_mul_quant_fp8_triton import silu_mul_quant_fp8_triton
 
     q, scales = silu_mul_quant_fp8_triton(gate, up, scheme, scale, group_size, scale_ue8m0, wrap=wrap)
-    return q, _own(scales, scale)
+    return q, own_scales(scales, scale)
 
 
 @silu_mul_quant_fp8.register_fake

@@ -48,14 +48,14 @@ from fusion_passes.registry import (
 # user's tag), and no match depends on it: its use becomes the group_name pattern argument.
 GROUP_SENTINEL = "fusion_passes:any_group"
 
-_FORMS = {  # as patterns/rms_norm.py registers them: (weight_offset, cast_before_weight)
+NORM_FORMS = {  # as patterns/rms_norm.py registers them: (weight_offset, cast_before_weight)
     "llama": (0.0, True),
     "fp32_weight": (0.0, False),
     "offset": (1.0, False),
 }
 
 
-def _reduced(x, group_name):
+def reduced_sum(x, group_name):
     """What every spelling of a TP allreduce becomes in the post-grad graph."""
     reduced = torch.ops._c10d_functional.all_reduce.default(x, "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor.default(reduced)
@@ -71,7 +71,7 @@ def _allreduce_add_norm(offset: float, cast: bool, reduced_first: bool, residual
     norm but the model's last one)."""
 
     def pattern(x, residual, weight, group_name, eps):
-        s = _reduced(x, group_name)
+        s = reduced_sum(x, group_name)
         a, b = (s, residual) if reduced_first else (residual, s)
         y, new_residual = torch.ops.fusion_passes.add_rms_norm.default(a, b, weight, eps, offset, cast)
         return (y, new_residual) if residual_used else y
@@ -85,7 +85,7 @@ def _allreduce_norm(offset: float, cast: bool):
     not code outside reads it, so this one spelling also matches a sum read only by the norm."""
 
     def pattern(x, weight, group_name, eps):
-        s = _reduced(x, group_name)
+        s = reduced_sum(x, group_name)
         y = torch.ops.fusion_passes.rms_norm.default(s, weight, eps, offset, cast)
         return y, s
 
@@ -168,7 +168,7 @@ ALLREDUCE_ADD_RMS_NORM = _fusion(
             _fused_add_norm(offset, cast, used),
             _check(offset, cast),
         )
-        for form, (offset, cast) in _FORMS.items()
+        for form, (offset, cast) in NORM_FORMS.items()
         for first in (True, False)
         # The new residual reused first; "_last": the model's final norm, whose sum nothing reads.
         for used in (True, False)
@@ -186,7 +186,7 @@ ALLREDUCE_RMS_NORM = _fusion(
             _fused_norm(offset, cast),
             _check(offset, cast),
         )
-        for form, (offset, cast) in _FORMS.items()
+        for form, (offset, cast) in NORM_FORMS.items()
     ],
     with_residual=False,
 )

@@ -43,7 +43,7 @@ import fusion_passes.lowering.rms_norm_quant_fp8  # noqa: F401  (the canonical o
 from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
-from fusion_passes.patterns.allreduce_rms_norm import _FORMS, GROUP_SENTINEL, _reduced
+from fusion_passes.patterns.allreduce_rms_norm import NORM_FORMS, GROUP_SENTINEL, reduced_sum
 from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
 
 SCHEMES = ("static", "per_token", "per_group")
@@ -78,7 +78,7 @@ def _allreduce_add_norm_quant(offset, cast, scheme, ue8m0, reduced_first, residu
     add_norm_quant = torch.ops.fusion_passes.add_rms_norm_quant_fp8.default
 
     def pattern(x, residual, weight, scale, group_name, eps):
-        s = _reduced(x, group_name)
+        s = reduced_sum(x, group_name)
         a, b = (s, residual) if reduced_first else (residual, s)
         q, scales, new_residual = add_norm_quant(
             a, b, weight, eps, offset, cast, scheme, scale, GROUP_SIZE, ue8m0
@@ -106,7 +106,7 @@ def _allreduce_norm_quant(offset, cast, scheme, ue8m0):
     norm_quant = torch.ops.fusion_passes.rms_norm_quant_fp8.default
 
     def pattern(x, residual, weight, scale, group_name, eps):
-        s = _reduced(x, group_name)
+        s = reduced_sum(x, group_name)
         q, scales = norm_quant(s, weight, eps, offset, cast, scheme, scale, GROUP_SIZE, ue8m0)
         return _outputs(scheme, q, scales, s)
 
@@ -188,7 +188,7 @@ def _fusion(with_residual: bool, scheme: str) -> Fusion:
     prefix = "add_" if with_residual else ""
     static = scheme == "static"
     spellings = []
-    for form, (offset, cast) in _FORMS.items():
+    for form, (offset, cast) in NORM_FORMS.items():
         for ue8m0 in _UE8M0[scheme]:
             then = f"then_{scheme}" + ("_ue8m0" if ue8m0 else "")
             check = _check(offset, cast, scheme, ue8m0)
