@@ -69,7 +69,7 @@ from bench_allreduce_rms_norm import (  # noqa: E402
 )
 
 import fusion_passes  # noqa: E402
-from fusion_passes.kernels import KERNEL_CLASSES, profile_kernel_classes  # noqa: E402
+from fusion_passes.kernels import KERNEL_CLASSES, classify_kernel, profile_kernel_names  # noqa: E402
 from fusion_passes.lowering.collective_ops import runtime_fallbacks  # noqa: E402
 from fusion_passes.models import MODEL_NAMES, build_model  # noqa: E402
 from fusion_passes.models.tensor_parallel import parallelize  # noqa: E402
@@ -193,8 +193,12 @@ def bench_tokens(built, tokens, device, group_name) -> dict:
         out = fn(inputs[0])  # compiles; creates the one-shot workspace before any capture
         result = check_variant(variant, out, expected, report, layers, group_name)
         if device.type == "cuda":
-            kernels = profile_kernel_classes(fn, inputs[0])
-            result["kernels"] = {**kernels, "total": sum(kernels.values())}
+            names = profile_kernel_names(fn, inputs[0])
+            kernels = dict.fromkeys(KERNEL_CLASSES, 0)
+            for name in names:
+                kernels[classify_kernel(name)] += 1
+            result["kernels"] = {**kernels, "total": len(names)}
+            result["kernel_names"] = names  # in the json: which kernels a variant adds or saves
         else:
             result["kernels"] = None
         result["plain_us"] = time_plain_us(lambda fn=fn: fn(inputs[0]), device)

@@ -49,8 +49,8 @@ def classify_kernel(name: str) -> str:
     return "other"
 
 
-def profile_kernel_classes(fn, *args) -> dict[str, int]:
-    """CUDA kernels one call of ``fn`` launches, counted per class (needs a GPU)."""
+def profile_kernel_names(fn, *args) -> list[str]:
+    """The CUDA kernels one call of ``fn`` launches, in launch order (needs a GPU)."""
     import torch
 
     fn(*args)  # warm: compile and autotune outside the profile
@@ -58,8 +58,13 @@ def profile_kernel_classes(fn, *args) -> dict[str, int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn(*args)
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
+def profile_kernel_classes(fn, *args) -> dict[str, int]:
+    """CUDA kernels one call of ``fn`` launches, counted per class (needs a GPU)."""
     counts = dict.fromkeys(KERNEL_CLASSES, 0)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            counts[classify_kernel(event.name)] += 1
+    for name in profile_kernel_names(fn, *args):
+        counts[classify_kernel(name)] += 1
     return counts
