@@ -215,13 +215,17 @@ def rms_norm_quant_fp8_triton(
     residual: torch.Tensor | None = None,
     *,
     wrap: Callable | None = None,
+    rows: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x (or of x + residual) over the last dim, quantized to float8_e4m3fn, as
     rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
     (codes, scales, new_residual): codes a new contiguous fp8 tensor of x's shape; scales the
     given scale (static), else new fp32 [..., 1] (per_token) or [..., N / group_size] (per_group);
     new_residual = x + residual in x.dtype, or None when residual is None. `wrap` (e.g.
-    torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it."""
+    torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it.
+    ``rows`` / ``num_warps`` override the launch shape (rows per program, warps) for sweeps
+    (benchmarks/tune_rms_norm_quant_fp8.py); default: rms_norm_triton.launch_config's."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
@@ -242,7 +246,9 @@ def rms_norm_quant_fp8_triton(
         residual_rows = as_rows(residual)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
-    _, rows_per_program, num_warps = launch_config(block_groups * block_group)
+    _, rows_per_program, default_warps = launch_config(block_groups * block_group)
+    rows_per_program = rows or rows_per_program
+    num_warps = num_warps or default_warps
     kernel = (wrap or (lambda k: k))(_rms_norm_quant_fp8_kernel)
     kernel[(triton.cdiv(m, rows_per_program),)](
         x_rows,

@@ -36,8 +36,8 @@ appears in the post-grad graph):
                            reshapes the sum to (batch, seq, hidden) and, where it has shared
                            experts, adds their (separately all-reduced) output.
   colwise_gather_output    Linear Shard(0), then the output gathered back to full width (DTensor
-                           Shard(-1) -> Replicate: ``all_gather_into_tensor + wait_tensor``, and
-                           a cat of the chunks for the last dim); what follows is replicated.
+                           Shard(-1) -> Replicate: ``all_gather_into_tensor + wait_tensor``,
+                           then a split and a cat along the last dim); what follows is replicated.
                            Qwen3-Next / Qwen3.5 linear attention (in_proj_*, out_proj: its output
                            is gathered, not summed) and MiniMax-M2's q/k/v (its q_norm / k_norm
                            normalize over all heads).
@@ -58,6 +58,9 @@ The row-wise reductions are what the ``allreduce_add_rms_norm`` fusion matches: 
 wait_tensor`` followed by the residual add and the next RMSNorm. A gathered output
 (``colwise_gather_output``) is no sum, and a MoE block's reduction reaches the residual add only
 through the block's reshape (and, with shared experts, the add of the two reduced sums).
+
+``replace_sharded_module(built, path, make, mesh)`` swaps a sharded module for another (an FP8
+linear) built from this rank's shards, under the same style.
 """
 
 from __future__ import annotations
