@@ -103,6 +103,12 @@ class FusionPassManager(CustomGraphPass):
                         lambda: eliminate_common_subexpressions(graph),
                         graph,
                     )
+                if fusion.canonicalize is not None:
+                    self._guarded(
+                        f"canonicalization of {fusion.name!r}",
+                        lambda fusion=fusion: fusion.canonicalize(graph),
+                        graph,
+                    )
                 self._apply(fusion, graph, index)
         self._guarded(
             "near-miss analysis",

@@ -92,13 +92,17 @@ class Fusion:
     # as traced, without the matcher's re-trace on each candidate's values: they must hold no
     # shapes or dtypes (start from canonical ops that carry them).
     string_args: dict[str, str] = field(default_factory=dict)
+    # A graph rewrite run right before this fusion's patterns (once per graph): it must leave the
+    # math unchanged, only bring spellings into the patterns' shape (e.g. move a view from after
+    # a collective to before it); returns how many nodes it moved.
+    canonicalize: Callable[[Any], int] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
 
     def source_hash(self) -> str:
         """Hash of everything that decides what this fusion rewrites (for Inductor's cache key)."""
         h = hashlib.sha256(self.name.encode())
-        fns = [self.example_inputs, self.check] + [
+        fns = [self.example_inputs, self.check, self.canonicalize] + [
             f for s in self.spellings for f in (s.pattern, s.replacement, s.check)
         ]
         for fn in fns:

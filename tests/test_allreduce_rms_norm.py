@@ -82,6 +82,14 @@ def llama_no_residual(x, residual, w):
     return llama_rms_norm(s, w, 1e-6)
 
 
+def moe_view_before_add(x, residual, w):
+    """A MoE block under TP: the experts' partial sums over (tokens, hidden), reduced, then viewed
+    back to (batch, seq, hidden) before the residual add."""
+    s = funcol.all_reduce(x.reshape(-1, x.shape[-1]), "sum", _group())
+    h = residual + s.view(residual.shape)
+    return llama_rms_norm(h, w, 1e-6), h
+
+
 def max_not_fused(x, residual, w):
     s = funcol.all_reduce(x, "max", _group())  # not a sum: the fused op would be wrong
     h = residual + s
@@ -127,6 +135,10 @@ CASES = {
     "llama_no_residual_bf16": (
         llama_no_residual, torch.bfloat16, False,
         "allreduce_rms_norm", "allreduce_rms_norm_llama", "rms_norm",
+    ),
+    "moe_view_before_add_bf16": (
+        moe_view_before_add, torch.bfloat16, False,
+        "allreduce_add_rms_norm", "allreduce_residual_plus_sum_add_rms_norm_llama", "add_rms_norm",
     ),
     "max_not_fused": (max_not_fused, torch.float32, False, None, None, "add_rms_norm"),
     "sum_read_elsewhere_not_fused": (

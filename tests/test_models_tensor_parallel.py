@@ -21,13 +21,14 @@ Which norms fuse: a decoder layer adds ``mixer(input_layernorm(h))`` and then
 ``mlp(post_attention_layernorm(h))`` to the residual, each sum read by the next norm
 (post_attention_layernorm, the next layer's input_layernorm, model.norm). The fusion takes a norm
 whose added term is an all_reduce's output: a row-wise projection's (o_proj, a dense MLP's
-down_proj). The others, and why (MIXERS / MLPS below):
+down_proj), and a MoE block's without shared experts (its experts' all_reduce is followed by the
+block's ``reshape(batch, seq, hidden)``; the fusion's canonicalization moves that view before the
+allreduce, with which it commutes). The others, and why (MIXERS / MLPS below):
   - after linear attention (``colwise_gather_output`` out_proj): an all_gather, no sum;
   - after DeepSeek-V3's attention: its plan leaves MLA whole, there is no collective;
-  - after a MoE block: the experts' all_reduce is followed by the block's ``reshape(batch, seq,
-    hidden)`` before the residual add, and the pattern takes no view between the two (a pattern
-    gap: an allreduce commutes with a reshape); with shared experts the block also adds the two
-    all-reduced sums (experts', shared experts' down_proj) before the residual add.
+  - after a MoE block with shared experts: the block adds the two all-reduced sums (experts',
+    shared experts' down_proj) before the residual add; fusing it would take one reduction of
+    their sum (as vLLM's MoE does), which the HF plan does not express.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ MIXERS = {
 # MLPs: kind -> (all_reduces, whether the sum feeds the next norm's residual add).
 MLPS = {
     "dense": (1, True),  # gate/up colwise, down_proj rowwise
-    "moe": (1, False),  # experts' all_reduce, then the block's reshape (pattern gap)
+    "moe": (1, True),  # experts' all_reduce, then the block's reshape (moved before it)
     "moe_shared": (2, False),  # experts' + shared experts' sums added, then reshaped
 }
 # name -> (layers, (mixer, mlp) per layer)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 
 # The fused ops' registration (the patterns' replacements call them).
 import fusion_passes.lowering.allreduce_add_rms_norm  # noqa: F401
@@ -59,6 +60,52 @@ def reduced_sum(x, group_name):
     """What every spelling of a TP allreduce becomes in the post-grad graph."""
     reduced = torch.ops._c10d_functional.all_reduce.default(x, "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor.default(reduced)
+
+
+_VIEWS = (
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+)
+
+
+def _is_call(node: Any, target: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def views_into_allreduce(graph: torch.fx.Graph) -> int:
+    """Canonicalize: ``view(wait_tensor(all_reduce(x, "sum", g)), shape)`` becomes
+    ``wait_tensor(all_reduce(view(x, shape), "sum", g))`` where the view is the sum's only use. A
+    sum over the ranks is elementwise, so it commutes with a view of its input, bit for bit. A MoE
+    block reshapes its experts' reduced output from (tokens, hidden) back to (batch, seq, hidden)
+    before the residual add (Qwen3-MoE, MiniMax-M2 under tensor parallelism): moved, the allreduce
+    feeds the add, as the patterns spell it. Returns how many views moved."""
+    moved = 0
+    for view in list(graph.nodes):
+        if view.op != "call_function" or view.target not in _VIEWS:
+            continue
+        wait = view.args[0]
+        if not _is_call(wait, torch.ops._c10d_functional.wait_tensor.default) or len(wait.users) != 1:
+            continue
+        reduce = wait.args[0]
+        if not _is_call(reduce, torch.ops._c10d_functional.all_reduce.default) or len(reduce.users) != 1:
+            continue
+        if reduce.args[1] != "sum":
+            continue
+        x = reduce.args[0]
+        try:  # the view must be valid on x's own strides (the collective's output is contiguous)
+            viewed = view.target(x.meta["val"], *view.args[1:], **view.kwargs)
+        except Exception:  # noqa: BLE001 - not expressible on x: leave this site as it is
+            continue
+        with graph.inserting_before(reduce):
+            new_view = graph.call_function(view.target, (x, *view.args[1:]), dict(view.kwargs))
+        new_view.meta = {**view.meta, "val": viewed}
+        reduce.args = (new_view, *reduce.args[1:])
+        reduce.meta["val"] = wait.meta["val"] = view.meta["val"]
+        view.replace_all_uses_with(wait)
+        graph.erase_node(view)
+        moved += 1
+    return moved
 
 
 # --- spellings: the allreduce feeding the canonical norm ops ---
@@ -153,6 +200,7 @@ def _fusion(name: str, summary: str, spellings: list[Spelling], with_residual: b
         # on a GPU pair; the CPU tests prove the matching and the reference only.
         in_all=False,
         string_args={"group_name": GROUP_SENTINEL},
+        canonicalize=views_into_allreduce,
         builtin=True,
     )
 

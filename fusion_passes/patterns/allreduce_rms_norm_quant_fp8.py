@@ -43,7 +43,12 @@ import fusion_passes.lowering.rms_norm_quant_fp8  # noqa: F401  (the canonical o
 from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
-from fusion_passes.patterns.allreduce_rms_norm import NORM_FORMS, GROUP_SENTINEL, reduced_sum
+from fusion_passes.patterns.allreduce_rms_norm import (
+    GROUP_SENTINEL,
+    NORM_FORMS,
+    reduced_sum,
+    views_into_allreduce,
+)
 from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
 
 SCHEMES = ("static", "per_token", "per_group")
@@ -233,6 +238,7 @@ def _fusion(with_residual: bool, scheme: str) -> Fusion:
         # pair; the CPU tests prove the matching, the reference and the kernel's interpreter run.
         in_all=False,
         string_args={"group_name": GROUP_SENTINEL},
+        canonicalize=views_into_allreduce,
         builtin=True,
     )
 
