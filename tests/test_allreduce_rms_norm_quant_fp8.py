@@ -230,41 +230,20 @@ TP_MODEL = "tp_qwen3_fp8"  # key of the job's result for the tensor-parallel FP8
 TP_SCHEME = "per_token"
 
 
-def swap_fp8_linears_keeping_tp(built, scheme: str, mesh) -> list[str]:
-    """Replace every tensor-parallel ``nn.Linear`` of ``built.module`` (its weight a DTensor, as
-    ``parallelize`` leaves it) by an ``Fp8Linear`` of ``scheme`` (per_token or per_group), built
-    from this rank's weight shard and run under the same TP style
-    (``tensor_parallel.replace_sharded_module``); returns the paths replaced. Each rank quantizes
-    its own shard, as serving engines do: a row-wise projection's activation scales are per token
-    over this rank's input features (no max allreduce)."""
-    from torch.distributed.tensor import DTensor
-
-    from fusion_passes.models.fp8_linear import Fp8Linear
-    from fusion_passes.models.tensor_parallel import replace_sharded_module
-
-    paths = [
-        path
-        for path, m in built.module.named_modules()
-        if isinstance(m, torch.nn.Linear) and isinstance(m.weight, DTensor)
-    ]
-    for path in paths:
-        replace_sharded_module(built, path, lambda linear: Fp8Linear(linear, scheme), mesh)
-    return paths
-
-
 def _tp_model_job() -> dict:
     """Tiny Qwen3 (bf16, 2 layers), parallelized, its linears swapped for per-token FP8 ones,
     compiled with the allreduce + norm + quantization fusions."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fusion_passes.models import build_model
+    from fusion_passes.models.fp8_linear import swap_fp8_linears_sharded
     from fusion_passes.models.tensor_parallel import parallelize
     from fusion_passes.numerics import compare
 
     built = build_model("qwen3", "tiny", dtype=torch.bfloat16)  # seeded: the same on every rank
     mesh = init_device_mesh("cpu", (WORLD,))
     parallelize(built, mesh)
-    swapped = swap_fp8_linears_keeping_tp(built, TP_SCHEME, mesh)
+    swapped = swap_fp8_linears_sharded(built, TP_SCHEME, mesh)
     fusions = [f"allreduce_{prefix}rms_norm_quant_fp8_{TP_SCHEME}" for prefix in ("add_", "")]
     # The non-quantizing fusion too: it must leave the quantized norms to the fusions above (the
     # quantization fusions run first, so it never sees their norms) and take the final norm.

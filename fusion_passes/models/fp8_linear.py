@@ -170,3 +170,25 @@ def swap_fp8_linears(
             continue
         setattr(parent, name, Fp8Linear(linear, scheme, scales.get(path)))
     return [p for p in paths if scheme != "static" or p in scales]
+
+
+def swap_fp8_linears_sharded(built, scheme: str, mesh) -> list[str]:
+    """The tensor-parallel counterpart of ``swap_fp8_linears``, for a model that
+    ``tensor_parallel.parallelize`` sharded: replace every sharded ``nn.Linear`` of
+    ``built.module`` (its weight a DTensor) by an ``Fp8Linear`` of ``scheme`` built from this
+    rank's weight shard and run under the same TP style (``tensor_parallel.replace_sharded_module``);
+    returns the paths replaced. Each rank quantizes its own shard, as serving engines do: a
+    row-wise projection's activation scales are per token over this rank's input features (no max
+    allreduce). Sharding after the swap is not possible: the TP styles take nn.Linear only."""
+    from torch.distributed.tensor import DTensor
+
+    from .tensor_parallel import replace_sharded_module
+
+    paths = [
+        path
+        for path, m in built.module.named_modules()
+        if isinstance(m, nn.Linear) and isinstance(m.weight, DTensor)
+    ]
+    for path in paths:
+        replace_sharded_module(built, path, lambda linear: Fp8Linear(linear, scheme), mesh)
+    return paths
