@@ -90,6 +90,14 @@ def moe_view_before_add(x, residual, w):
     return llama_rms_norm(h, w, 1e-6), h
 
 
+def moe_view_sum_read_elsewhere_not_fused(x, residual, w):
+    """As moe_view_before_add, but the reduced (tokens, hidden) sum is read by other code too: the
+    view may not move (the other reader needs the sum's own shape), so nothing fuses."""
+    s = funcol.all_reduce(x.reshape(-1, x.shape[-1]), "sum", _group())
+    h = residual + s.view(residual.shape)
+    return llama_rms_norm(h, w, 1e-6), h, s * 3
+
+
 def max_not_fused(x, residual, w):
     s = funcol.all_reduce(x, "max", _group())  # not a sum: the fused op would be wrong
     h = residual + s
@@ -139,6 +147,9 @@ CASES = {
     "moe_view_before_add_bf16": (
         moe_view_before_add, torch.bfloat16, False,
         "allreduce_add_rms_norm", "allreduce_residual_plus_sum_add_rms_norm_llama", "add_rms_norm",
+    ),
+    "moe_view_sum_read_elsewhere_not_fused": (
+        moe_view_sum_read_elsewhere_not_fused, torch.float32, False, None, None, "add_rms_norm",
     ),
     "max_not_fused": (max_not_fused, torch.float32, False, None, None, "add_rms_norm"),
     "sum_read_elsewhere_not_fused": (
