@@ -364,7 +364,7 @@ def init_distributed(rank, world_size, init_method) -> torch.device:
     return torch.device("cpu")
 
 
-def _spawned_rank(rank, world_size, tmp, args) -> None:
+def _spawned_rank(rank, world_size, tmp, run, args) -> None:
     """A rank of the smoke run's own 2-process world (when not started by torchrun)."""
     device = init_distributed(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
     try:
@@ -375,17 +375,10 @@ def _spawned_rank(rank, world_size, tmp, args) -> None:
         raise SystemExit(status)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_allreduce_rms_norm.md", help="markdown report path")
-    parser.add_argument("--json", default="bench_allreduce_rms_norm.json", help="raw numbers path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only")
-    parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {HIDDEN})")
-    parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
-    parser.add_argument("--max-rows", type=int,
-                        help=f"override MAX_ROWS (default {one_shot_module.MAX_ROWS}) for this run")
-    args = parser.parse_args()
+def launch_ranks(run, args, parser) -> int:
+    """Run ``run(rank, world_size, args, device)`` on every rank and return the exit status: the
+    ranks torchrun started (NCCL on GPUs; gloo only with --smoke), or, for a --smoke run outside
+    torchrun, 2 spawned gloo ranks. Shared by the distributed benchmarks."""
     if "RANK" in os.environ:  # started by torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if not torch.cuda.is_available() and not args.smoke:
@@ -399,11 +392,24 @@ def main() -> int:
         parser.error("run under torchrun --nproc-per-node 2 (only --smoke spawns its own ranks)")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_spawned_rank, args=(2, tmp, args), nprocs=2, join=True)
+            mp.spawn(_spawned_rank, args=(2, tmp, run, args), nprocs=2, join=True)
         except mp.ProcessExitedException:
             return 1
     return 0
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_allreduce_rms_norm.md", help="markdown report path")
+    parser.add_argument("--json", default="bench_allreduce_rms_norm.json", help="raw numbers path")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only")
+    parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {HIDDEN})")
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
+    parser.add_argument("--max-rows", type=int,
+                        help=f"override MAX_ROWS (default {one_shot_module.MAX_ROWS}) for this run")
+    args = parser.parse_args()
+    return launch_ranks(run, args, parser)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -56,12 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from bench_allreduce_rms_norm import (  # noqa: E402
     GRAPH_CALLS,
     GRAPH_REPLAYS,
     PLAIN_ITERS,
-    init_distributed,
+    launch_ranks,
     same_on_every_rank,
     time_graph_us,
     time_plain_us,
@@ -359,17 +356,6 @@ def run(rank, world_size, args, device) -> int:
     return status
 
 
-def _spawned_rank(rank, world_size, tmp, args) -> None:
-    """A rank of the smoke run's own 2-process world (when not started by torchrun)."""
-    device = init_distributed(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
-    try:
-        status = run(rank, world_size, args, device)
-    finally:
-        dist.destroy_process_group()
-    if status:
-        raise SystemExit(status)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3", choices=MODEL_NAMES, help="a dense model with a TP plan")
@@ -389,24 +375,7 @@ def main() -> int:
     args.size = args.size or ("tiny" if args.smoke else "real")
     args.layers = args.layers or (SMOKE_LAYERS if args.smoke else 1)
     args.tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
-    if "RANK" in os.environ:  # started by torchrun
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if not torch.cuda.is_available() and not args.smoke:
-            parser.error("no CUDA device: only --smoke runs on a CPU")
-        device = init_distributed(rank, world_size, "env://")
-        try:
-            return run(rank, world_size, args, device)
-        finally:
-            dist.destroy_process_group()
-    if not args.smoke:
-        parser.error("run under torchrun --nproc-per-node 2 (only --smoke spawns its own ranks)")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_spawned_rank, args=(2, tmp, args), nprocs=2, join=True)
-        except mp.ProcessExitedException:
-            return 1
-    return 0
-
+    return launch_ranks(run, args, parser)
 
 if __name__ == "__main__":
     sys.exit(main())
