@@ -63,7 +63,7 @@ from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
 from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
-    rows_and_stride,
+    caller_rows,
     Workspace,
     workspaces,
     one_shot_barrier,
@@ -191,14 +191,7 @@ def launch_on_workspace(
     n = x.shape[-1]
     num_groups, group = (n // group_size, group_size) if scheme == "per_group" else (1, n)
     weight = weight.contiguous()  # read at unit stride
-    # A contiguous tensor is already rows of stride n: no reshape (host time, on every call).
-    x_rows, stride_x = (x, n) if x.is_contiguous() else rows_and_stride(x)
-    if residual is None:
-        residual_rows, stride_residual = x_rows, stride_x  # never read (HAS_RESIDUAL=False)
-    elif residual.is_contiguous():
-        residual_rows, stride_residual = residual, n
-    else:
-        residual_rows, stride_residual = rows_and_stride(residual)
+    x_rows, stride_x, residual_rows, stride_residual = caller_rows(x, residual)
     m = x.numel() // n
     # The kernel writes the codes as bytes (rms_norm_quant_fp8_triton's _fp8_e4m3fn_codes).
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
