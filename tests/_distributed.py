@@ -95,3 +95,32 @@ def same_on_every_rank(t: torch.Tensor, world_size: int) -> bool:
     gathered = [torch.empty_like(t) for _ in range(world_size)]
     dist.all_gather(gathered, t)
     return all(torch.equal(g, gathered[0]) for g in gathered[1:])
+
+
+# --- checks run inside the ranks of one job, asserted per check by the tests ---
+
+
+def guarded(failures: dict[str, list[str]], checks: tuple[str, ...], fn: Callable[[], None]) -> None:
+    """Run ``fn`` (inside a rank); an exception becomes a failure of each of ``checks`` and the job
+    goes on with the next check (all ranks run the same checks, so their collectives pair up)."""
+    import traceback
+
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - report it as these checks' failure, go on with the others
+        for check in checks:
+            failures[check].append(traceback.format_exc(limit=6))
+
+
+def assert_no_failures(results: list[dict], check: str) -> None:
+    """Every rank's ``failures[check]`` list (of a job's result) is empty."""
+    failures = [f"rank {rank}: {msg}" for rank, r in enumerate(results) for msg in r["failures"][check]]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+
+def assert_sums_equal_nccl(info: dict) -> None:
+    """At 2 ranks a one-shot sum and NCCL's are both one rounding of x0 + x1: equal bit for bit.
+    ``info`` counts the compared elements and those that differed."""
+    assert info["sum_elements"], "the one-shot path never ran: no sums to compare with NCCL's"
+    print(f"sum elements differing from NCCL: {info['sum_elements_differing_from_nccl']} of {info['sum_elements']}")
+    assert info["sum_elements_differing_from_nccl"] == 0

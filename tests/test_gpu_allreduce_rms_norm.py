@@ -20,12 +20,18 @@ Skipped unless 2 CUDA GPUs are visible; the job is killed (and the tests fail) a
 
 from __future__ import annotations
 
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from _distributed import bits, run_world, same_on_every_rank
+from _distributed import (
+    assert_no_failures,
+    assert_sums_equal_nccl,
+    bits,
+    guarded,
+    run_world,
+    same_on_every_rank,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,13 +112,6 @@ def _job(rank: int, world_size: int) -> dict:
     failures: dict[str, list[str]] = {check: [] for check in CHECKS}
     info: dict[str, object] = {"sum_elements_differing_from_nccl": 0, "sum_elements": 0}
     ops = torch.ops.fusion_passes
-
-    def guarded(checks, fn):
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - report it as these checks' failure, go on with the others
-            for check in checks:
-                failures[check].append(traceback.format_exc(limit=6))
 
     probe = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
     reason = symm_mem_eligible(probe, group_name)
@@ -239,12 +238,12 @@ def _job(rank: int, world_size: int) -> dict:
                 failures["fallback"] += found
 
     # The same order on every rank: each check's collectives pair up.
-    guarded(("matches_nccl", "bit_identical"), matches_nccl)
-    guarded(("repeated",), repeated)
-    guarded(("cuda_graph",), cuda_graph)
-    guarded(("dispatch",), dispatch)
-    guarded(("chunked",), chunked)
-    guarded(("fallback",), fallback)
+    guarded(failures, ("matches_nccl", "bit_identical"), matches_nccl)
+    guarded(failures, ("repeated",), repeated)
+    guarded(failures, ("cuda_graph",), cuda_graph)
+    guarded(failures, ("dispatch",), dispatch)
+    guarded(failures, ("chunked",), chunked)
+    guarded(failures, ("fallback",), fallback)
     torch.cuda.synchronize()
     return {"failures": failures, "info": info}
 
@@ -256,14 +255,10 @@ def results():
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_one_shot_allreduce_rms_norm(results, check):
-    failures = [f"rank {rank}: {msg}" for rank, r in enumerate(results) for msg in r["failures"][check]]
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    assert_no_failures(results, check)
 
 
 def test_sums_agree_with_nccl_at_two_ranks(results):
     """At 2 ranks the one-shot sum and NCCL's are both one rounding of x0 + x1: equal bit for bit
     (measured on two H200: 0 of 143,682,984 elements differ)."""
-    info = results[0]["info"]
-    assert info["sum_elements"], "the one-shot path never ran: no sums to compare with NCCL's"
-    print(f"sum elements differing from NCCL: {info['sum_elements_differing_from_nccl']} of {info['sum_elements']}")
-    assert info["sum_elements_differing_from_nccl"] == 0
+    assert_sums_equal_nccl(results[0]["info"])
