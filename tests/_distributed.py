@@ -124,3 +124,29 @@ def assert_sums_equal_nccl(info: dict) -> None:
     assert info["sum_elements"], "the one-shot path never ran: no sums to compare with NCCL's"
     print(f"sum elements differing from NCCL: {info['sum_elements_differing_from_nccl']} of {info['sum_elements']}")
     assert info["sum_elements_differing_from_nccl"] == 0
+
+
+def compile_case(fn: Callable[..., Any], args: tuple, fusions: list[str]) -> dict[str, Any]:
+    """Inside a rank: compile ``fn`` with ``fusions`` (strict) and run it on ``args`` against eager;
+    what the report says (matches, spellings of these fusions, ops before/after of the one graph,
+    errors, run-time fallbacks, summary) and whether each output equals eager's bit for bit."""
+    import fusion_passes
+
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report, strict=True))(*args)
+        expected = fn(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    (graph,) = report.graphs
+    return {
+        "matches": {k: v for k, v in report.matches.items() if v},
+        "spellings": [s.spelling for s in report.sites if s.fusion in fusions],
+        "before": dict(graph.ops_before),
+        "after": dict(graph.ops_after),
+        "equal": [a.dtype == e.dtype and torch.equal(bits(a), bits(e)) for a, e in zip(out, expected, strict=True)],
+        "errors": list(report.errors),
+        "fallbacks": report.runtime_fallbacks(),
+        "summary": report.summary(),
+    }

@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import fusion_passes
-from _distributed import run_world
+from _distributed import compile_case, run_world
 from fusion_passes.lowering.direct_launch import LAUNCHERS
 from fusion_passes.numerics import compare
 from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm
@@ -170,25 +170,9 @@ def _spellings_job(rank: int, world_size: int) -> dict:
         w = (1.0 + 0.3 * torch.randn(64)).to(dtype)
         torch.manual_seed(1 + rank)  # each rank's partial sum differs
         x = torch.randn(3, 4, 64).to(dtype)
-        report = fusion_passes.Report()
-        torch._dynamo.reset()
-        with torch.no_grad():
-            compiled = torch.compile(fn, backend=fusion_passes.backend(FUSIONS, report=report, strict=True))
-            out = compiled(x, residual, w)
-            expected = fn(x, residual, w)
-        out = out if isinstance(out, tuple) else (out,)
-        expected = expected if isinstance(expected, tuple) else (expected,)
-        (graph,) = report.graphs
         results[name] = {
-            "matches": {k: v for k, v in report.matches.items() if v},
-            "spellings": [s.spelling for s in report.sites if s.fusion in FUSIONS],
-            "before": dict(graph.ops_before),
-            "after": dict(graph.ops_after),
-            "equal": [a.dtype == e.dtype and torch.equal(a, e) for a, e in zip(out, expected, strict=True)],
-            "errors": list(report.errors),
-            "fallbacks": report.runtime_fallbacks(),
+            **compile_case(fn, (x, residual, w), FUSIONS),
             "group": _group().group_name,
-            "summary": report.summary(),
         }
     # Piggybacks on this job's spawn (a spawn costs ~9 s): the one-shot gate on a gloo group.
     from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible

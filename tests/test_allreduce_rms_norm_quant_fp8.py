@@ -29,7 +29,7 @@ import triton
 
 import fusion_passes
 import fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8  # noqa: F401  (registers the ops)
-from _distributed import run_world
+from _distributed import bits, compile_case, run_world
 from fusion_passes.lowering.direct_launch import LAUNCHERS
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from fusion_passes.numerics import fp8_codes_apart
@@ -58,10 +58,6 @@ QUANT = {
     "per_token": lambda y, scale: quant_per_token(y),
     "per_group": lambda y, scale: quant_per_group(y),
 }
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 # --- the spellings, as TP model code writes them (x: this rank's partial sum) ---
@@ -277,28 +273,7 @@ def _job(rank: int, world_size: int) -> dict:
         scale = torch.tensor(0.02)
         torch.manual_seed(1 + rank)  # each rank's partial sum differs
         x = torch.randn(3, 4, HIDDEN).to(dtype)
-        report = fusion_passes.Report()
-        torch._dynamo.reset()
-        with torch.no_grad():
-            backend = fusion_passes.backend(FUSIONS, report=report, strict=True)
-            out = torch.compile(fn, backend=backend)(x, residual, w, scale)
-            expected = fn(x, residual, w, scale)
-        out = out if isinstance(out, tuple) else (out,)
-        expected = expected if isinstance(expected, tuple) else (expected,)
-        (graph,) = report.graphs
-        results[name] = {
-            "matches": {k: v for k, v in report.matches.items() if v},
-            "spellings": [s.spelling for s in report.sites if s.fusion in FUSIONS],
-            "before": dict(graph.ops_before),
-            "after": dict(graph.ops_after),
-            "equal": [
-                a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
-                for a, e in zip(out, expected, strict=True)
-            ],
-            "errors": list(report.errors),
-            "fallbacks": report.runtime_fallbacks(),
-            "group": group,
-        }
+        results[name] = {**compile_case(fn, (x, residual, w, scale), FUSIONS), "group": group}
     # The op checks its arguments before any collective: both ranks raise, none is left waiting.
     x = torch.randn(2, HIDDEN)
     try:
@@ -536,7 +511,7 @@ def test_one_shot_kernel_interpreted_matches_the_norm_quant_kernel(
                 ref_q, _ = rms_norm_quant_fp8_reference(s, weight, *norm, *quant)
             for rank, (q_out, scales_out, r_out) in enumerate(outs):
                 where = f"rank {rank} call {call} residual={with_residual}"
-                assert q_out.dtype == FP8_DTYPE and torch.equal(_bits(q_out), _bits(q)), where
+                assert q_out.dtype == FP8_DTYPE and torch.equal(bits(q_out), bits(q)), where
                 assert torch.equal(scales_out, scales), where
                 assert torch.equal(r_out, r), where
                 assert fp8_codes_apart(q_out, ref_q) <= 1, where  # the sum of squares' order
