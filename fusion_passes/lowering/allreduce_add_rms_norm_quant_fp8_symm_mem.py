@@ -73,7 +73,7 @@ from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
     one_shot_sum,
     symm_mem_eligible,
 )
-from fusion_passes.lowering.fast_launch import FastLauncher, specialization_of
+from fusion_passes.lowering.fast_launch import FastLauncher, specialization_key
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quantize_block
 from fusion_passes.lowering.rms_norm_triton import launch_config
@@ -212,17 +212,11 @@ def launch_on_workspace(
     # alignment of the caller's pointers and of the new outputs, the row strides, the weight's
     # dtype, the flags and the quant layout (scheme, group size). The rest (workspace tensors,
     # rank, N, max_rows, WORLD, the row blocks) is fixed per workspace; M is not specialized.
-    key = (
+    key = specialization_key(
+        (x_rows, residual_rows, weight, codes, scales, sum_out),
+        (stride_x, stride_residual),
         id(workspace),
-        x_rows.data_ptr() % 16,
-        residual_rows.data_ptr() % 16,
-        weight.data_ptr() % 16,
-        codes.data_ptr() % 16,
-        scales.data_ptr() % 16,
-        sum_out.data_ptr() % 16,
         weight.dtype,
-        specialization_of(stride_x),
-        specialization_of(stride_residual),
         residual is not None,
         cast_before_weight,
         scheme,

@@ -103,7 +103,7 @@ import triton
 import triton.language as tl
 
 from fusion_passes.lowering.allreduce_add_rms_norm_reference import check_allreduce_rms_norm_args
-from fusion_passes.lowering.fast_launch import FastLauncher, specialization_of
+from fusion_passes.lowering.fast_launch import FastLauncher, specialization_key
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config, scale_by_weight
 
 try:  # torch >= 2.5 on every platform; absent from builds without distributed
@@ -589,16 +589,11 @@ def _launch_rows(
     # alignment of the pointers (x, residual and weight are the caller's; out and sum_out too when
     # chunked), the row strides, the weight's dtype and the two flags. The rest (workspace tensors,
     # rank, N, max_rows, WORLD, block shape) is fixed per workspace; M is not specialized (< 2^31).
-    key = (
+    key = specialization_key(
+        (x_rows, residual_rows, weight, out, sum_out),
+        (stride_x, stride_residual),
         id(workspace),
-        x_rows.data_ptr() % 16,
-        residual_rows.data_ptr() % 16,
-        weight.data_ptr() % 16,
-        out.data_ptr() % 16,
-        sum_out.data_ptr() % 16,
         weight.dtype,
-        specialization_of(stride_x),
-        specialization_of(stride_residual),
         has_residual,
         cast_before_weight,
     )

@@ -39,6 +39,13 @@ def specialization_of(value: int) -> tuple[bool, bool, bool]:
     return value == 1, value % 16 == 0, -_INT32 <= value < _INT32
 
 
+def specialization_key(tensors: tuple, ints: tuple, *fixed: Any) -> tuple:
+    """A ``FastLauncher`` key from what can change between a caller's calls: each tensor's 16-byte
+    alignment residue, each specialized int's class (``specialization_of``), then ``fixed``:
+    values that decide the rest of the specialization (dtypes, flags, the workspace)."""
+    return (*[t.data_ptr() % 16 for t in tensors], *[specialization_of(i) for i in ints], *fixed)
+
+
 def _hooked() -> bool:
     """Whether a launch hook is installed (Triton 3.6 keeps them in a HookChain, empty by default;
     older versions a callable or None): those launches keep Triton's path, which calls them."""
