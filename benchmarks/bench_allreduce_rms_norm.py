@@ -60,7 +60,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fusion_passes  # noqa: E402, F401 - registers the ops
-from fusion_passes.lowering.allreduce_add_rms_norm import fallback_reasons  # noqa: E402
+from fusion_passes.lowering.collective_ops import runtime_fallbacks  # noqa: E402
 from fusion_passes.lowering.allreduce_add_rms_norm_reference import all_reduce_sum  # noqa: E402
 from fusion_passes.lowering import allreduce_add_rms_norm_symm_mem as one_shot_module  # noqa: E402
 from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible  # noqa: E402
@@ -344,7 +344,7 @@ def run(rank, world_size, args, device) -> int:
             "plain_iters": PLAIN_ITERS,
             "graph_calls": GRAPH_CALLS,
             "graph_replays": GRAPH_REPLAYS,
-            "fallback_reasons": dict(fallback_reasons),
+            "runtime_fallbacks": {op: dict(g) for op, g in runtime_fallbacks.items()},
             "records": records,
         }, indent=1))
         print(text)

@@ -101,7 +101,7 @@ def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:
 
 def _job(rank: int, world_size: int) -> dict:
     import fusion_passes  # noqa: F401 - registers the ops
-    from fusion_passes.lowering.allreduce_add_rms_norm import fallback_reasons
+    from fusion_passes.lowering.collective_ops import fallback_reason, runtime_fallbacks
     from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
         MAX_ROWS,
         prepare_workspace,
@@ -185,21 +185,21 @@ def _job(rank: int, world_size: int) -> dict:
         torch.cuda.synchronize()
 
     def dispatch():
-        fallback_reasons.pop(group_name, None)
+        runtime_fallbacks.clear()
         x, res, w = _inputs(37, 4096, torch.bfloat16, rank, 40_000)
         via_op = ops.allreduce_add_rms_norm(x, res, w, EPS, 0.0, True, group_name)
         via_launcher = _ours(x, res, w, 0.0, True, group_name)
         via_op_no_res = ops.allreduce_rms_norm(x, w, EPS, 1.0, False, group_name)
         via_launcher_no_res = _ours(x, None, w, 1.0, False, group_name)
-        if group_name in fallback_reasons:
-            failures["dispatch"].append(f"fell back: {fallback_reasons[group_name]}")
+        if fallback_reason(group_name) is not None:
+            failures["dispatch"].append(f"fell back: {fallback_reason(group_name)}")
         for a, b in zip((*via_op, *via_op_no_res), (*via_launcher, *via_launcher_no_res), strict=True):
             if not torch.equal(bits(a), bits(b)):
                 failures["dispatch"].append("op output differs from the one-shot launcher's")
 
     def chunked():
         for rows, has_residual in ((2 * MAX_ROWS + 37, True), (2 * MAX_ROWS + 37, False), (MAX_ROWS + 1, True)):
-            fallback_reasons.pop(group_name, None)
+            runtime_fallbacks.clear()
             x, res, w = _inputs(rows, 1000, torch.bfloat16, rank, 45_000 + rows, has_residual)
             if rows == MAX_ROWS + 1:  # a 3-D x, as a model's [batch, seq, hidden] activations
                 x, res = x.view(1, rows, 1000), res.view(1, rows, 1000)
@@ -207,17 +207,15 @@ def _job(rank: int, world_size: int) -> dict:
                 outs = ops.allreduce_add_rms_norm(x, res, w, EPS, 0.0, True, group_name)
             else:
                 outs = ops.allreduce_rms_norm(x, w, EPS, 0.0, True, group_name)
-            if group_name in fallback_reasons:
-                failures["chunked"].append(f"rows={rows}: fell back: {fallback_reasons[group_name]}")
+            if fallback_reason(group_name) is not None:
+                failures["chunked"].append(f"rows={rows}: fell back: {fallback_reason(group_name)}")
             refs = _reference(x, res, w, 0.0, True, group_name)
             for found in _case_failures(f"rows={rows} residual={has_residual}", outs, refs, world_size):
                 failures["chunked"] += found
 
     def fallback():
-        from fusion_passes.lowering.collective_ops import runtime_fallbacks
-
         for has_residual in (True, False):
-            fallback_reasons.pop(group_name, None)
+            runtime_fallbacks.clear()
             x, res, w = _inputs(37, 2000, torch.bfloat16, rank, 50_000, has_residual)
             x = x[:, ::2]  # hidden 1000 at stride 2: the one-shot kernel needs unit stride
             res = None if res is None else res[:, ::2].contiguous()
@@ -228,7 +226,7 @@ def _job(rank: int, world_size: int) -> dict:
             else:
                 op = "fusion_passes.allreduce_rms_norm.default"
                 outs = ops.allreduce_rms_norm(x, w, EPS, 0.0, True, group_name)
-            reason = fallback_reasons.get(group_name, "")
+            reason = fallback_reason(group_name) or ""
             if "not contiguous" not in reason:
                 failures["fallback"].append(f"no fallback reason recorded (got {reason!r})")
             if runtime_fallbacks.get(op, {}).get(group_name) != reason:

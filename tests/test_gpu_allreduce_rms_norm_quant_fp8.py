@@ -172,7 +172,7 @@ def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:
 
 def _job(rank: int, world_size: int) -> dict:
     import fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8  # noqa: F401 - registers the ops
-    from fusion_passes.lowering.allreduce_add_rms_norm import fallback_reasons
+    from fusion_passes.lowering.collective_ops import fallback_reason, runtime_fallbacks
     from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
         MAX_ROWS,
         prepare_workspace,
@@ -291,7 +291,7 @@ def _job(rank: int, world_size: int) -> dict:
         torch.cuda.synchronize()
 
     def dispatch():
-        fallback_reasons.pop(group_name, None)
+        runtime_fallbacks.clear()
         for has_residual, scheme in ((True, ("per_group", 128, True)), (False, ("static", 128, False))):
             x, res, w = _inputs(37, 7168, torch.bfloat16, rank, 40_000, has_residual)
             quant = _quant_args(*scheme)
@@ -302,19 +302,17 @@ def _job(rank: int, world_size: int) -> dict:
                     failures["dispatch"].append(f"{scheme}: op output differs from the one-shot launcher's")
             if scheme[0] == "static" and via_op[1].data_ptr() == quant[1].data_ptr():
                 failures["dispatch"].append("the static scales alias the given scale")
-        if group_name in fallback_reasons:
-            failures["dispatch"].append(f"fell back: {fallback_reasons[group_name]}")
+        if fallback_reason(group_name) is not None:
+            failures["dispatch"].append(f"fell back: {fallback_reason(group_name)}")
 
     def fallback():
-        from fusion_passes.lowering.collective_ops import runtime_fallbacks
-
         rows = MAX_ROWS + 1
         for has_residual in (True, False):
-            fallback_reasons.pop(group_name, None)
+            runtime_fallbacks.clear()
             x, res, w = _inputs(rows, 1024, torch.bfloat16, rank, 50_000, has_residual)
             quant = _quant_args("per_group", 128, False)
             outs = _op(x, res, w, 0.0, True, quant, group_name)
-            reason = fallback_reasons.get(group_name, "")
+            reason = fallback_reason(group_name) or ""
             if "MAX_ROWS" not in reason:
                 failures["fallback"].append(f"no fallback reason recorded (got {reason!r})")
             op = ADD_OP if has_residual else OP

@@ -22,8 +22,7 @@ The math lives in ``allreduce_add_rms_norm_reference``: it is the implementation
 and backend. On CUDA the op runs the one-shot symmetric-memory kernel
 (``allreduce_add_rms_norm_symm_mem``: reduce + add + norm in one launch) when
 ``symm_mem_eligible`` says the group and the rows allow it, else the fallback: the NCCL allreduce
-then the fused add_rms_norm Triton kernel. The last reason a group fell back is kept in
-``fallback_reasons`` for reports. The choice depends only on what every rank shares (the group,
+then the fused add_rms_norm Triton kernel. The choice depends only on what every rank shares (the group,
 x's shape, dtype and layout), so all ranks take the same path. No direct launcher is registered: a
 collective must stay a dispatcher call, never be inlined as a bare Triton launch.
 
@@ -44,12 +43,6 @@ from fusion_passes.lowering.allreduce_add_rms_norm_reference import (
     check_allreduce_rms_norm_args,
 )
 from fusion_passes.lowering.collective_ops import define_collective_op, record_fallback
-
-# group_name -> the reason the last call on that group took the NCCL fallback instead of the
-# one-shot kernel (kept after later one-shot calls: it is the last fallback, for a report). The
-# report's per-op table is collective_ops.runtime_fallbacks.
-fallback_reasons: dict[str, str] = {}
-
 
 _one_shot_module = None
 
@@ -72,7 +65,6 @@ def one_shot_usable(x: torch.Tensor, group_name: str, op: str, chunked: bool = F
     workspace in several launches (see symm_mem_eligible)."""
     reason = one_shot_module().symm_mem_eligible(x, group_name, chunked=chunked)
     if reason is not None:
-        fallback_reasons[group_name] = reason
         record_fallback(op, group_name, reason)
     return reason is None
 

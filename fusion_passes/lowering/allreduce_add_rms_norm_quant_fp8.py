@@ -32,8 +32,7 @@ On CUDA the op runs the one-shot symmetric-memory kernel
 (``allreduce_add_rms_norm_quant_fp8_symm_mem``: reduce + add + norm + quantize in one launch) when
 ``symm_mem_eligible`` allows it, else the NCCL allreduce then the fused norm + quantization Triton
 kernel. Where a call did not take the one-shot kernel the reason is recorded per op and group
-(``collective_ops.runtime_fallbacks``, shown by ``Report.summary``; the gate's own
-``fallback_reasons`` table keeps the last reason per group as well). The choice depends
+(``collective_ops.runtime_fallbacks``, shown by ``Report.summary``). The choice depends
 only on what every rank shares, so all ranks take the same path. No direct launcher is
 registered: a collective must stay a dispatcher call, never be inlined as a bare Triton launch.
 """

@@ -41,3 +41,9 @@ def define_collective_op(
 def record_fallback(op: str, group_name: str, reason: str) -> None:
     """Note that ``op`` ("fusion_passes.<name>.default") took its fallback on ``group_name``."""
     runtime_fallbacks.setdefault(op, {})[group_name] = reason
+
+
+def fallback_reason(group_name: str) -> str | None:
+    """Why the last recorded fallback on ``group_name`` happened, whichever op took it (None: no
+    call on that group has fallen back since the table was last cleared)."""
+    return next((groups[group_name] for groups in runtime_fallbacks.values() if group_name in groups), None)
