@@ -71,7 +71,7 @@ from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
     one_shot_half_offset,
     one_shot_peer_buffer,
     one_shot_sum,
-    symm_mem_eligible,
+    require_eligible,
 )
 from fusion_passes.lowering.fast_launch import FastLauncher, specialization_key
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE
@@ -288,12 +288,6 @@ def launch_eligible(
     )  # fmt: skip
 
 
-def _require_eligible(x: torch.Tensor, group_name: str) -> None:
-    reason = symm_mem_eligible(x, group_name)
-    if reason is not None:
-        raise RuntimeError(f"one-shot allreduce_add_rms_norm_quant_fp8 not usable: {reason}")
-
-
 def one_shot_allreduce_add_rms_norm_quant_fp8(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -313,7 +307,7 @@ def one_shot_allreduce_add_rms_norm_quant_fp8(
     check_allreduce_rms_norm_quant_fp8_args(
         x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, residual
     )
-    _require_eligible(x, group_name)
+    require_eligible(x, group_name, "allreduce_add_rms_norm_quant_fp8")
     return launch_eligible(
         x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
         scale_ue8m0, group_name,
@@ -337,7 +331,7 @@ def one_shot_allreduce_rms_norm_quant_fp8(
     check_allreduce_rms_norm_quant_fp8_args(
         x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
     )
-    _require_eligible(x, group_name)
+    require_eligible(x, group_name, "allreduce_add_rms_norm_quant_fp8")
     return launch_eligible(
         x, None, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
         scale_ue8m0, group_name,

@@ -627,10 +627,11 @@ def _launch_rows(
     )
 
 
-def _require_eligible(x: torch.Tensor, group_name: str) -> None:
+def require_eligible(x: torch.Tensor, group_name: str, op: str = "allreduce_add_rms_norm") -> None:
+    """Raise RuntimeError (one line, naming ``op``) when symm_mem_eligible gives a reason."""
     reason = symm_mem_eligible(x, group_name)
     if reason is not None:
-        raise RuntimeError(f"one-shot allreduce_add_rms_norm not usable: {reason}")
+        raise RuntimeError(f"one-shot {op} not usable: {reason}")
 
 
 def one_shot_allreduce_add_rms_norm(
@@ -645,7 +646,7 @@ def one_shot_allreduce_add_rms_norm(
     """(rms_norm(s + residual), s + residual) with s = sum of x over the group, in one kernel.
     Raises RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
-    _require_eligible(x, group_name)
+    require_eligible(x, group_name)
     return launch_eligible(x, residual, weight, eps, weight_offset, cast_before_weight, group_name)
 
 
@@ -660,5 +661,5 @@ def one_shot_allreduce_rms_norm(
     """(rms_norm(s), s) with s = sum of x over the group, in one kernel.
     Raises RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
-    _require_eligible(x, group_name)
+    require_eligible(x, group_name)
     return launch_eligible(x, None, weight, eps, weight_offset, cast_before_weight, group_name)
