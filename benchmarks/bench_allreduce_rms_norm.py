@@ -25,8 +25,15 @@ time over ours; where ours fell back they compare NCCL with NCCL. Above MAX_ROWS
 runs the one-shot kernel in launches of MAX_ROWS rows (two ranks; the path column counts them);
 --max-rows N times a workspace of N rows instead (one launch), to compare the two.
 
+With --quant per_token|per_group the block ends in an FP8 linear: the norm is followed by the
+dynamic FP8 quantization (float8_e4m3fn, one scale per row or per 128 columns), written as
+serving engines write it (benchmarks/bench_rms_norm_quant_fp8.eager_fn), and ours is
+fusion_passes::allreduce_add_rms_norm_quant_fp8 (reduce + add + norm + quantize in one launch);
+each call returns (codes, scales, r), checked as codes at most one fp8 code apart from nccl's.
+
     torchrun --nproc-per-node 2 benchmarks/bench_allreduce_rms_norm.py [--hidden 7168 4096 3072]
-        [--tokens 1 8 64 256 512 2048 16384] [--max-rows N] [--out bench_allreduce_rms_norm.md]
+        [--tokens 1 8 64 256 512 2048 16384] [--max-rows N] [--quant per_token|per_group]
+        [--out bench_allreduce_rms_norm.md]
         [--json bench_allreduce_rms_norm.json]
     python benchmarks/bench_allreduce_rms_norm.py --smoke   # CPU, gloo, 2 spawned ranks: fallback only
 """
@@ -58,17 +65,19 @@ import triton  # noqa: E402
 
 # Run as a script from anywhere: the package lives one level up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rms_norm_quant_fp8 (--quant)
 
 import fusion_passes  # noqa: E402, F401 - registers the ops
 from fusion_passes.lowering.collective_ops import runtime_fallbacks  # noqa: E402
 from fusion_passes.lowering.allreduce_add_rms_norm_reference import all_reduce_sum  # noqa: E402
 from fusion_passes.lowering import allreduce_add_rms_norm_symm_mem as one_shot_module  # noqa: E402
 from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible  # noqa: E402
-from fusion_passes.numerics import compare  # noqa: E402
+from fusion_passes.numerics import compare, fp8_codes_apart  # noqa: E402
+from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Llama 3 8B / Qwen 3 8B, Llama 3.2 3B
 TOKENS = (1, 8, 64, 256, 512, 2048, 16384)
-SMOKE_HIDDEN, SMOKE_TOKENS = (64,), (1, 4)
+SMOKE_HIDDEN, SMOKE_TOKENS = (256,), (1, 4)  # 256: two quantization groups of 128
 DTYPE = torch.bfloat16
 EPS = 1e-6
 PLAIN_ITERS, PLAIN_WARMUP = 200, 20
@@ -85,6 +94,31 @@ def add_rms_norm(s, residual, weight, eps):
     h = r.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(r.dtype), r
+
+
+QUANT = None  # None, or the --quant scheme: set by run() before any shape
+
+
+def unfused_after_allreduce(s, residual, weight, eps):
+    """What follows the collective in the baselines: add + RMSNorm, then (--quant) the FP8
+    quantization as serving engines write it; returns (normed, r) or (codes, scales, r)."""
+    if QUANT is None:
+        return add_rms_norm(s, residual, weight, eps)
+    from bench_rms_norm_quant_fp8 import eager_fn
+
+    return eager_fn("add_rms_norm", QUANT)(s, residual, weight, None)
+
+
+def ours(inputs, group_name):
+    """The fused op on one input set: (normed, r), or (codes, scales, r) under --quant."""
+    if QUANT is None:
+        return torch.ops.fusion_passes.allreduce_add_rms_norm(
+            inputs["x"], inputs["residual"], inputs["weight"], EPS, 0.0, True, group_name
+        )
+    return torch.ops.fusion_passes.allreduce_add_rms_norm_quant_fp8(
+        inputs["x"], inputs["residual"], inputs["weight"], EPS, 0.0, True, QUANT, None, GROUP_SIZE,
+        False, group_name,
+    )  # fmt: skip
 
 
 def _symm_mem_one_shot():
@@ -106,9 +140,7 @@ def make_calls(impl, input_sets, group_name, norm, symm_buffer):
         return [lambda s=s: norm(all_reduce_sum(s["x"], group_name), s["residual"], s["weight"], EPS)
                 for s in input_sets]
     if impl == "ours":
-        op = torch.ops.fusion_passes.allreduce_add_rms_norm
-        return [lambda s=s: op(s["x"], s["residual"], s["weight"], EPS, 0.0, True, group_name)
-                for s in input_sets]
+        return [lambda s=s: ours(s, group_name) for s in input_sets]
     one_shot, fused_copy = _symm_mem_one_shot()
     if one_shot is None or symm_buffer is None:
         return None
@@ -203,17 +235,21 @@ def same_on_every_rank(t) -> bool:
 
 
 def check_ours(inputs, group_name, norm) -> dict:
-    """Ours against nccl (bf16 tolerance) and the same bits on every rank."""
-    ours = torch.ops.fusion_passes.allreduce_add_rms_norm(
-        inputs["x"], inputs["residual"], inputs["weight"], EPS, 0.0, True, group_name
-    )
+    """Ours against nccl (bf16 tolerance; fp8 codes at most one code apart) and the same bits on
+    every rank."""
+    out = ours(inputs, group_name)
     ref = norm(all_reduce_sum(inputs["x"], group_name), inputs["residual"], inputs["weight"], EPS)
-    comparisons = [compare(o, r) for o, r in zip(ours, ref, strict=True)]
-    identical = all(same_on_every_rank(o) for o in ours)
+    codes_apart = 0
+    if QUANT is not None:
+        codes_apart = fp8_codes_apart(out[0], ref[0])
+        out, ref = out[1:], ref[1:]
+    comparisons = [compare(o, r) for o, r in zip(out, ref, strict=True)]
+    identical = all(same_on_every_rank(o) for o in out)
     return {
-        "correct": all(c.ok for c in comparisons),
+        "correct": all(c.ok for c in comparisons) and codes_apart <= 1,
         "identical_across_ranks": identical,
         "max_abs_err": max(c.max_abs for c in comparisons),
+        **({"max_code_diff": codes_apart} if QUANT is not None else {}),
     }
 
 
@@ -223,7 +259,8 @@ def bench_shape(hidden, tokens, device, rank, group_name, norm_for_shape) -> dic
     input_sets = [random_inputs(hidden, tokens, device, rank, seed) for seed in range(sets)]
     norm = norm_for_shape()
     # Path first: the gate is collective at its first call per shape, on every rank alike.
-    reason = symm_mem_eligible(input_sets[0]["x"], group_name, chunked=True)
+    # The quantizing kernel runs at most MAX_ROWS rows (above: its NCCL fallback).
+    reason = symm_mem_eligible(input_sets[0]["x"], group_name, chunked=QUANT is None)
     launches = -(-tokens // one_shot_module.MAX_ROWS)
     path = "one-shot" + (f" ({launches} launches)" if launches > 1 else "")
     record = {"hidden": hidden, "tokens": tokens, "path": path if reason is None else f"fallback: {reason}"}
@@ -267,8 +304,9 @@ def table(records, mode) -> list[str]:
 
 def report(records, device_name, world_size, symm_note) -> str:
     failures = [r for r in records if not (r["correct"] and r["identical_across_ranks"])]
+    quant = "" if QUANT is None else f" + {QUANT} FP8 quantization"
     lines = [
-        "# allreduce + add + RMSNorm benchmark (Llama form, bf16)",
+        f"# allreduce + add + RMSNorm{quant} benchmark (Llama form, bf16)",
         "",
         f"Device: {device_name} x {world_size}; torch {torch.__version__}; triton {triton.__version__}; "
         f"MAX_ROWS {one_shot_module.MAX_ROWS}; NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.",
@@ -281,7 +319,7 @@ def report(records, device_name, world_size, symm_note) -> str:
            "its reference.)" if device_name.startswith("CPU") else ""),
         "- nccl: NCCL all_reduce + torch.compile (stock Inductor) add+RMSNorm. symm_mem: "
         f"torch.ops.symm_mem one-shot all_reduce ({symm_note}) + the same Inductor add+RMSNorm. "
-        "ours: fusion_passes::allreduce_add_rms_norm (path column: one-shot, or the NCCL fallback "
+        f"ours: fusion_passes::allreduce_add_rms_norm{'' if QUANT is None else '_quant_fp8'} (path column: one-shot, or the NCCL fallback "
         "and why). Speedup = baseline time / ours.",
         f"- Ours vs nccl within bf16 tolerance and bit-identical across ranks: "
         f"{'all shapes pass' if not failures else f'{len(failures)} FAILURES'}.",
@@ -300,6 +338,8 @@ def run(rank, world_size, args, device) -> int:
     group_name = dist.group.WORLD.group_name
     hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    global QUANT
+    QUANT = args.quant
     one_shot, fused_copy = _symm_mem_one_shot()
     symm_note = (
         ("one_shot_all_reduce_copy: copy-in fused" if fused_copy else "copy_ + one_shot_all_reduce")
@@ -310,9 +350,9 @@ def run(rank, world_size, args, device) -> int:
         # One static-shape compile per shape, clear of the recompile limit; the smoke run keeps the
         # eager spelling (an Inductor C++ compile on a CPU would dominate a short check).
         if args.smoke:
-            return add_rms_norm
+            return unfused_after_allreduce
         torch._dynamo.reset()
-        return torch.compile(add_rms_norm, dynamic=False)
+        return torch.compile(unfused_after_allreduce, dynamic=False)
 
     records = []
     with torch.no_grad():
@@ -339,6 +379,7 @@ def run(rank, world_size, args, device) -> int:
             "world_size": world_size,
             "dtype": str(DTYPE),
             "eps": EPS,
+            "quant": QUANT,
             "max_rows": one_shot_module.MAX_ROWS,
             "symm_mem_baseline": symm_note,
             "plain_iters": PLAIN_ITERS,
@@ -408,6 +449,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
     parser.add_argument("--max-rows", type=int,
                         help=f"override MAX_ROWS (default {one_shot_module.MAX_ROWS}) for this run")
+    parser.add_argument("--quant", choices=("per_token", "per_group"),
+                        help="end in dynamic FP8 quantization: time allreduce_add_rms_norm_quant_fp8")
     args = parser.parse_args()
     return launch_ranks(run, args, parser)
 
