@@ -19,6 +19,8 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import triton  # noqa: E402 - after the interpreter choice above
+import triton.language as tl  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -36,7 +38,10 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
     quant_fp8_reference,
     rms_norm_quant_fp8_reference,
 )
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
+    exact_quotient,
+    rms_norm_quant_fp8_triton,
+)
 from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
     add_rms_norm_reference,
     rms_norm_reference,
@@ -301,3 +306,42 @@ def test_bad_arguments_raise(scheme, scale, group_size, scale_ue8m0):
         with pytest.raises(ValueError) as raised:
             call()
         assert "\n" not in str(raised.value)
+
+
+@triton.jit
+def _quotients_kernel(y_ptr, scale_ptr, fma_ptr, div_ptr, n_y, BLOCK: tl.constexpr):
+    """For one scale (program 1) and BLOCK numerators (program 0): exact_quotient's and div_rn's
+    y / scale, as fp32 bits."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_y
+    y = tl.load(y_ptr + offs, mask=mask, other=1.0)[None, None, :]
+    scale = tl.load(scale_ptr + tl.program_id(1) + tl.zeros((1, 1), tl.int32))
+    out = tl.program_id(1).to(tl.int64) * n_y + offs
+    tl.store(fma_ptr + out, tl.reshape(exact_quotient(y, scale), (BLOCK,)), mask=mask)
+    tl.store(div_ptr + out, tl.reshape(tl.div_rn(y, scale[:, :, None]), (BLOCK,)), mask=mask)
+
+
+@pytest.mark.gpu
+def test_exact_quotient_is_div_rn():
+    """The fma quotient the compiled kernels use (exact_quotient) against div.rn: every finite
+    bf16 numerator (the activations of a bf16 model), 2^18 random fp32 ones spread over 2^-100..
+    2^100 and zeros of both signs, over 981 scales (amax / 448 of random amaxes, powers of two,
+    MIN_SCALE, the largest fp32 scale, inf and NaN): the same fp32 bits, or both NaN."""
+    g = torch.Generator().manual_seed(0)
+    bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    magnitude = torch.exp2(torch.empty(2**18).uniform_(-100, 100, generator=g))
+    signs = torch.where(torch.rand(2**18, generator=g) < 0.5, -1.0, 1.0)
+    y = torch.cat([bf16[bf16.isfinite()], magnitude * signs, torch.tensor([0.0, -0.0])])
+    amax = torch.exp2(torch.empty(900).uniform_(-30, 30, generator=g)).bfloat16().float()
+    scales = torch.cat([
+        amax * (1.0 / FP8_MAX), torch.exp2(torch.arange(-17.0, 60.0, 1.0)),
+        torch.tensor([MIN_SCALE, torch.finfo(torch.float32).max / FP8_MAX, float("inf"), float("nan")]),
+    ])  # fmt: skip
+    y, scales = y.cuda(), scales.cuda()
+    fma, div = (torch.empty(scales.numel(), y.numel(), device="cuda") for _ in range(2))
+    block = 1024
+    _quotients_kernel[(triton.cdiv(y.numel(), block), scales.numel())](
+        y, scales, fma, div, y.numel(), BLOCK=block
+    )
+    same = (fma.view(torch.int32) == div.view(torch.int32)) | (fma.isnan() & div.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} quotients differ"
