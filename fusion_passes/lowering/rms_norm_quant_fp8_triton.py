@@ -72,22 +72,24 @@ def exact_quotient(y, scale):
     """y / scale[:, :, None] rounded to nearest even, as div_rn gives it, for the computed scales
     (positive, or NaN from a NaN row), by Markstein's theorem: with rcp = RN(1 / scale),
     q0 = RN(y * rcp) lies within one ulp of y / scale, the residual y - scale * q0 is exact in
-    one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient (no underflow:
-    |y| >= 2^-100; below that both round to a signed fp8 zero). One division per group, then
-    one multiply and two fmas per element, where div.rn costs a range check (FCHK) and a
-    Newton sequence per element, with a slow-path call for zero numerators.
+    one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient, while the quotient
+    stays in fp32's normal range: 2^-100 <= |y / scale| <= 2^100 holds the kernels' quotients,
+    at most 448 (|y| <= amax = 448 * scale); smaller ones give a signed fp8 zero either way. One
+    division per group, then one multiply and two fmas per element, where div.rn costs a range
+    check (FCHK) and a Newton sequence per element, and a slow-path call per zero numerator.
 
     The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign: -0 gives
-    -0, as -0 / scale does. An infinite scale (amax overflowed) takes rcp = 0 and a zero fma
-    scale, leaving q0 = y * 0 (a signed zero; NaN for an infinite y), as y / inf gives it.
+    -0, as -0 / scale does. Negation is a multiply by -1: Triton's unary minus is 0 - x, which
+    turns -0 into +0. An infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale,
+    leaving q0 = y * 0 (a signed zero; NaN for an infinite y), as y / inf gives it.
     Compiled for a GPU only: the interpreter's fma rounds the product first."""
     # != inf, not < inf: a NaN scale must stay NaN (rcp NaN gives NaN codes, as NaN / NaN).
     not_inf = scale != float("inf")
     rcp = tl.where(not_inf, tl.div_rn(1.0, scale), 0.0)[:, :, None]
     fma_scale = tl.where(not_inf, scale, 0.0)[:, :, None]
     q0 = y * rcp
-    neg_residual = tl.fma(q0, fma_scale, -y)
-    return tl.fma(-neg_residual, rcp, q0)
+    neg_residual = tl.fma(q0, fma_scale, y * -1.0)
+    return tl.fma(neg_residual * -1.0, rcp, q0)
 
 
 @triton.jit
