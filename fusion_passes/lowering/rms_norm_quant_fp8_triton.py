@@ -72,9 +72,10 @@ def exact_quotient(y, scale):
     """y / scale[:, :, None] rounded to nearest even, as div_rn gives it, for the computed scales
     (positive, or NaN from a NaN row), by Markstein's theorem: with rcp = RN(1 / scale),
     q0 = RN(y * rcp) lies within one ulp of y / scale, the residual y - scale * q0 is exact in
-    one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient, while the quotient
-    stays in fp32's normal range: 2^-100 <= |y / scale| <= 2^100 holds the kernels' quotients,
-    at most 448 (|y| <= amax = 448 * scale); smaller ones give a signed fp8 zero either way. One
+    one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient, while everything
+    stays in fp32's normal range: |y| >= 2^-100 (the residual, ~2^-24 |y|, must not underflow)
+    and 2^-100 <= |y / scale| <= 2^100, which holds the kernels' quotients (at most 448: |y| <=
+    amax = 448 * scale). Smaller y or quotients give a signed fp8 zero either way. One
     division per group, then one multiply and two fmas per element, where div.rn costs a range
     check (FCHK) and a Newton sequence per element, and a slow-path call per zero numerator.
 
