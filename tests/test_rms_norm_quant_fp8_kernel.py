@@ -205,6 +205,29 @@ def test_fp8_rounding_exhaustive(with_residual):
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
+# Static scales a calibration gives (0.01, 2^-3), a negative one, and the ones outside the fma
+# quotient's range, which take div.rn on a GPU: tiny, subnormal, zero, huge, infinite.
+@pytest.mark.parametrize("scale", [0.01, 2.0**-3, -3.0, 2.0**-110, 1e-40, 0.0, 2.0**110, float("inf")])
+def test_static_scales_of_any_size(scale):
+    """The static scheme over activations from 2^-40 to 3e38 (rows of +-32 give y = +-weight
+    exactly): codes bit-equal to the reference's, quotients past +-448 clamped (y / scale
+    overflowing to inf included). No activation is 0 (0 / 0 is NaN, which the clamp keeps in
+    torch and does not in the kernel's max.f32)."""
+    g = torch.Generator().manual_seed(5)
+    magnitude = torch.exp2(torch.randint(-40, 41, (512,), generator=g).float()) * (
+        1 + torch.rand(512, generator=g)
+    )
+    weight = torch.cat([magnitude, torch.tensor([3e38, 1e-30, 448.0, 449.0, 1.0])])
+    weight = (weight * torch.where(torch.rand(weight.shape, generator=g) < 0.5, -1.0, 1.0)).bfloat16().float()
+    x = 32.0 * torch.tensor([[1.0], [-1.0]]).expand(2, weight.shape[0])
+    case = dict(
+        eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme="static", scale=scale,
+        group_size=128, scale_ue8m0=False,
+    )  # fmt: skip
+    (q, _, _), (ref_q, _, _) = _run(case, x.to(DEVICE), weight.to(DEVICE), None)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     ("scheme", "group_size", "scale_ue8m0"),
     [("per_token", 128, False), ("per_group", 128, False), ("per_group", 64, True)],

@@ -94,6 +94,24 @@ def exact_quotient(y, scale):
 
 
 @triton.jit
+def _static_quotient(y, given, scale, mask):
+    """y / scale[:, :, None] for the given (static) scale, as far as the clamp to +-448 can tell:
+    exact_quotient for a scale of 2^-100 <= |scale| <= 2^100, with |y| first bounded by
+    449 |scale| (a larger quotient clamps to +-448 either way; the bound keeps the quotient in
+    exact_quotient's range); any other scale (0, subnormal, huge, NaN: a caller's mistake) takes
+    div.rn, with masked lanes dividing 1, not their 0 (a zero numerator is div.rn's slow path)."""
+    s = tl.abs(given)
+    if (s >= 2.0**-100) & (s <= 2.0**100):
+        bound = 449.0 * s
+        y = tl.minimum(tl.maximum(y, -bound, propagate_nan=tl.PropagateNan.ALL), bound,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+        q = exact_quotient(y, scale)
+    else:
+        q = tl.div_rn(tl.where(mask, y, 1.0), scale[:, :, None])
+    return q
+
+
+@triton.jit
 def store_quantized(
     y,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the model's activation (rounded to its dtype)
     q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
@@ -116,7 +134,8 @@ def store_quantized(
     """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
     then codes = fp8(clamp(y / scale, -448, 448)). Shared by every "... + FP8 quantization" kernel."""
     if STATIC:
-        scale = tl.broadcast_to(tl.load(scale_ptr), (ROWS, BLOCK_GROUPS))
+        given = tl.load(scale_ptr)
+        scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
     else:
         # Masked elements hold 0: nothing to the amax.
         amax = tl.max(tl.abs(y), axis=2)
@@ -135,13 +154,12 @@ def store_quantized(
             scale = scale_bits.to(tl.float32, bitcast=True)
         scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
         tl.store(scale_ptrs, scale, mask=group_mask)
-    if STATIC or not HW_CONVERT:
-        # Masked lanes divide 1, not their 0: a zero numerator sends div.rn down its slow path
-        # (FCHK, then a call), and a 3072-wide row pads 1024 of its 4096 lanes (measured on one
-        # H200: 4.79 vs 3.25 us per 1-token call). Masked lanes are never stored.
-        q = tl.div_rn(tl.where(mask, y, 1.0), scale[:, :, None])
-    else:
+    if not HW_CONVERT:
+        q = tl.div_rn(y, scale[:, :, None])
+    elif not STATIC:
         q = exact_quotient(y, scale)
+    else:
+        q = _static_quotient(y, given, scale, mask)
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
     tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
 
