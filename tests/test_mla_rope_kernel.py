@@ -19,17 +19,20 @@ import pytest  # noqa: E402
 from fusion_passes.lowering.mla_rope import (  # noqa: E402
     mla_indexer_k_norm_rope,
     mla_kv_norm_rope,
+    mla_q_kv_rope,
     mla_q_rope,
 )
 from fusion_passes.lowering.mla_rope_reference import (  # noqa: E402
     mla_indexer_k_norm_rope_reference,
     mla_kv_norm_rope_reference,
+    mla_q_kv_rope_reference,
     mla_q_rope_reference,
     rope_reference,
 )
 from fusion_passes.lowering.mla_rope_triton import (  # noqa: E402
     mla_indexer_k_norm_rope_triton,
     mla_kv_norm_rope_triton,
+    mla_q_kv_rope_triton,
     mla_q_rope_triton,
 )
 
@@ -101,6 +104,31 @@ def test_q_rope_bit_exact(dtype, interleave, layout, config):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_kv_rope_in_one_launch_is_the_two_kernels(dtype, interleave, config):
+    """One launch of both branches gives each branch's kernel's outputs bit for bit (its programs
+    are theirs): query and k_pe equal the reference, the latent within its norm's two ulps."""
+    r, p, h, nope = config
+    g = torch.Generator().manual_seed(r + h)
+    b, s = 2, 3
+    q = torch.randn(b, s, h, nope + p, generator=g).to(DEVICE, dtype)
+    kv = torch.randn(b, s, r + p, generator=g).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(r, generator=g)).to(DEVICE, dtype)
+    cos, sin = _cos_sin((b, s), p // 2 if interleave else p, dtype, g)
+    out = mla_q_kv_rope_triton(q, kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+    separate = (
+        mla_q_rope_triton(q, cos, sin, False, interleave, True),
+        *mla_kv_norm_rope_triton(kv, weight, cos, sin, 1e-6, 0.0, True, interleave),
+    )
+    for one, two in zip(out, separate, strict=True):
+        assert one.shape == two.shape and one.is_contiguous() and torch.equal(one, two)
+    ref = mla_q_kv_rope_reference(q, kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[2], ref[2])
+    assert _within_ulp(out[1], ref[1], dtype, ulps=2)
+
+
 @pytest.mark.parametrize("dims", [(128, 64), (32, 16), (40, 8)], ids=str)
 @pytest.mark.parametrize("interleave", [False, True], ids=["rotate_half", "interleave"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -137,6 +165,7 @@ def test_ops_opcheck_and_dispatch():
     k = torch.randn(2, 3, 24, generator=g).to(DEVICE, dt)
     b = torch.randn(24, generator=g).to(DEVICE, dt)
     torch.library.opcheck(mla_kv_norm_rope, (kv, w, cos, sin, 1e-6, 0.0, True, True))
+    torch.library.opcheck(mla_q_kv_rope, (q, kv, w, cos, sin, 1e-6, 0.0, True, True))
     for flags in [(False, True, True), (True, False, False)]:
         torch.library.opcheck(mla_q_rope, (q, cos, sin, *flags))
     k_cos, k_sin = _cos_sin((2, 3), 16, dt, g)
@@ -168,3 +197,14 @@ def test_bad_arguments_raise(case):
         with pytest.raises(ValueError) as raised:
             call(kv, w, cos, sin, 1e-6, 0.0, True, True)
         assert "\n" not in str(raised.value)
+
+
+def test_q_and_kv_of_other_tokens_raise():
+    """mla_q_kv_rope shares cos/sin between q and kv: both must be of the same tokens and dtype."""
+    kv, w = torch.randn(2, 3, 48).to(DEVICE), torch.randn(32).to(DEVICE)
+    cos = sin = torch.randn(2, 3, 8).to(DEVICE)
+    for q in (torch.randn(2, 4, 2, 24).to(DEVICE), torch.randn(2, 3, 2, 24).to(DEVICE, torch.float16)):
+        for call in (mla_q_kv_rope_triton, mla_q_kv_rope_reference):
+            with pytest.raises(ValueError) as raised:
+                call(q, kv, w, cos, sin, 1e-6, 0.0, True, True)
+            assert "\n" not in str(raised.value)

@@ -9,6 +9,9 @@ Fused:
     kv_nope, k_pe = mla_kv_norm_rope(kv, w, cos, sin, eps, weight_offset, cast, interleave)
     query         = mla_q_rope(q, cos, sin, rope_first, interleave, heads_first)
     k             = mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)
+    query, kv_nope, k_pe = mla_q_kv_rope(q, kv, w, cos, sin, eps, ...): MLA's q and kv branches in
+                    one launch (the opt-in mla_q_kv_rope fusion merges the two ops above: at decode
+                    each launch is most of its branch's time)
 
 Why these three: each is one branch between a GEMM and its consumer, and one kernel that reads
 the GEMM's output once. The kv op keeps both of kv's slices in one kernel (the latent feeds
@@ -29,6 +32,7 @@ from fusion_passes.lowering.direct_launch import register_launcher
 from fusion_passes.lowering.mla_rope_reference import (
     mla_indexer_k_norm_rope_reference,
     mla_kv_norm_rope_reference,
+    mla_q_kv_rope_reference,
     mla_q_rope_reference,
     rope_dim,
 )
@@ -63,6 +67,26 @@ def mla_q_rope(
 ) -> torch.Tensor:
     """q [*lead, H, D] with RoPE on its rope slice, [..., H, S, D] when heads_first."""
     return mla_q_rope_reference(q, cos, sin, rope_first, interleave, heads_first).contiguous()
+
+
+@torch.library.custom_op("fusion_passes::mla_q_kv_rope", mutates_args=())
+def mla_q_kv_rope(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query [..., H, S, D], normed [..., R], k_pe [..., P]): mla_q_rope (MLA's form) and
+    mla_kv_norm_rope in one launch."""
+    query, normed, k_pe = mla_q_kv_rope_reference(
+        q, kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return query.contiguous(), normed.contiguous(), k_pe.contiguous()
 
 
 @torch.library.custom_op("fusion_passes::mla_indexer_k_norm_rope", mutates_args=())
@@ -101,6 +125,19 @@ def _mla_q_rope_cuda(q, cos, sin, rope_first=False, interleave=True, heads_first
     return mla_q_rope_triton(q, cos, sin, rope_first, interleave, heads_first, wrap=wrap)
 
 
+@mla_q_kv_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_q_kv_rope.default)
+def _mla_q_kv_rope_cuda(
+    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
+    *, wrap=None,
+):  # fmt: skip
+    from fusion_passes.lowering.mla_rope_triton import mla_q_kv_rope_triton
+
+    return mla_q_kv_rope_triton(
+        q, kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, wrap=wrap
+    )
+
+
 @mla_indexer_k_norm_rope.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_indexer_k_norm_rope.default)
 def _mla_indexer_k_norm_rope_cuda(k, weight, bias, cos, sin, eps, interleave=False, *, wrap=None):
@@ -124,6 +161,16 @@ def _mla_q_rope_fake(q, cos, sin, rope_first=False, interleave=True, heads_first
         *batch, s, h, d = q.shape
         return q.new_empty((*batch, h, s, d))
     return q.new_empty(q.shape)
+
+
+@mla_q_kv_rope.register_fake
+def _mla_q_kv_rope_fake(
+    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True
+):
+    normed, k_pe = _mla_kv_norm_rope_fake(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return _mla_q_rope_fake(q, cos, sin, False, interleave, True), normed, k_pe
 
 
 @mla_indexer_k_norm_rope.register_fake

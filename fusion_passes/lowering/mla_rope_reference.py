@@ -82,6 +82,19 @@ def check_mla_q_args(q, cos, sin, interleave) -> int:
     return p
 
 
+def check_mla_q_kv_args(q, kv, weight, cos, sin, interleave) -> int:
+    """Raise ValueError for inputs mla_q_kv_rope does not define (those of its two branches, and
+    q and kv of the same tokens and dtype: they share cos and sin); returns R."""
+    r = check_mla_kv_args(kv, weight, cos, sin, interleave)
+    check_mla_q_args(q, cos, sin, interleave)
+    if q.dim() < 3 or tuple(q.shape[:-2]) != tuple(kv.shape[:-1]) or q.dtype != kv.dtype:
+        raise ValueError(
+            f"mla_q_kv_rope: q {tuple(q.shape)} {q.dtype} and kv {tuple(kv.shape)} {kv.dtype} "
+            "must be of the same tokens and dtype"
+        )
+    return r
+
+
 def check_indexer_k_args(k, weight, bias, cos, sin, interleave) -> int:
     """Raise ValueError for inputs mla_indexer_k_norm_rope does not define; returns P."""
     p = check_rope_args("mla_indexer_k_norm_rope", k, cos, sin, tuple(k.shape[:-1]), interleave)
@@ -141,6 +154,28 @@ def mla_q_rope_reference(
     else:
         out = torch.cat([q[..., : d - p], rope_reference(q[..., d - p :], c, s, interleave)], dim=-1)
     return out.transpose(-3, -2) if heads_first else out
+
+
+def mla_q_kv_rope_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, normed, k_pe): MLA's two branches side by side, sharing cos and sin; query is
+    mla_q_rope_reference in MLA's form (rope last, heads first), (normed, k_pe) are
+    mla_kv_norm_rope_reference's."""
+    check_mla_q_kv_args(q, kv, weight, cos, sin, interleave)
+    query = mla_q_rope_reference(q, cos, sin, False, interleave, True)
+    normed, k_pe = mla_kv_norm_rope_reference(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return query, normed, k_pe
 
 
 def mla_indexer_k_norm_rope_reference(

@@ -27,6 +27,7 @@ from fusion_passes.lowering.mla_rope_reference import (
     check_indexer_k_args,
     check_mla_kv_args,
     check_mla_q_args,
+    check_mla_q_kv_args,
 )
 
 # Elements one program works on at once: narrow rows are packed several to a program.
@@ -102,7 +103,8 @@ def _load_rope_operands(x_ptr, cos_ptr, sin_ptr, j, mask, HALF: tl.constexpr, IN
 
 
 @triton.jit
-def _mla_kv_norm_rope_kernel(
+def _kv_norm_rope_rows(
+    program,  # which block of ROWS rows this program works on
     kv_ptr,  # *dtype [M, R + P]: kv_a_proj_with_mqa's output rows; column stride 1
     weight_ptr,  # *weight.dtype [R]: kv_a_layernorm's weight
     cos_ptr,  # *dtype [M, C]: cos per token (C = P, or P / 2 interleaved); column stride 1
@@ -123,10 +125,11 @@ def _mla_kv_norm_rope_kernel(
     BLOCK_HALF: tl.constexpr,  # next_power_of_2(HALF)
     ROWS: tl.constexpr,  # rows per program
 ):
+    """mla_kv_norm_rope on rows [program * ROWS, program * ROWS + ROWS) of kv."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
     weight_offset = tl.cast(weight_offset, tl.float32)
     dtype = normed_ptr.dtype.element_ty
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = program * ROWS + tl.arange(0, ROWS)
     row_mask = (rows < M)[:, None]
     rows = rows.to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK_R)
@@ -154,7 +157,9 @@ def _mla_kv_norm_rope_kernel(
 
 
 @triton.jit
-def _mla_q_rope_kernel(
+def _q_rope_heads(
+    t,  # int64: the token this program works on
+    head_block,  # which block of BLOCK_H heads
     q_ptr,  # *dtype [T, H, D]: q per token and head; column stride 1
     cos_ptr,  # *dtype [T, C]: cos per token; column stride 1
     sin_ptr,  # *dtype [T, C]
@@ -174,9 +179,9 @@ def _mla_q_rope_kernel(
     BLOCK_PASS: tl.constexpr,  # next_power_of_2(D - P) (>= 1)
     BLOCK_HALF: tl.constexpr,  # next_power_of_2(HALF)
 ):
+    """mla_q_rope on heads [head_block * BLOCK_H, ...) of token t."""
     dtype = out_ptr.dtype.element_ty
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = (heads < H)[:, None]
     heads = heads.to(tl.int64)[:, None]
     src = q_ptr + t * stride_qt + heads * stride_qh
@@ -200,6 +205,65 @@ def _mla_q_rope_kernel(
     o1, o2 = _rope(x1, x2, c1, s1, c2, s2, dtype)
     tl.store(dst + ROPE_AT + j, o1.to(dtype), mask=pmask)
     tl.store(dst + ROPE_AT + HALF + j, o2.to(dtype), mask=pmask)
+
+
+@triton.jit
+def _mla_kv_norm_rope_kernel(
+    kv_ptr, weight_ptr, cos_ptr, sin_ptr, normed_ptr, pe_ptr, M, R, stride_kv, stride_cos,
+    stride_sin, eps, weight_offset, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """mla_kv_norm_rope: one program per ROWS rows (arguments: see _kv_norm_rope_rows)."""
+    _kv_norm_rope_rows(
+        tl.program_id(0), kv_ptr, weight_ptr, cos_ptr, sin_ptr, normed_ptr, pe_ptr, M, R, stride_kv,
+        stride_cos, stride_sin, eps, weight_offset, HALF, INTERLEAVE, CAST_BEFORE_WEIGHT, BLOCK_R,
+        BLOCK_HALF, ROWS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mla_q_rope_kernel(
+    q_ptr, cos_ptr, sin_ptr, out_ptr, H, S, stride_qt, stride_qh, stride_cos, stride_sin,
+    D: tl.constexpr, HALF: tl.constexpr, ROPE_FIRST: tl.constexpr, INTERLEAVE: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """mla_q_rope: a grid of (tokens, head blocks) (arguments: see _q_rope_heads)."""
+    _q_rope_heads(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, cos_ptr, sin_ptr, out_ptr, H, S,
+        stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, ROPE_FIRST, INTERLEAVE, HEADS_FIRST,
+        BLOCK_H, BLOCK_PASS, BLOCK_HALF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mla_q_kv_rope_kernel(
+    q_ptr, kv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, pe_ptr, M, R, H, S,
+    stride_kv, stride_qt, stride_qh, stride_cos, stride_sin, eps, weight_offset,
+    kv_programs,  # programs of the kv branch (the first ones); the rest work on q
+    head_blocks,  # q programs per token
+    D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):  # fmt: skip
+    """mla_q_kv_rope: MLA's kv branch and q branch (rope last, written heads first) in one
+    launch; each program does the work of one program of _mla_kv_norm_rope_kernel or of
+    _mla_q_rope_kernel, so the outputs are theirs bit for bit. q and kv share cos and sin."""
+    program = tl.program_id(0)
+    if program < kv_programs:
+        _kv_norm_rope_rows(
+            program, kv_ptr, weight_ptr, cos_ptr, sin_ptr, normed_ptr, pe_ptr, M, R, stride_kv,
+            stride_cos, stride_sin, eps, weight_offset, HALF, INTERLEAVE, CAST_BEFORE_WEIGHT,
+            BLOCK_R, BLOCK_HALF, ROWS,
+        )  # fmt: skip
+    else:
+        q_program = program - kv_programs
+        _q_rope_heads(
+            (q_program // head_blocks).to(tl.int64), q_program % head_blocks, q_ptr, cos_ptr,
+            sin_ptr, out_ptr, H, S, stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, False,
+            INTERLEAVE, True, BLOCK_H, BLOCK_PASS, BLOCK_HALF,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -293,12 +357,8 @@ def _identity(kernel):
     return kernel
 
 
-def mla_kv_norm_rope_triton(
-    kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
-    *, wrap: Callable | None = None, rows: int | None = None, num_warps: int = _WARPS,
-):  # fmt: skip
-    """(normed [*lead, R], k_pe [*lead, P]) as mla_kv_norm_rope_reference, new contiguous
-    tensors; `wrap` (torch.library.wrap_triton) is applied to the kernel before launch."""
+def _kv_plan(kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, rows):
+    """((normed, k_pe), the kv kernel's arguments by name, its program count)."""
     r = check_mla_kv_args(kv, weight, cos, sin, interleave)
     lead = tuple(kv.shape[:-1])
     p = kv.shape[-1] - r
@@ -308,22 +368,19 @@ def mla_kv_norm_rope_triton(
     normed = torch.empty((*lead, r), dtype=kv.dtype, device=kv.device)
     k_pe = torch.empty((*lead, p), dtype=kv.dtype, device=kv.device)
     rows = rows or _rows_per_program(kv.shape[-1])
-    (wrap or _identity)(_mla_kv_norm_rope_kernel)[(triton.cdiv(m, rows),)](
-        kv_rows, weight.contiguous(), cos_rows, sin_rows, normed, k_pe,
-        m, r, kv_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), eps, weight_offset,
-        HALF=p // 2, INTERLEAVE=interleave, CAST_BEFORE_WEIGHT=cast_before_weight,
-        BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=triton.next_power_of_2(p // 2), ROWS=rows,
-        num_warps=num_warps,
+    args = dict(
+        kv_ptr=kv_rows, weight_ptr=weight.contiguous(), cos_ptr=cos_rows, sin_ptr=sin_rows,
+        normed_ptr=normed, pe_ptr=k_pe, M=m, R=r, stride_kv=kv_rows.stride(0),
+        stride_cos=cos_rows.stride(0), stride_sin=sin_rows.stride(0), eps=eps,
+        weight_offset=weight_offset, HALF=p // 2, INTERLEAVE=interleave,
+        CAST_BEFORE_WEIGHT=cast_before_weight, BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_HALF=triton.next_power_of_2(p // 2), ROWS=rows,
     )  # fmt: skip
-    return normed, k_pe
+    return (normed, k_pe), args, triton.cdiv(m, rows)
 
 
-def mla_q_rope_triton(
-    q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap: Callable | None = None,
-    block_h: int | None = None, num_warps: int = _WARPS,
-):  # fmt: skip
-    """q with RoPE on its rope slice, as mla_q_rope_reference, in a new contiguous tensor
-    ([..., H, S, D] when heads_first, else q's shape)."""
+def _q_plan(q, cos, sin, rope_first, interleave, heads_first, block_h):
+    """(query, the q kernel's arguments by name, (tokens, head blocks))."""
     p = check_mla_q_args(q, cos, sin, interleave)
     lead, (h, d) = tuple(q.shape[:-2]), q.shape[-2:]
     if heads_first and len(lead) < 1:
@@ -341,14 +398,58 @@ def mla_q_rope_triton(
     block_h = block_h or min(
         triton.next_power_of_2(h), max(1, _ELEMENTS_PER_PROGRAM // triton.next_power_of_2(d))
     )
-    (wrap or _identity)(_mla_q_rope_kernel)[(t, triton.cdiv(h, block_h))](
-        q_rows, cos_rows, sin_rows, out, h, s,
-        q_rows.stride(0), q_rows.stride(1), cos_rows.stride(0), sin_rows.stride(0),
-        D=d, HALF=p // 2, ROPE_FIRST=rope_first, INTERLEAVE=interleave, HEADS_FIRST=heads_first,
-        BLOCK_H=block_h, BLOCK_PASS=triton.next_power_of_2(max(1, d - p)),
-        BLOCK_HALF=triton.next_power_of_2(p // 2), num_warps=num_warps,
+    args = dict(
+        q_ptr=q_rows, cos_ptr=cos_rows, sin_ptr=sin_rows, out_ptr=out, H=h, S=s,
+        stride_qt=q_rows.stride(0), stride_qh=q_rows.stride(1), stride_cos=cos_rows.stride(0),
+        stride_sin=sin_rows.stride(0), D=d, HALF=p // 2, ROPE_FIRST=rope_first,
+        INTERLEAVE=interleave, HEADS_FIRST=heads_first, BLOCK_H=block_h,
+        BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2),
     )  # fmt: skip
+    return out, args, (t, triton.cdiv(h, block_h))
+
+
+def mla_kv_norm_rope_triton(
+    kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
+    *, wrap: Callable | None = None, rows: int | None = None, num_warps: int = _WARPS,
+):  # fmt: skip
+    """(normed [*lead, R], k_pe [*lead, P]) as mla_kv_norm_rope_reference, new contiguous
+    tensors; `wrap` (torch.library.wrap_triton) is applied to the kernel before launch."""
+    outputs, args, programs = _kv_plan(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, rows
+    )
+    (wrap or _identity)(_mla_kv_norm_rope_kernel)[(programs,)](**args, num_warps=num_warps)
+    return outputs
+
+
+def mla_q_rope_triton(
+    q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap: Callable | None = None,
+    block_h: int | None = None, num_warps: int = _WARPS,
+):  # fmt: skip
+    """q with RoPE on its rope slice, as mla_q_rope_reference, in a new contiguous tensor
+    ([..., H, S, D] when heads_first, else q's shape)."""
+    out, args, grid = _q_plan(q, cos, sin, rope_first, interleave, heads_first, block_h)
+    (wrap or _identity)(_mla_q_rope_kernel)[grid](**args, num_warps=num_warps)
     return out
+
+
+def mla_q_kv_rope_triton(
+    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
+    *, wrap: Callable | None = None,
+):  # fmt: skip
+    """(query, normed, k_pe) as mla_q_kv_rope_reference, in one launch: the kv programs of
+    mla_kv_norm_rope_triton, then the q programs of mla_q_rope_triton (MLA's form: rope last,
+    heads first), with the launch shapes each uses alone (both run 2 warps)."""
+    check_mla_q_kv_args(q, kv, weight, cos, sin, interleave)
+    (normed, k_pe), kv_args, kv_programs = _kv_plan(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, None
+    )
+    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, False, interleave, True, None)
+    for name in ("ROPE_FIRST", "HEADS_FIRST"):
+        del q_args[name]
+    args = {**kv_args, **q_args, "kv_programs": kv_programs, "head_blocks": head_blocks}
+    grid = (kv_programs + tokens * head_blocks,)
+    (wrap or _identity)(_mla_q_kv_rope_kernel)[grid](**args, num_warps=_WARPS)
+    return query, normed, k_pe
 
 
 def mla_indexer_k_norm_rope_triton(
