@@ -109,7 +109,9 @@ class Fusion:
             if fn is None:
                 continue
             h.update(_source_of(fn).encode())
-        h.update(repr((sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()))).encode())
+        h.update(
+            repr((sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()))).encode()
+        )
         return h.hexdigest()
 
 
@@ -209,16 +211,20 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
         names = [names]
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
-        raise FusionError(
-            f"unknown fusion {unknown[0]!r}; registered: {', '.join(_REGISTRY) or 'none'}"
-        )
-    wanted = set(names)
-    for name in names:
-        wanted.update(_REGISTRY[name].requires)
+        raise FusionError(f"unknown fusion {unknown[0]!r}; registered: {', '.join(_REGISTRY) or 'none'}")
+    wanted: set[str] = set()
+    pending = list(names)
+    while pending:  # requirements of requirements too (mla_q_kv_rope -> mla_kv_norm_rope -> rms_norm)
+        name = pending.pop()
+        if name not in wanted:
+            wanted.add(name)
+            pending.extend(_REGISTRY[name].requires)
     return [f for f in _REGISTRY.values() if f.name in wanted]
 
 
 MatchHandler = Callable[[Fusion, Spelling, Match], bool]
+
+
 def trace_functional(
     fn: Callable[..., Any], args: Sequence[Any], *, get_decomp_fn=select_decomp_table, **kwargs
 ) -> torch.fx.GraphModule:

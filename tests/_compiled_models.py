@@ -23,10 +23,21 @@ class CompiledModel:
     expected: torch.Tensor  # eager's output
 
 
+def compiled_model(
+    name: str, dtype: torch.dtype, rope_interleave: bool | None = None, opt_in: tuple[str, ...] = ()
+) -> CompiledModel:
+    """``name`` (tiny) compiled with fusion_passes' default fusions (and the opt-in ones named),
+    run once on its inputs. rope_interleave: overrides the config's (DeepSeek V3 MLA); None
+    keeps it."""
+    # One cache key however the arguments are spelled (functools.cache keys f(a, b) and
+    # f(a, b, None) apart, which compiled a model twice).
+    return _compiled_model(name, dtype, rope_interleave, tuple(opt_in))
+
+
 @functools.cache
-def compiled_model(name: str, dtype: torch.dtype, rope_interleave: bool | None = None) -> CompiledModel:
-    """``name`` (tiny) compiled with fusion_passes' default fusions, run once on its inputs.
-    rope_interleave: overrides the config's (DeepSeek V3 MLA); None keeps it."""
+def _compiled_model(
+    name: str, dtype: torch.dtype, rope_interleave: bool | None, opt_in: tuple[str, ...]
+) -> CompiledModel:
     built = build_model(name, size="tiny", dtype=dtype)
     if rope_interleave is not None:
         built.config.rope_interleave = rope_interleave  # read by the attention at every forward
@@ -35,5 +46,7 @@ def compiled_model(name: str, dtype: torch.dtype, rope_interleave: bool | None =
     with torch.no_grad():
         expected = module(*inputs)
         torch._dynamo.reset()
-        fused = torch.compile(module, backend=fusion_passes.backend(report=report), fullgraph=True)(*inputs)
+        fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(opt_in)
+        backend = fusion_passes.backend(fusions, report=report)
+        fused = torch.compile(module, backend=backend, fullgraph=True)(*inputs)
     return CompiledModel(built, report, fused, expected)

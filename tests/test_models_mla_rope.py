@@ -58,3 +58,20 @@ def test_every_attention_pre_path_is_fused(name, dtype, interleave):
 
     result = compare(fused, expected)
     assert result.rel_norm <= tolerance(dtype).rel_norm, result
+
+
+@pytest.mark.slow
+def test_q_and_kv_branches_merge_into_one_launch_per_layer():
+    """The opt-in mla_q_kv_rope on DeepSeek V3: one op per attention layer in place of its q and kv
+    ops, and the model's output equal bit for bit to the default compile's (the merged op is the
+    two ops' math side by side)."""
+    default = compiled_model("deepseek-v3", torch.bfloat16)
+    merged = compiled_model("deepseek-v3", torch.bfloat16, opt_in=("mla_q_kv_rope",))
+    layers = len(set(merged.built.sites.attention))
+    report = merged.report
+    assert report.matches["mla_q_kv_rope"] == layers
+    assert not report.errors and not report.rejected
+    after = report.ops_after()
+    assert after["fusion_passes.mla_q_kv_rope.default"] == layers
+    assert not {"fusion_passes.mla_q_rope.default", "fusion_passes.mla_kv_norm_rope.default"} & set(after)
+    assert torch.equal(merged.fused, default.fused)

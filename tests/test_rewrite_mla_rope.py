@@ -19,10 +19,10 @@ B, S, H, NOPE, ROPE, V, R = 2, 5, 3, 16, 8, 12, 24
 MLA_FUSIONS = {True: "mla_kv_norm_rope", False: "mla_kv_norm_rope_rotate_half"}
 
 
-def _run(fn, *args):
+def _run(fn, *args, fusions="all"):
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    backend = fusion_passes.backend("all", report=report)
+    backend = fusion_passes.backend(fusions, report=report)
     with torch.no_grad():
         out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
         expected = fn(*args)
@@ -71,9 +71,7 @@ def _mla_inputs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
 def test_mla_q_and_kv_branches_fuse_bit_exact(interleave, dtype):
-    out, expected, report = _run(
-        lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype)
-    )
+    out, expected, report = _run(lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype))
     assert _matched(report) == {"rms_norm": 1, MLA_FUSIONS[interleave]: 1, "mla_q_rope": 1}
     (kv_site,) = report.sites_of(MLA_FUSIONS[interleave])
     rope = "interleave" if interleave else "rotate_half"
@@ -88,6 +86,48 @@ def test_mla_q_and_kv_branches_fuse_bit_exact(interleave, dtype):
     assert not {"aten.sub.Tensor", "aten.neg.default", "aten.cat.default"} & set(after)
     for a, e in zip(out, expected, strict=True):
         assert a.shape == e.shape and torch.equal(a, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+def test_mla_q_and_kv_merge_into_one_launch(interleave, dtype):
+    """The opt-in merge: both branches' ops (sharing cos / sin) become one mla_q_kv_rope."""
+    merge = "mla_q_kv_rope" if interleave else "mla_q_kv_rope_rotate_half"
+    out, expected, report = _run(
+        lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype), fusions=[merge]
+    )
+    assert _matched(report) == {"rms_norm": 1, MLA_FUSIONS[interleave]: 1, "mla_q_rope": 1, merge: 1}
+    rope = "interleave" if interleave else "rotate_half"
+    assert report.sites_of(merge)[0].spelling == f"llama_{rope}"
+    after = report.graphs[0].ops_after
+    assert after["fusion_passes.mla_q_kv_rope.default"] == 1
+    assert not {"fusion_passes.mla_q_rope.default", "fusion_passes.mla_kv_norm_rope.default"} & set(after)
+    for a, e in zip(out, expected, strict=True):
+        assert a.shape == e.shape and torch.equal(a, e)
+
+
+def test_branches_with_their_own_cos_stay_two_launches():
+    """q rotated by other cos / sin than k_pe (another position table): nothing to share, no merge."""
+    q, kv, kv_b, w, cos, sin = _mla_inputs(torch.bfloat16)
+    q_cos, q_sin = _cos_sin(torch.bfloat16)
+
+    def two_tables(q, kv, kv_b, w, cos, sin, q_cos, q_sin):
+        query, _, _ = mla_pre_attention(q, kv, kv_b, w, q_cos, q_sin)
+        _, key, value = mla_pre_attention(q, kv, kv_b, w, cos, sin)
+        return query, key, value
+
+    out, expected, report = _run(
+        two_tables, q, kv, kv_b, w, cos, sin, q_cos, q_sin, fusions=["mla_q_kv_rope"]
+    )
+    assert report.matches["mla_q_kv_rope"] == 0 and report.matches["mla_kv_norm_rope"] >= 1
+    after = report.graphs[0].ops_after
+    assert "fusion_passes.mla_q_kv_rope.default" not in after
+    assert (
+        after["fusion_passes.mla_q_rope.default"] >= 1
+        and after["fusion_passes.mla_kv_norm_rope.default"] >= 1
+    )
+    for a, e in zip(out, expected, strict=True):
+        assert torch.equal(a, e)
 
 
 def test_fp32_weight_norm_form_fuses():
@@ -146,9 +186,7 @@ def test_indexer_q_and_k_fuse(dtype):
 def test_rope_without_norm_is_not_the_kv_op():
     """k_pe rotated but the latent not normalised: only the q branch fuses."""
     args = _mla_inputs(torch.bfloat16)
-    out, expected, report = _run(
-        lambda *a: mla_pre_attention(*a, norm=lambda x, w, eps: x * w), *args
-    )
+    out, expected, report = _run(lambda *a: mla_pre_attention(*a, norm=lambda x, w, eps: x * w), *args)
     assert _matched(report) == {"mla_q_rope": 1}
     assert "fusion_passes.mla_kv_norm_rope.default" not in report.graphs[0].ops_after
     assert torch.equal(out[0], expected[0])  # the fused q branch rounds as eager does

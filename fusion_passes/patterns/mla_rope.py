@@ -18,6 +18,9 @@ mla_indexer_k_norm_rope (DeepseekV32Indexer key)
     Unfused: k = layer_norm(wk(h)).unsqueeze(2); k_rot, k_pass = split(k, [P, D - P])
              k = cat(rope(k_rot, cos, sin), k_pass).squeeze(2)
     Fused:   k = mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)
+mla_q_kv_rope (opt-in: the two MLA ops above, which share cos and sin, merged)
+    Unfused: query = mla_q_rope(q, cos, sin, ...); kv_nope, k_rot = mla_kv_norm_rope(kv, ...)
+    Fused:   query, kv_nope, k_rot = mla_q_kv_rope(q, kv, w, cos, sin, eps, offset, cast, interleave)
 
 rope is ``apply_rotary_pos_emb_interleave`` (config.rope_interleave, V3.2's MLA) or
 ``apply_rotary_pos_emb`` (rotate_half: V3 with rope_interleave=False, the indexer). cos and sin
@@ -41,6 +44,7 @@ from fusion_passes.lowering.mla_rope_reference import (
     check_indexer_k_args,
     check_mla_kv_args,
     check_mla_q_args,
+    check_mla_q_kv_args,
 )
 from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
 from fusion_passes.registry import (
@@ -307,6 +311,76 @@ MLA_INDEXER_K_NORM_ROPE = Fusion(
     builtin=True,
 )
 
+# --- mla_q_kv_rope: MLA's two branches in one launch ---
+
+
+def _q_kv_spelling(form: str, interleave: bool):
+    offset, cast = _NORM_FORMS[form]
+
+    def pattern(q, kv, weight, cos, sin, eps):
+        # As the two fusions above leave them: each op squeezes the attention's cos / sin.
+        query = torch.ops.fusion_passes.mla_q_rope.default(
+            q, cos.squeeze(1), sin.squeeze(1), False, interleave, True
+        )
+        normed, k_pe = torch.ops.fusion_passes.mla_kv_norm_rope.default(
+            kv, weight, cos.squeeze(1), sin.squeeze(1), eps, offset, cast, interleave
+        )
+        return query, normed, k_pe
+
+    def replacement(q, kv, weight, cos, sin, eps):
+        return torch.ops.fusion_passes.mla_q_kv_rope.default(
+            q, kv, weight, cos.squeeze(1), sin.squeeze(1), eps, offset, cast, interleave
+        )
+
+    def check(values: dict[str, Any]) -> str | None:
+        q, kv, weight, cos, sin = (values[k] for k in ("q", "kv", "weight", "cos", "sin"))
+        try:
+            check_mla_q_kv_args(q, kv, weight, cos.squeeze(1), sin.squeeze(1), interleave)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    return Spelling(f"{form}_{'interleave' if interleave else 'rotate_half'}", pattern, replacement, check)
+
+
+def _q_kv_examples(interleave: bool):
+    """Heads 5 of dim 12 and a latent of 16, rope 8 (cos width 4 interleaved, 8 rotate_half)."""
+
+    def example_inputs():
+        for dtype in (torch.float32, torch.bfloat16):
+            cos = torch.randn(2, 1, 3, 4 if interleave else 8, dtype=dtype)
+            q = torch.randn(2, 3, 5, 12, dtype=dtype)
+            kv, w = torch.randn(2, 3, 24, dtype=dtype), torch.randn(16, dtype=dtype)
+            yield q, kv, w, cos, torch.randn_like(cos), DEFAULT_SCALAR_SENTINEL
+
+    return example_inputs
+
+
+def _q_kv_fusion(interleave: bool) -> Fusion:
+    kv = "mla_kv_norm_rope" if interleave else "mla_kv_norm_rope_rotate_half"
+    return Fusion(
+        name="mla_q_kv_rope" if interleave else "mla_q_kv_rope_rotate_half",
+        summary="MLA q rope + kv norm/rope (two kernels sharing cos/sin) -> one mla_q_kv_rope launch",
+        doc="""MLA's two pre-attention branches, already fused one kernel each, in one launch.
+
+        Unfused: query = fusion_passes.mla_q_rope(q, cos, sin, ...)
+                 kv_nope, k_pe = fusion_passes.mla_kv_norm_rope(kv, w, cos, sin, eps, ...)
+                 (two launches: at decode each is most of its branch's time)
+        Fused:   query, kv_nope, k_pe = fusion_passes.mla_q_kv_rope(q, kv, w, cos, sin, eps, ...)
+
+        Opt-in until measured on a GPU.""",
+        spellings=tuple(_q_kv_spelling(form, interleave) for form in _NORM_FORMS),
+        example_inputs=_q_kv_examples(interleave),
+        scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+        requires=(kv, "mla_q_rope"),
+        in_all=False,
+        builtin=True,
+    )
+
+
+MLA_Q_KV_ROPE = _q_kv_fusion(interleave=True)
+MLA_Q_KV_ROPE_ROTATE_HALF = _q_kv_fusion(interleave=False)
+
 for _fusion in (
     MLA_KV_NORM_ROPE,
     MLA_KV_NORM_ROPE_ROTATE_HALF,
@@ -314,5 +388,8 @@ for _fusion in (
     MLA_INDEXER_K_NORM_ROPE,
     MLA_Q_ROPE,
     MLA_INDEXER_Q_ROPE,
+    # After both of the ops they merge.
+    MLA_Q_KV_ROPE,
+    MLA_Q_KV_ROPE_ROTATE_HALF,
 ):
     add_builtin(_fusion)
