@@ -5,6 +5,7 @@
              q_rot, k_rot = interleaved RoPE(q_rot, k_rot); query = cat(q_pass, q_rot)
     ours:    mla_q_rope + mla_kv_norm_rope, one kernel per branch (torch.compile with the
              fusion_passes backend: the ops launched directly by Inductor's generated code)
+    ours_one_launch: the same with the opt-in mla_q_kv_rope fusion: both branches in one launch
 
 DeepSeek V3 widths: kv_lora_rank 512, rope 64, 128 heads, qk_nope 128 (q_lora_rank 1536 and v 128
 are the GEMMs' business, outside the region). Each implementation is timed as plain launches
@@ -43,6 +44,7 @@ from fusion_passes.lowering.mla_rope_reference import (  # noqa: E402
 )
 from fusion_passes.lowering.mla_rope_triton import (  # noqa: E402
     mla_kv_norm_rope_triton,
+    mla_q_kv_rope_triton,
     mla_q_rope_triton,
 )
 
@@ -56,7 +58,9 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 1024, 4096, 16384)
 SMOKE_TOKENS = (1, 5)
 GRAPH_CALLS = 20
 COPY_BYTES = 2 << 30
-IMPLS = ("eager", "inductor", "ours")
+IMPLS = ("eager", "inductor", "ours", "ours_one_launch")
+# The fusions each of ours must show (the one-launch variant adds the opt-in merge).
+OURS = {"ours": (), "ours_one_launch": ("mla_q_kv_rope",)}
 
 
 def region(q, kv, w, cos, sin, dims):
@@ -101,6 +105,7 @@ def check_ours(x, dims) -> list[str]:
     normed, k_pe = mla_kv_norm_rope_triton(x["kv"], x["w"], c, s, EPS, 0.0, True, True)
     ref_normed, ref_pe = mla_kv_norm_rope_reference(x["kv"], x["w"], c, s, EPS, 0.0, True, True)
     e_query, e_normed, e_pe = region(**x, dims=dims)
+    one_launch = mla_q_kv_rope_triton(q4, x["kv"], x["w"], c, s, EPS, 0.0, True, True)
 
     def within_ulp(a, b):
         return bool(((a.float() - b.float()).abs() <= 2 * 2**-7 * b.float().abs() + 1e-6).all())
@@ -112,6 +117,9 @@ def check_ours(x, dims) -> list[str]:
         "k_pe == eager": torch.equal(k_pe.unsqueeze(1), e_pe),
         "normed ~ reference": within_ulp(normed, ref_normed),
         "normed ~ eager": within_ulp(normed, e_normed),
+        "one launch == the two kernels": all(
+            torch.equal(a, b) for a, b in zip(one_launch, (query, normed, k_pe), strict=True)
+        ),
     }
     return [name for name, ok in checks.items() if not ok]
 
@@ -124,12 +132,13 @@ def make_calls(impl, input_sets, dims):
     fn = lambda **x: region(**x, dims=dims)  # noqa: E731
     if impl == "inductor":
         fn = torch.compile(fn, backend="inductor", fullgraph=True)
-    elif impl == "ours":
+    elif impl in OURS:
         report = fusion_passes.Report()
-        fn = torch.compile(fn, backend=fusion_passes.backend(report=report), fullgraph=True)
+        fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(OURS[impl])
+        fn = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
         fn(**input_sets[0])
         fused = {k for k, v in report.matches.items() if v}
-        if not {"mla_kv_norm_rope", "mla_q_rope"} <= fused:
+        if not {"mla_kv_norm_rope", "mla_q_rope", *OURS[impl]} <= fused:
             raise RuntimeError(f"the region did not fuse: {dict(report.matches)}")
     return [lambda x=x: fn(**x) for x in input_sets]
 
@@ -154,19 +163,30 @@ def _fmt(v) -> str:
 
 
 def report(records, copy_gbps, device_name) -> str:
+    ours = tuple(OURS)
+    head = " | ".join(IMPLS) + " | " + " | ".join(f"{o} vs inductor" for o in ours)
     lines = [f"# MLA pre-attention region, bf16, {device_name}", "", f"copy bandwidth {copy_gbps:.0f} GB/s", ""]
     for mode in ("graph_us", "plain_us"):
-        lines += [f"## {mode} (us per call)", "", "| tokens | eager | inductor | ours | vs inductor | kernels e/i/o | ours GB/s (% copy) |", "|---|---|---|---|---|---|---|"]  # noqa: E501
+        lines += [
+            f"## {mode} (us per call)", "",
+            f"| tokens | {head} | kernels {'/'.join(IMPLS)} | GB/s (% copy) {'/'.join(ours)} |",
+            "|---" * (len(IMPLS) + len(ours) + 3) + "|",
+        ]  # fmt: skip
         for r in records:
             t = r[mode]
-            speedup = t["inductor"] / t["ours"] if t["ours"] and t["inductor"] else None
-            bw = r["bytes"] / t["ours"] / 1e3 if t["ours"] and r["tokens"] >= 4096 else None
-            k = "/".join(str(r["kernels"][i]) for i in IMPLS)
-            bw_text = "-" if bw is None else f"{bw:.0f} ({100 * bw / copy_gbps:.0f}%)"
+            speedups = [
+                f"{t['inductor'] / t[o]:.2f}x" if t[o] and t["inductor"] else "-" for o in ours
+            ]
+            bandwidth = [
+                f"{r['bytes'] / t[o] / 1e3:.0f} ({100 * r['bytes'] / t[o] / 1e3 / copy_gbps:.0f}%)"
+                if t[o] and r["tokens"] >= 4096 else "-"
+                for o in ours
+            ]  # fmt: skip
             lines.append(
-                f"| {r['tokens']} | {_fmt(t['eager'])} | {_fmt(t['inductor'])} | {_fmt(t['ours'])} "
-                f"| {'-' if speedup is None else f'{speedup:.2f}x'} | {k} | {bw_text} |"
-            )
+                f"| {r['tokens']} | " + " | ".join(_fmt(t[i]) for i in IMPLS) + " | "
+                + " | ".join(speedups) + " | " + "/".join(str(r["kernels"][i]) for i in IMPLS)
+                + " | " + " / ".join(bandwidth) + " |"
+            )  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
