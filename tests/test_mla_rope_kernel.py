@@ -208,3 +208,36 @@ def test_q_and_kv_of_other_tokens_raise():
             with pytest.raises(ValueError) as raised:
                 call(q, kv, w, cos, sin, 1e-6, 0.0, True, True)
             assert "\n" not in str(raised.value)
+
+
+_TRACE_ONE_LAUNCH = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from fusion_passes.lowering.mla_rope_triton import mla_q_kv_rope_triton
+
+with FakeTensorMode():
+    q = torch.empty(1, 3, 4, 24, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(1, 3, 48, dtype=torch.bfloat16, device="cuda")
+    w = torch.empty(32, dtype=torch.bfloat16, device="cuda")
+    cos = torch.empty(1, 3, 8, dtype=torch.bfloat16, device="cuda")
+launch = lambda *a: mla_q_kv_rope_triton(*a, 1e-6, 0.0, True, True, wrap=torch.library.wrap_triton)
+graph = make_fx(launch, tracing_mode="fake")(q, kv, w, cos, cos).graph
+launches = [n for n in graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+print(len(launches), launches[0].kwargs["grid"])
+"""
+
+
+def test_q_kv_rope_traces_to_one_launch_for_inductor():
+    """The launcher as Inductor inlines it on CUDA (wrap_triton, fake CUDA tensors: no GPU needed,
+    but compiled Triton, hence a process without the interpreter): one kernel launch, of the kv
+    program (16 rows of width 48) and 3 tokens x 1 block of 4 heads."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACE_ONE_LAUNCH], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "1 [(4, 1, 1)]"
