@@ -99,9 +99,13 @@ def test_mla_q_and_kv_merge_into_one_launch(interleave, dtype):
     assert _matched(report) == {"rms_norm": 1, MLA_FUSIONS[interleave]: 1, "mla_q_rope": 1, merge: 1}
     rope = "interleave" if interleave else "rotate_half"
     assert report.sites_of(merge)[0].spelling == f"llama_{rope}"
-    after = report.graphs[0].ops_after
+    before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
+    # Before: both branches' RoPE arithmetic (q's and k_pe's) and the norm's rsqrt, in aten.
+    assert before["aten.sub.Tensor"] == 2 if interleave else before["aten.neg.default"] == 2
+    assert before["aten.rsqrt.default"] == 1 and not any(op.startswith("fusion_passes.") for op in before)
     assert after["fusion_passes.mla_q_kv_rope.default"] == 1
     assert not {"fusion_passes.mla_q_rope.default", "fusion_passes.mla_kv_norm_rope.default"} & set(after)
+    assert not {"aten.sub.Tensor", "aten.neg.default", "aten.cat.default", "aten.rsqrt.default"} & set(after)
     for a, e in zip(out, expected, strict=True):
         assert a.shape == e.shape and torch.equal(a, e)
 
