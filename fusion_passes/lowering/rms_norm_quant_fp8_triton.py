@@ -70,7 +70,8 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
 @triton.jit
 def exact_quotient(y, scale):
     """y / scale[:, :, None] rounded to nearest even, as div_rn gives it, for the computed scales
-    (positive, or NaN from a NaN row), by Markstein's theorem: with rcp = RN(1 / scale),
+    (positive, or NaN from a NaN row) and static ones of 2^-100..2^100 in magnitude (either
+    sign), by Markstein's theorem: with rcp = RN(1 / scale),
     q0 = RN(y * rcp) lies within one ulp of y / scale, the residual y - scale * q0 is exact in
     one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient, while everything
     stays in fp32's normal range: |y| >= 2^-100 (the residual, ~2^-24 |y|, must not underflow)
