@@ -12,9 +12,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# The marks of a test module that needs two GPUs of one host (the 2-GPU tensor-parallel tests).
+TWO_GPUS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
 
 
 def run_world(
@@ -41,7 +48,9 @@ def run_world(
         try:
             while not context.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks in {timeout:.0f} s")
+                    raise TimeoutError(
+                        f"{fn.__name__} did not finish on {world_size} ranks in {timeout:.0f} s"
+                    )
         finally:
             for process in context.processes:  # only the processes this call started
                 if process.is_alive():
@@ -122,7 +131,9 @@ def assert_sums_equal_nccl(info: dict) -> None:
     """At 2 ranks a one-shot sum and NCCL's are both one rounding of x0 + x1: equal bit for bit.
     ``info`` counts the compared elements and those that differed."""
     assert info["sum_elements"], "the one-shot path never ran: no sums to compare with NCCL's"
-    print(f"sum elements differing from NCCL: {info['sum_elements_differing_from_nccl']} of {info['sum_elements']}")
+    print(
+        f"sum elements differing from NCCL: {info['sum_elements_differing_from_nccl']} of {info['sum_elements']}"
+    )
     assert info["sum_elements_differing_from_nccl"] == 0
 
 
@@ -145,8 +156,53 @@ def compile_case(fn: Callable[..., Any], args: tuple, fusions: list[str]) -> dic
         "spellings": [s.spelling for s in report.sites if s.fusion in fusions],
         "before": dict(graph.ops_before),
         "after": dict(graph.ops_after),
-        "equal": [a.dtype == e.dtype and torch.equal(bits(a), bits(e)) for a, e in zip(out, expected, strict=True)],
+        "equal": [
+            a.dtype == e.dtype and torch.equal(bits(a), bits(e)) for a, e in zip(out, expected, strict=True)
+        ],
         "errors": list(report.errors),
         "fallbacks": report.runtime_fallbacks(),
         "summary": report.summary(),
     }
+
+
+def rank_inputs(rows: int, hidden: int, dtype: torch.dtype, rank: int, seed: int, residual: bool = True):
+    """(x, residual or None, weight) on this rank's GPU: x differs per rank (each holds a partial
+    sum); residual and weight are replicated."""
+    shared = torch.Generator(device="cuda").manual_seed(seed)
+    own = torch.Generator(device="cuda").manual_seed(seed * 1000 + 17 + rank)
+    x = torch.randn(rows, hidden, device="cuda", generator=own).to(dtype)
+    res = torch.randn(rows, hidden, device="cuda", generator=shared).to(dtype) if residual else None
+    weight = (1 + 0.3 * torch.randn(hidden, device="cuda", generator=shared)).to(dtype)
+    return x, res, weight
+
+
+def refill_inputs(static: list[tuple], rank: int, seed: int) -> None:
+    """Write new rank_inputs (seeds seed, seed + 1, ...) into the captured (x, residual, weight)
+    sets in place, keeping each set's shape, dtype and residual-or-not."""
+    for i, (x, res, w) in enumerate(static):
+        fx, fres, fw = rank_inputs(x.shape[0], x.shape[-1], x.dtype, rank, seed + i, res is not None)
+        x.copy_(fx)
+        w.copy_(fw)
+        if res is not None:
+            res.copy_(fres)
+
+
+def capture(calls: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, outputs) of ``calls`` captured in one CUDA graph, after a warm-up off the capture
+    stream (as torch.cuda.graphs asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    return graph, captured
+
+
+def fail_every_check(failures: dict[str, list[str]], reason: str) -> None:
+    """The one-shot path is the subject of every check: without it, each check fails with why."""
+    for check in failures:
+        failures[check].append(f"one-shot path not eligible on this machine: {reason}")

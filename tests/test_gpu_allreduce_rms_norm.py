@@ -25,18 +25,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from _distributed import (
+    TWO_GPUS,
     assert_no_failures,
     assert_sums_equal_nccl,
     bits,
+    capture,
+    fail_every_check,
     guarded,
+    rank_inputs,
+    refill_inputs,
     run_world,
     same_on_every_rank,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = TWO_GPUS
 
 WORLD = 2
 TIMEOUT = 900.0  # first calls compile ~100 kernel variants per rank
@@ -49,16 +51,6 @@ CHECKS = ("matches_nccl", "bit_identical", "repeated", "cuda_graph", "dispatch",
 
 
 # --- the job: everything below runs inside the spawned ranks ---
-
-
-def _inputs(rows, hidden, dtype, rank, seed, residual=True):
-    """x differs per rank (each holds a partial sum); residual and weight are replicated."""
-    shared = torch.Generator(device="cuda").manual_seed(seed)
-    own = torch.Generator(device="cuda").manual_seed(seed * 1000 + 17 + rank)
-    x = torch.randn(rows, hidden, device="cuda", generator=own).to(dtype)
-    res = torch.randn(rows, hidden, device="cuda", generator=shared).to(dtype) if residual else None
-    weight = (1 + 0.3 * torch.randn(hidden, device="cuda", generator=shared)).to(dtype)
-    return x, res, weight
 
 
 def _reference(x, residual, weight, offset, cast, group_name):
@@ -115,9 +107,8 @@ def _job(rank: int, world_size: int) -> dict:
 
     probe = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
     reason = symm_mem_eligible(probe, group_name)
-    if reason is not None:  # the one-shot path is the subject: every check needs it
-        for check in CHECKS:
-            failures[check].append(f"one-shot path not eligible on this machine: {reason}")
+    if reason is not None:
+        fail_every_check(failures, reason)
         return {"failures": failures, "info": info}
 
     def matches_nccl():
@@ -128,7 +119,7 @@ def _job(rank: int, world_size: int) -> dict:
                     for form, (offset, cast) in FORMS.items():
                         for has_residual in (True, False):
                             seed += 1
-                            x, res, w = _inputs(rows, hidden, dtype, rank, seed, has_residual)
+                            x, res, w = rank_inputs(rows, hidden, dtype, rank, seed, has_residual)
                             outs = _ours(x, res, w, offset, cast, group_name)
                             refs = _reference(x, res, w, offset, cast, group_name)
                             name = f"{dtype} rows={rows} hidden={hidden} {form} residual={has_residual}"
@@ -141,7 +132,7 @@ def _job(rank: int, world_size: int) -> dict:
 
     def repeated():
         for call in range(20):  # fresh inputs every call: the two halves alternate per call
-            x, res, w = _inputs(37, 4096, torch.bfloat16, rank, 10_000 + call)
+            x, res, w = rank_inputs(37, 4096, torch.bfloat16, rank, 10_000 + call)
             outs = _ours(x, res, w, 0.0, True, group_name)
             refs = _reference(x, res, w, 0.0, True, group_name)
             for found in _case_failures(f"call {call}", outs, refs, world_size):
@@ -149,7 +140,7 @@ def _job(rank: int, world_size: int) -> dict:
 
     def cuda_graph():
         # Three calls (add, no-residual, add) on their own static inputs, captured once.
-        static = [_inputs(8, 7168, torch.bfloat16, rank, 20_000 + i, residual=i != 1) for i in range(3)]
+        static = [rank_inputs(8, 7168, torch.bfloat16, rank, 20_000 + i, residual=i != 1) for i in range(3)]
 
         def calls():
             outs = []
@@ -161,22 +152,9 @@ def _job(rank: int, world_size: int) -> dict:
             return outs
 
         assert prepare_workspace(group_name, torch.bfloat16, 7168, "cuda") is None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs asks
-            calls()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = calls()
+        graph, captured = capture(calls)
         for replay in range(10):
-            for i, (x, res, w) in enumerate(static):
-                fx, fres, fw = _inputs(8, 7168, torch.bfloat16, rank, 30_000 + 10 * replay + i, res is not None)
-                x.copy_(fx)
-                w.copy_(fw)
-                if res is not None:
-                    res.copy_(fres)
+            refill_inputs(static, rank, 30_000 + 10 * replay)
             graph.replay()
             for i, (x, res, w) in enumerate(static):
                 refs = _reference(x, res, w, 0.0, True, group_name)
@@ -186,7 +164,7 @@ def _job(rank: int, world_size: int) -> dict:
 
     def dispatch():
         runtime_fallbacks.clear()
-        x, res, w = _inputs(37, 4096, torch.bfloat16, rank, 40_000)
+        x, res, w = rank_inputs(37, 4096, torch.bfloat16, rank, 40_000)
         via_op = ops.allreduce_add_rms_norm(x, res, w, EPS, 0.0, True, group_name)
         via_launcher = _ours(x, res, w, 0.0, True, group_name)
         via_op_no_res = ops.allreduce_rms_norm(x, w, EPS, 1.0, False, group_name)
@@ -198,9 +176,13 @@ def _job(rank: int, world_size: int) -> dict:
                 failures["dispatch"].append("op output differs from the one-shot launcher's")
 
     def chunked():
-        for rows, has_residual in ((2 * MAX_ROWS + 37, True), (2 * MAX_ROWS + 37, False), (MAX_ROWS + 1, True)):
+        for rows, has_residual in (
+            (2 * MAX_ROWS + 37, True),
+            (2 * MAX_ROWS + 37, False),
+            (MAX_ROWS + 1, True),
+        ):
             runtime_fallbacks.clear()
-            x, res, w = _inputs(rows, 1000, torch.bfloat16, rank, 45_000 + rows, has_residual)
+            x, res, w = rank_inputs(rows, 1000, torch.bfloat16, rank, 45_000 + rows, has_residual)
             if rows == MAX_ROWS + 1:  # a 3-D x, as a model's [batch, seq, hidden] activations
                 x, res = x.view(1, rows, 1000), res.view(1, rows, 1000)
             if has_residual:
@@ -216,7 +198,7 @@ def _job(rank: int, world_size: int) -> dict:
     def fallback():
         for has_residual in (True, False):
             runtime_fallbacks.clear()
-            x, res, w = _inputs(37, 2000, torch.bfloat16, rank, 50_000, has_residual)
+            x, res, w = rank_inputs(37, 2000, torch.bfloat16, rank, 50_000, has_residual)
             x = x[:, ::2]  # hidden 1000 at stride 2: the one-shot kernel needs unit stride
             res = None if res is None else res[:, ::2].contiguous()
             w = w[::2].contiguous()

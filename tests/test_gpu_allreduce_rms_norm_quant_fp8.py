@@ -33,18 +33,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from _distributed import (
+    TWO_GPUS,
     assert_no_failures,
     assert_sums_equal_nccl,
     bits,
+    capture,
+    fail_every_check,
     guarded,
+    rank_inputs,
+    refill_inputs,
     run_world,
     same_on_every_rank,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = TWO_GPUS
 
 WORLD = 2
 TIMEOUT = 900.0  # first calls compile ~130 kernel variants per rank (one-shot and fallback)
@@ -69,16 +71,6 @@ OP = "fusion_passes.allreduce_rms_norm_quant_fp8.default"
 # --- the job: everything below runs inside the spawned ranks ---
 
 
-def _inputs(rows, hidden, dtype, rank, seed, residual=True):
-    """x differs per rank (each holds a partial sum); residual and weight are replicated."""
-    shared = torch.Generator(device="cuda").manual_seed(seed)
-    own = torch.Generator(device="cuda").manual_seed(seed * 1000 + 17 + rank)
-    x = torch.randn(rows, hidden, device="cuda", generator=own).to(dtype)
-    res = torch.randn(rows, hidden, device="cuda", generator=shared).to(dtype) if residual else None
-    weight = (1 + 0.3 * torch.randn(hidden, device="cuda", generator=shared)).to(dtype)
-    return x, res, weight
-
-
 def _quant_args(scheme, group_size, scale_ue8m0):
     scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
     return scheme, scale, group_size, scale_ue8m0
@@ -95,7 +87,9 @@ def _reference(x, residual, weight, offset, cast, quant, group_name):
     from fusion_passes.lowering.rms_norm_reference import rms_norm_reference
 
     if residual is None:
-        q, scales, r = allreduce_rms_norm_quant_fp8_reference(x, weight, EPS, offset, cast, *quant, group_name)
+        q, scales, r = allreduce_rms_norm_quant_fp8_reference(
+            x, weight, EPS, offset, cast, *quant, group_name
+        )
     else:
         q, scales, r = allreduce_add_rms_norm_quant_fp8_reference(
             x, residual, weight, EPS, offset, cast, *quant, group_name
@@ -190,9 +184,8 @@ def _job(rank: int, world_size: int) -> dict:
 
     probe = torch.empty(1, 7168, device="cuda", dtype=torch.bfloat16)
     reason = symm_mem_eligible(probe, group_name)
-    if reason is not None:  # the one-shot path is the subject: every check needs it
-        for check in CHECKS:
-            failures[check].append(f"one-shot path not eligible on this machine: {reason}")
+    if reason is not None:
+        fail_every_check(failures, reason)
         return {"failures": failures, "info": info}
 
     def matches_reference():
@@ -206,7 +199,7 @@ def _job(rank: int, world_size: int) -> dict:
                         for has_residual in (True, False):
                             seed += 1
                             offset, cast = FORMS[seed % len(FORMS)]
-                            x, res, w = _inputs(rows, hidden, dtype, rank, seed, has_residual)
+                            x, res, w = rank_inputs(rows, hidden, dtype, rank, seed, has_residual)
                             quant = _quant_args(*scheme)
                             outs = _ours(x, res, w, offset, cast, quant, group_name)
                             refs = _reference(x, res, w, offset, cast, quant, group_name)
@@ -233,7 +226,7 @@ def _job(rank: int, world_size: int) -> dict:
         from fusion_passes.numerics import compare
 
         for call in range(20):  # fresh inputs every call: the two halves alternate per call
-            x, res, w = _inputs(37, 7168, torch.bfloat16, rank, 10_000 + call)
+            x, res, w = rank_inputs(37, 7168, torch.bfloat16, rank, 10_000 + call)
             if call % 3 == 2:
                 # The non-quantizing op on the same workspace (group, dtype, hidden): the two
                 # kernels share its halves and epochs, safe because they map rows to programs alike.
@@ -256,7 +249,7 @@ def _job(rank: int, world_size: int) -> dict:
             (True, ("static", 128, False)),
         )
         static = [
-            _inputs(8, 7168, torch.bfloat16, rank, 20_000 + i, has_residual)
+            rank_inputs(8, 7168, torch.bfloat16, rank, 20_000 + i, has_residual)
             for i, (has_residual, _) in enumerate(plan)
         ]
         quants = [_quant_args(*scheme) for _, scheme in plan]
@@ -267,22 +260,9 @@ def _job(rank: int, world_size: int) -> dict:
             ]
 
         assert prepare_workspace(group_name, torch.bfloat16, 7168, "cuda") is None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs asks
-            calls()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = calls()
+        graph, captured = capture(calls)
         for replay in range(10):
-            for i, (x, res, w) in enumerate(static):
-                fresh = _inputs(8, 7168, torch.bfloat16, rank, 30_000 + 10 * replay + i, res is not None)
-                x.copy_(fresh[0])
-                w.copy_(fresh[2])
-                if res is not None:
-                    res.copy_(fresh[1])
+            refill_inputs(static, rank, 30_000 + 10 * replay)
             graph.replay()
             for i, ((x, res, w), quant) in enumerate(zip(static, quants)):
                 refs = _reference(x, res, w, 0.0, True, quant, group_name)
@@ -293,7 +273,7 @@ def _job(rank: int, world_size: int) -> dict:
     def dispatch():
         runtime_fallbacks.clear()
         for has_residual, scheme in ((True, ("per_group", 128, True)), (False, ("static", 128, False))):
-            x, res, w = _inputs(37, 7168, torch.bfloat16, rank, 40_000, has_residual)
+            x, res, w = rank_inputs(37, 7168, torch.bfloat16, rank, 40_000, has_residual)
             quant = _quant_args(*scheme)
             via_op = _op(x, res, w, 1.0, False, quant, group_name)
             via_launcher = _ours(x, res, w, 1.0, False, quant, group_name)
@@ -309,7 +289,7 @@ def _job(rank: int, world_size: int) -> dict:
         rows = MAX_ROWS + 1
         for has_residual in (True, False):
             runtime_fallbacks.clear()
-            x, res, w = _inputs(rows, 1024, torch.bfloat16, rank, 50_000, has_residual)
+            x, res, w = rank_inputs(rows, 1024, torch.bfloat16, rank, 50_000, has_residual)
             quant = _quant_args("per_group", 128, False)
             outs = _op(x, res, w, 0.0, True, quant, group_name)
             reason = fallback_reason(group_name) or ""
