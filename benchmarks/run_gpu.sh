@@ -6,22 +6,7 @@
 # (e.g. MODELS_ARGS="--models qwen3.5-moe", QK_ARGS="--tokens 1 64 4096").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# NVLink multicast stays off on shared machines.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 - <<'PY' | tee "$OUT/versions.txt"
-import torch, triton
-print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-PY
-status=0
-run() {  # run NAME CMD...: log to $OUT/NAME.log, remember a failure
-  local name=$1; shift
-  echo "== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1 || { status=1; echo "   FAILED (see $name.log)"; }
-  tail -3 "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_run_common.sh"
 [ "${TESTS:-1}" = 1 ] && run gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   tests/test_rms_norm_kernel.py tests/test_rms_norm_quant_fp8_kernel.py tests/test_qk_norm_rope_kernel.py \
   tests/test_mla_rope_kernel.py tests/test_silu_mul_quant_fp8_kernel.py
