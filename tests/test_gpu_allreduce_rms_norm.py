@@ -66,14 +66,9 @@ def _reference(x, residual, weight, offset, cast, group_name):
 
 
 def _ours(x, residual, weight, offset, cast, group_name):
-    from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
-        one_shot_allreduce_add_rms_norm,
-        one_shot_allreduce_rms_norm,
-    )
+    from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import one_shot
 
-    if residual is None:
-        return one_shot_allreduce_rms_norm(x, weight, EPS, offset, cast, group_name)
-    return one_shot_allreduce_add_rms_norm(x, residual, weight, EPS, offset, cast, group_name)
+    return one_shot(x, residual, weight, EPS, offset, cast, group_name)
 
 
 def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:

@@ -110,16 +110,9 @@ def _fallback(x, residual, weight, offset, cast, quant, group_name):
 
 
 def _ours(x, residual, weight, offset, cast, quant, group_name):
-    from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8_symm_mem import (
-        one_shot_allreduce_add_rms_norm_quant_fp8,
-        one_shot_allreduce_rms_norm_quant_fp8,
-    )
+    from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8_symm_mem import one_shot
 
-    if residual is None:
-        return one_shot_allreduce_rms_norm_quant_fp8(x, weight, EPS, offset, cast, *quant, group_name)
-    return one_shot_allreduce_add_rms_norm_quant_fp8(
-        x, residual, weight, EPS, offset, cast, *quant, group_name
-    )
+    return one_shot(x, residual, weight, EPS, offset, cast, *quant, group_name)
 
 
 def _op(x, residual, weight, offset, cast, quant, group_name):

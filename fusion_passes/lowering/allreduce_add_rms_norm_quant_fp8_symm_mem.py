@@ -288,9 +288,9 @@ def launch_eligible(
     )  # fmt: skip
 
 
-def one_shot_allreduce_add_rms_norm_quant_fp8(
+def one_shot(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     weight_offset: float,
@@ -301,38 +301,15 @@ def one_shot_allreduce_add_rms_norm_quant_fp8(
     scale_ue8m0: bool,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scales, s + residual) of the quantized rms_norm(s + residual), s = sum of x over
-    the group, in one kernel (the static scheme's scales are the given tensor, not a copy).
-    Raises RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
+    """The one-shot kernel on its own (no fallback): (codes, scales, r) of the quantized
+    rms_norm(r), r = s + residual or r = s without one, s = sum of x over the group (the static
+    scheme's scales are the given tensor, not a copy). Raises ValueError for arguments the ops
+    do not define, RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
     check_allreduce_rms_norm_quant_fp8_args(
         x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, residual
     )
     require_eligible(x, group_name, "allreduce_add_rms_norm_quant_fp8")
     return launch_eligible(
         x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
-        scale_ue8m0, group_name,
-    )  # fmt: skip
-
-
-def one_shot_allreduce_rms_norm_quant_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    scheme: str,
-    scale: torch.Tensor | None,
-    group_size: int,
-    scale_ue8m0: bool,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scales, s) of the quantized rms_norm(s), s = sum of x over the group, in one kernel.
-    Raises RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
-    check_allreduce_rms_norm_quant_fp8_args(
-        x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
-    )
-    require_eligible(x, group_name, "allreduce_add_rms_norm_quant_fp8")
-    return launch_eligible(
-        x, None, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
         scale_ue8m0, group_name,
     )  # fmt: skip

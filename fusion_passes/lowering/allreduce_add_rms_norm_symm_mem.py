@@ -634,32 +634,18 @@ def require_eligible(x: torch.Tensor, group_name: str, op: str = "allreduce_add_
         raise RuntimeError(f"one-shot {op} not usable: {reason}")
 
 
-def one_shot_allreduce_add_rms_norm(
+def one_shot(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     weight_offset: float,
     cast_before_weight: bool,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s + residual), s + residual) with s = sum of x over the group, in one kernel.
-    Raises RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
+    """The one-shot kernel on its own (no fallback): (rms_norm(r), r) with r = s + residual, or
+    r = s without one, s = sum of x over the group. Raises ValueError for arguments the ops do
+    not define, RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     require_eligible(x, group_name)
     return launch_eligible(x, residual, weight, eps, weight_offset, cast_before_weight, group_name)
-
-
-def one_shot_allreduce_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s), s) with s = sum of x over the group, in one kernel.
-    Raises RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
-    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
-    require_eligible(x, group_name)
-    return launch_eligible(x, None, weight, eps, weight_offset, cast_before_weight, group_name)
