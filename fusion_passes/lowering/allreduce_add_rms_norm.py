@@ -69,62 +69,64 @@ def one_shot_usable(x: torch.Tensor, group_name: str, op: str, chunked: bool = F
     return reason is None
 
 
-def _reference_add(x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
-    """Every device and backend (gloo included): the functional collective, then the norm."""
+def _on_reference(op, x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
+    """Either op (``op`` names it for the fallback record; residual None: the one without) on
+    every device and backend, gloo included: the functional collective, then the norm."""
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     if x.device.type != "cuda":
-        record_fallback(_ADD_OP, group_name, f"x is on {x.device.type}: the reference path")
-    out, new_residual = allreduce_add_rms_norm_reference(
-        x, residual, weight, eps, weight_offset, cast_before_weight, group_name
-    )
-    return out.contiguous(), new_residual.contiguous()
+        record_fallback(op, group_name, f"x is on {x.device.type}: the reference path")
+    if residual is None:
+        out, r = allreduce_rms_norm_reference(x, weight, eps, weight_offset, cast_before_weight, group_name)
+    else:
+        out, r = allreduce_add_rms_norm_reference(
+            x, residual, weight, eps, weight_offset, cast_before_weight, group_name
+        )
+    return out.contiguous(), r.contiguous()
 
 
-def _reference(x, weight, eps, weight_offset, cast_before_weight, group_name):
-    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
-    if x.device.type != "cuda":
-        record_fallback(_OP, group_name, f"x is on {x.device.type}: the reference path")
-    out, reduced = allreduce_rms_norm_reference(
-        x, weight, eps, weight_offset, cast_before_weight, group_name
-    )
-    return out.contiguous(), reduced.contiguous()
-
-
-def _cuda_add(x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
+def _on_cuda(op, x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
+    """Either op on CUDA: the one-shot kernel where it serves, else NCCL + the fused norm kernel
+    (for groups or sizes the one-shot kernel does not take), the reason recorded."""
     check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
-    if one_shot_usable(x, group_name, _ADD_OP, chunked=True):
+    if one_shot_usable(x, group_name, op, chunked=True):
         return one_shot_module().launch_eligible(
             x, residual, weight, eps, weight_offset, cast_before_weight, group_name
         )
-    # Fallback (NCCL + the fused norm kernel), for groups or sizes the one-shot kernel does not take.
     from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
 
-    reduced = all_reduce_sum(x, group_name)
-    return rms_norm_triton(
+    # Contiguous: without a residual the sum is an output of the op, which promises contiguous outputs.
+    reduced = all_reduce_sum(x, group_name).contiguous()
+    out, new_residual = rms_norm_triton(
         reduced, weight, eps, weight_offset, cast_before_weight, residual=residual
     )
+    return out, reduced if new_residual is None else new_residual
 
 
-def _cuda(x, weight, eps, weight_offset, cast_before_weight, group_name):
-    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight)
-    if one_shot_usable(x, group_name, _OP, chunked=True):
-        return one_shot_module().launch_eligible(
-            x, None, weight, eps, weight_offset, cast_before_weight, group_name
-        )
-    from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
-
-    reduced = all_reduce_sum(x, group_name).contiguous()
-    return rms_norm_triton(reduced, weight, eps, weight_offset, cast_before_weight)[0], reduced
+# The two schemas' entry points (an op's outputs must not depend on whether an input is None,
+# hence two ops; one body each).
+def _reference_add(x, residual, *args):
+    return _on_reference(_ADD_OP, x, residual, *args)
 
 
-def _fake_add(x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return out, torch.empty_like(x, memory_format=torch.contiguous_format)
+def _reference(x, *args):
+    return _on_reference(_OP, x, None, *args)
+
+
+def _cuda_add(x, residual, *args):
+    return _on_cuda(_ADD_OP, x, residual, *args)
+
+
+def _cuda(x, *args):
+    return _on_cuda(_OP, x, None, *args)
 
 
 def _fake(x, weight, eps, weight_offset, cast_before_weight, group_name):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_add(x, residual, *args):
+    return _fake(x, *args)
 
 
 _ADD_OP = "fusion_passes.allreduce_add_rms_norm.default"

@@ -127,93 +127,74 @@ def _one_shot_module():
     return _one_shot
 
 
-def _reference_add(
-    x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
+def _on_reference(
+    op, x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
     scale_ue8m0, group_name,
 ):  # fmt: skip
-    """Every device and backend (gloo included): the functional collective, then the reference."""
+    """Either op (``op`` names it for the fallback record; residual None: the one without) on
+    every device and backend, gloo included: the functional collective, then the reference."""
     check_allreduce_rms_norm_quant_fp8_args(
         x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, residual
     )
     if x.device.type != "cuda":
-        record_fallback(_ADD_OP, group_name, f"x is on {x.device.type}: the reference path")
-    q, scales, new_residual = allreduce_add_rms_norm_quant_fp8_reference(
-        x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
-        scale_ue8m0, group_name,
-    )  # fmt: skip
-    return q.contiguous(), own_scales(scales, scale), new_residual.contiguous()
+        record_fallback(op, group_name, f"x is on {x.device.type}: the reference path")
+    quant = (scheme, scale, group_size, scale_ue8m0, group_name)
+    if residual is None:
+        q, scales, r = allreduce_rms_norm_quant_fp8_reference(
+            x, weight, eps, weight_offset, cast_before_weight, *quant
+        )
+    else:
+        q, scales, r = allreduce_add_rms_norm_quant_fp8_reference(
+            x, residual, weight, eps, weight_offset, cast_before_weight, *quant
+        )
+    return q.contiguous(), own_scales(scales, scale), r.contiguous()
 
 
-def _reference(
-    x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0,
-    group_name,
-):  # fmt: skip
-    check_allreduce_rms_norm_quant_fp8_args(
-        x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
-    )
-    if x.device.type != "cuda":
-        record_fallback(_OP, group_name, f"x is on {x.device.type}: the reference path")
-    q, scales, reduced = allreduce_rms_norm_quant_fp8_reference(
-        x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0,
-        group_name,
-    )  # fmt: skip
-    return q.contiguous(), own_scales(scales, scale), reduced.contiguous()
-
-
-def _cuda_add(
-    x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
+def _on_cuda(
+    op, x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
     scale_ue8m0, group_name,
 ):  # fmt: skip
+    """Either op on CUDA: the one-shot kernel where it serves, else NCCL + the fused norm +
+    quantization kernel (for groups or sizes the one-shot kernel does not take), the reason
+    recorded."""
     check_allreduce_rms_norm_quant_fp8_args(
         x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, residual
     )
-    if one_shot_usable(x, group_name, _ADD_OP):
-        q, scales, new_residual = _one_shot_module().launch_eligible(
+    if one_shot_usable(x, group_name, op):
+        q, scales, r = _one_shot_module().launch_eligible(
             x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
             scale_ue8m0, group_name,
         )  # fmt: skip
     else:
-        # Fallback (NCCL + the fused norm + quantization kernel), for groups or sizes the
-        # one-shot kernel does not take.
         from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton
 
-        q, scales, new_residual = rms_norm_quant_fp8_triton(
-            all_reduce_sum(x, group_name), weight, eps, weight_offset, cast_before_weight, scheme,
-            scale, group_size, scale_ue8m0, residual,
-        )  # fmt: skip
-    return q, own_scales(scales, scale), new_residual
-
-
-def _cuda(
-    x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0,
-    group_name,
-):  # fmt: skip
-    check_allreduce_rms_norm_quant_fp8_args(
-        x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0
-    )
-    if one_shot_usable(x, group_name, _OP):
-        q, scales, reduced = _one_shot_module().launch_eligible(
-            x, None, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
-            scale_ue8m0, group_name,
-        )  # fmt: skip
-    else:
-        from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton
-
-        # Contiguous: the sum is an output of the op, which promises contiguous outputs.
+        # Contiguous: without a residual the sum is an output of the op, which promises
+        # contiguous outputs.
         reduced = all_reduce_sum(x, group_name).contiguous()
-        q, scales, _ = rms_norm_quant_fp8_triton(
+        q, scales, r = rms_norm_quant_fp8_triton(
             reduced, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
-            scale_ue8m0,
+            scale_ue8m0, residual,
         )  # fmt: skip
-    return q, own_scales(scales, scale), reduced
+        r = reduced if r is None else r
+    return q, own_scales(scales, scale), r
 
 
-def _fake_add(
-    x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
-    scale_ue8m0, group_name,
-):  # fmt: skip
-    q, scales = fake_quant_outputs(x, scheme, scale, group_size)
-    return q, scales, torch.empty_like(x, memory_format=torch.contiguous_format)
+# The two schemas' entry points (an op's outputs must not depend on whether an input is None,
+# hence two ops; one body each).
+def _reference_add(x, residual, *args):
+    return _on_reference(_ADD_OP, x, residual, *args)
+
+
+def _reference(x, *args):
+    return _on_reference(_OP, x, None, *args)
+
+
+def _cuda_add(x, residual, *args):
+    return _on_cuda(_ADD_OP, x, residual, *args)
+
+
+def _cuda(x, *args):
+    return _on_cuda(_OP, x, None, *args)
 
 
 def _fake(
@@ -222,6 +203,10 @@ def _fake(
 ):  # fmt: skip
     q, scales = fake_quant_outputs(x, scheme, scale, group_size)
     return q, scales, torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_add(x, residual, *args):
+    return _fake(x, *args)
 
 
 _ADD_OP = "fusion_passes.allreduce_add_rms_norm_quant_fp8.default"
