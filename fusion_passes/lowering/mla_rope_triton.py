@@ -358,7 +358,8 @@ def _identity(kernel):
 
 
 def _kv_plan(kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, rows):
-    """((normed, k_pe), the kv kernel's arguments by name, its program count)."""
+    """((normed, k_pe), the kv kernel's arguments by name, its program count). cos / sin as one
+    row per token are its cos_ptr / sin_ptr (the q plan may reuse them: the same tokens)."""
     r = check_mla_kv_args(kv, weight, cos, sin, interleave)
     lead = tuple(kv.shape[:-1])
     p = kv.shape[-1] - r
@@ -379,8 +380,9 @@ def _kv_plan(kv, weight, cos, sin, eps, weight_offset, cast_before_weight, inter
     return (normed, k_pe), args, triton.cdiv(m, rows)
 
 
-def _q_plan(q, cos, sin, rope_first, interleave, heads_first, block_h):
-    """(query, the q kernel's arguments by name, (tokens, head blocks))."""
+def _q_plan(q, cos, sin, rope_first, interleave, heads_first, block_h, cos_sin_rows=None):
+    """(query, the q kernel's arguments by name, (tokens, head blocks)); cos_sin_rows: cos and sin
+    as one row per token, when the caller has them already."""
     p = check_mla_q_args(q, cos, sin, interleave)
     lead, (h, d) = tuple(q.shape[:-2]), q.shape[-2:]
     if heads_first and len(lead) < 1:
@@ -388,7 +390,7 @@ def _q_plan(q, cos, sin, rope_first, interleave, heads_first, block_h):
     q_rows = q.reshape(-1, h, d)
     if q_rows.stride(-1) != 1:
         q_rows = q_rows.contiguous()
-    cos_rows, sin_rows = _rows(cos, lead), _rows(sin, lead)
+    cos_rows, sin_rows = cos_sin_rows or (_rows(cos, lead), _rows(sin, lead))
     t = q_rows.shape[0]
     s = lead[-1] if lead else 1
     if heads_first:
@@ -443,7 +445,9 @@ def mla_q_kv_rope_triton(
     (normed, k_pe), kv_args, kv_programs = _kv_plan(
         kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, None
     )
-    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, False, interleave, True, None)
+    query, q_args, (tokens, head_blocks) = _q_plan(
+        q, cos, sin, False, interleave, True, None, (kv_args["cos_ptr"], kv_args["sin_ptr"])
+    )
     for name in ("ROPE_FIRST", "HEADS_FIRST"):
         del q_args[name]
     args = {**kv_args, **q_args, "kv_programs": kv_programs, "head_blocks": head_blocks}
