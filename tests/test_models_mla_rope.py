@@ -71,7 +71,9 @@ def test_q_and_kv_branches_merge_into_one_launch_per_layer():
     report = merged.report
     assert report.matches["mla_q_kv_rope"] == layers
     assert not report.errors and not report.rejected
-    after = report.ops_after()
+    before, after = report.ops_before(), report.ops_after()
     assert after["fusion_passes.mla_q_kv_rope.default"] == layers
+    # Per layer: the q rope, query and k_pe rope cats, inside the one op now as before in two.
+    assert before["aten.cat.default"] - after["aten.cat.default"] == 3 * layers
     assert not {"fusion_passes.mla_q_rope.default", "fusion_passes.mla_kv_norm_rope.default"} & set(after)
     assert torch.equal(merged.fused, default.fused)

@@ -124,7 +124,8 @@ def test_branches_with_their_own_cos_stay_two_launches():
         two_tables, q, kv, kv_b, w, cos, sin, q_cos, q_sin, fusions=["mla_q_kv_rope"]
     )
     assert report.matches["mla_q_kv_rope"] == 0 and report.matches["mla_kv_norm_rope"] >= 1
-    after = report.graphs[0].ops_after
+    before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
+    assert before["aten.rsqrt.default"] >= 1 and not any(op.startswith("fusion_passes.") for op in before)
     assert "fusion_passes.mla_q_kv_rope.default" not in after
     assert (
         after["fusion_passes.mla_q_rope.default"] >= 1
