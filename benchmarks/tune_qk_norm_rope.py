@@ -1,6 +1,6 @@
 """Launch-shape sweep of the qk_norm_rope kernel at each model's real head configuration (bf16,
 one GPU, the kernel alone inside a CUDA graph of GRAPH_CALLS calls): row body (three column tiles
-per head, or one whole-head tile) x head rows per program x warps.
+per head, or whole-head and rotary tiles) x head rows per program (or per step) x warps.
 
 The defaults of qk_norm_rope_triton.launch_config come from this table; rerun it when they change.
 
@@ -24,7 +24,9 @@ from timing import time_graph_us  # noqa: E402
 from fusion_passes.lowering.qk_norm_rope_triton import qk_norm_rope_triton  # noqa: E402
 
 GRAPH_CALLS = 20
-ROWS = (2, 4, 8, 16)  # per-head norm only; a whole-row norm takes one token per program
+# Head rows per program (per-head norm) or per step over a token's heads (whole-row norm, whole-head
+# tile); the split tiles' whole-row norm takes all of a token's heads at once.
+ROWS = (2, 4, 8, 16)
 WARPS = (2, 4, 8, 16)
 
 
@@ -38,13 +40,13 @@ def _kernel_args(model, x):
     return (q4, k.view(b, s, hk, d), wq, wk, cos, sin, EPS, offset, cast, per_head)
 
 
-def sweep(model, tokens):
+def sweep(model, tokens, bodies=("split", "tile"), rows_list=ROWS, warps_list=WARPS):
     sets = [_kernel_args(model, inputs(model, tokens, "cuda")) for _ in range(GRAPH_CALLS)]
     per_head = model[4]
     results = [("default", None, None, time_graph_us([lambda a=a: qk_norm_rope_triton(*a) for a in sets]))]
-    for tile in (False, True):
-        for rows in ROWS if per_head else (None,):
-            for warps in WARPS:
+    for tile in (body == "tile" for body in bodies):
+        for rows in rows_list if per_head or tile else (None,):
+            for warps in warps_list:
                 calls = [
                     lambda a=a: qk_norm_rope_triton(*a, whole_head_tile=tile, rows=rows, num_warps=warps)
                     for a in sets
@@ -58,23 +60,27 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--out", default="tune_qk_norm_rope.md")
+    parser.add_argument("--bodies", nargs="+", choices=("split", "tile"), default=["split", "tile"])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     torch.manual_seed(0)
-    lines = [f"# qk_norm_rope launch shapes, bf16, {torch.cuda.get_device_name()} (CUDA graph, us per call)", ""]
+    lines = [
+        f"# qk_norm_rope launch shapes, bf16, {torch.cuda.get_device_name()} (CUDA graph, us per call)",
+        "",
+    ]
     lines += ["| model | tokens | body | rows | warps | us |", "|---|---|---|---|---|---|"]
     for name in args.models:
         for t in args.tokens:
-            results = sweep(MODELS[name], t)
+            results = sweep(MODELS[name], t, args.bodies, args.rows, args.warps)
             best = min(r[3] for r in results)
             for body, rows, warps, us in results:
                 mark = " (best)" if us == best else ""
                 lines.append(f"| {name} | {t} | {body} | {rows or '-'} | {warps or '-'} | {us:.2f}{mark} |")
-            print(f"{name} tokens={t} done", flush=True)
-    text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
+                print(lines[-1], flush=True)  # a run cut short keeps what it measured
+    Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -24,19 +24,27 @@ class CompiledModel:
 
 
 def compiled_model(
-    name: str, dtype: torch.dtype, rope_interleave: bool | None = None, opt_in: tuple[str, ...] = ()
+    name: str,
+    dtype: torch.dtype,
+    rope_interleave: bool | None = None,
+    opt_in: tuple[str, ...] = (),
+    opt_out: tuple[str, ...] = (),
 ) -> CompiledModel:
-    """``name`` (tiny) compiled with fusion_passes' default fusions (and the opt-in ones named),
-    run once on its inputs. rope_interleave: overrides the config's (DeepSeek V3 MLA); None
-    keeps it."""
+    """``name`` (tiny) compiled with fusion_passes' default fusions (and the opt-in ones named, less
+    the opt-out ones), run once on its inputs. rope_interleave: overrides the config's (DeepSeek
+    V3 MLA); None keeps it."""
     # One cache key however the arguments are spelled (functools.cache keys f(a, b) and
     # f(a, b, None) apart, which compiled a model twice).
-    return _compiled_model(name, dtype, rope_interleave, tuple(opt_in))
+    return _compiled_model(name, dtype, rope_interleave, tuple(opt_in), tuple(opt_out))
 
 
 @functools.cache
 def _compiled_model(
-    name: str, dtype: torch.dtype, rope_interleave: bool | None, opt_in: tuple[str, ...]
+    name: str,
+    dtype: torch.dtype,
+    rope_interleave: bool | None,
+    opt_in: tuple[str, ...],
+    opt_out: tuple[str, ...],
 ) -> CompiledModel:
     built = build_model(name, size="tiny", dtype=dtype)
     if rope_interleave is not None:
@@ -46,7 +54,8 @@ def _compiled_model(
     with torch.no_grad():
         expected = module(*inputs)
         torch._dynamo.reset()
-        fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(opt_in)
+        fusions = [f.name for f in fusion_passes.registry.get_fusions("all") if f.name not in opt_out]
+        fusions += list(opt_in)
         backend = fusion_passes.backend(fusions, report=report)
         fused = torch.compile(module, backend=backend, fullgraph=True)(*inputs)
     return CompiledModel(built, report, fused, expected)

@@ -34,7 +34,8 @@ def test_every_attention_pre_path_is_fused(name, dtype, interleave):
     attention = set(sites.attention)
     assert len(attention) == built.config.num_hidden_layers
     kv = "mla_kv_norm_rope" if interleave else "mla_kv_norm_rope_rotate_half"
-    expected_matches = {kv: len(attention), "mla_q_rope": len(attention)}
+    merge = "mla_q_kv_rope" if interleave else "mla_q_kv_rope_rotate_half"
+    expected_matches = {kv: len(attention), "mla_q_rope": len(attention), merge: len(attention)}
     if name == "deepseek-v3.2":
         expected_matches |= {"mla_indexer_k_norm_rope": len(attention), "mla_indexer_q_rope": len(attention)}
     assert {k: v for k, v in report.matches.items() if k.startswith("mla_") and v} == expected_matches
@@ -49,7 +50,9 @@ def test_every_attention_pre_path_is_fused(name, dtype, interleave):
         assert owners == sorted(attention), (fusion, [s.module for s in report.sites_of(fusion)])
     assert not report.errors and not report.rejected
     after = report.ops_after()
-    assert after["fusion_passes.mla_kv_norm_rope.default"] == len(attention)
+    # The two MLA ops of each layer merged into one launch (a tiny prompt is a decode size).
+    assert after["fusion_passes.mla_q_kv_rope.default"] == len(attention)
+    assert "fusion_passes.mla_kv_norm_rope.default" not in after
     # The cats of every RoPE and of every query assembly are inside the fused ops: per layer, MLA
     # q's rope and query cats and k_pe's rope cat; the indexer's rope + reassembly cats of q and k.
     cats_per_layer = 3 + (4 if name == "deepseek-v3.2" else 0)
@@ -62,11 +65,11 @@ def test_every_attention_pre_path_is_fused(name, dtype, interleave):
 
 @pytest.mark.slow
 def test_q_and_kv_branches_merge_into_one_launch_per_layer():
-    """The opt-in mla_q_kv_rope on DeepSeek V3: one op per attention layer in place of its q and kv
-    ops, and the model's output equal bit for bit to the default compile's (the merged op is the
+    """mla_q_kv_rope on DeepSeek V3: one op per attention layer in place of its q and kv ops, and
+    the model's output equal bit for bit to the compile without the merge (the merged op is the
     two ops' math side by side)."""
-    default = compiled_model("deepseek-v3", torch.bfloat16)
-    merged = compiled_model("deepseek-v3", torch.bfloat16, opt_in=("mla_q_kv_rope",))
+    two_launches = compiled_model("deepseek-v3", torch.bfloat16, opt_out=("mla_q_kv_rope",))
+    merged = compiled_model("deepseek-v3", torch.bfloat16)
     layers = len(set(merged.built.sites.attention))
     report = merged.report
     assert report.matches["mla_q_kv_rope"] == layers
@@ -76,4 +79,5 @@ def test_q_and_kv_branches_merge_into_one_launch_per_layer():
     # Per layer: the q rope, query and k_pe rope cats, inside the one op now as before in two.
     assert before["aten.cat.default"] - after["aten.cat.default"] == 3 * layers
     assert not {"fusion_passes.mla_q_rope.default", "fusion_passes.mla_kv_norm_rope.default"} & set(after)
-    assert torch.equal(merged.fused, default.fused)
+    assert two_launches.report.ops_after()["fusion_passes.mla_kv_norm_rope.default"] == layers
+    assert torch.equal(merged.fused, two_launches.fused)

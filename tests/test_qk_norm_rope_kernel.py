@@ -66,9 +66,10 @@ def _assert_close(actual, expected, dtype):
     assert torch.all((a - e).abs() <= bound), float(((a - e).abs() / scale).max())
 
 
-def _check(args, eps, form, per_head, dtype, whole_head_tile=None):
+def _check(args, eps, form, per_head, dtype, whole_head_tile=None, rows=None):
     offset, cast = FORMS[form]
-    outs = qk_norm_rope_triton(*args, eps, offset, cast, per_head, whole_head_tile=whole_head_tile)
+    outs = qk_norm_rope_triton(*args, eps, offset, cast, per_head, whole_head_tile=whole_head_tile,
+                               rows=rows)  # fmt: skip
     refs = qk_norm_rope_reference(*args, eps, offset, cast, per_head)
     for out, ref in zip(outs, refs, strict=True):
         assert not out.isnan().any()
@@ -84,6 +85,18 @@ def test_kernel_matches_reference(config, dtype, tile):
     for i, form in enumerate(FORMS):
         args = _inputs(CONFIGS[config], dtype, form, seed=i)
         _check(args, [1e-6, 1e-5, 0.1][i], form, per_head, dtype, tile)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", ["minimax_m2", "odd_whole_row"])
+def test_whole_row_norm_in_steps(config, dtype, rows):
+    """The whole-head tile takes a whole-row norm's heads `rows` at a time (6 heads of q in 6, 3 or
+    2 steps, the last one part-masked where rows does not divide the heads; 2 of k, 1 of odd's):
+    the sum of squares over every step, then the outputs of each."""
+    for i, form in enumerate(FORMS):
+        args = _inputs(CONFIGS[config], dtype, form, seed=10 + i, q_chunk=i == 2)
+        _check(args, [1e-6, 1e-5, 0.1][i], form, False, dtype, True, rows)
 
 
 @pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
@@ -119,10 +132,11 @@ def test_outputs_fully_written(monkeypatch):
         return real_empty(*args, **kwargs).fill_(float("nan"))
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-    for config in ("odd", "odd_whole_row"):
-        for tile in (False, True):
+    for config in ("odd", "odd_whole_row", "minimax_m2"):
+        for tile, rows in ((False, None), (True, None), (True, 4)):
             args = _inputs(CONFIGS[config], torch.float16, "llama", (3, 7), q_chunk=True)
-            outs = qk_norm_rope_triton(*args, 1e-6, 0.0, True, CONFIGS[config][4], whole_head_tile=tile)
+            outs = qk_norm_rope_triton(*args, 1e-6, 0.0, True, CONFIGS[config][4], whole_head_tile=tile,
+                                       rows=rows)  # fmt: skip
             assert not any(o.isnan().any() for o in outs)
 
 

@@ -13,6 +13,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 import fusion_passes
+from fusion_passes.patterns.mla_rope import ONE_LAUNCH_MAX_TOKENS
 from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm
 
 B, S, H, NOPE, ROPE, V, R = 2, 5, 3, 16, 8, 12, 24
@@ -71,7 +72,12 @@ def _mla_inputs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
 def test_mla_q_and_kv_branches_fuse_bit_exact(interleave, dtype):
-    out, expected, report = _run(lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype))
+    kv = MLA_FUSIONS[interleave]  # without the merge of the two ops (in "all")
+    out, expected, report = _run(
+        lambda *a: mla_pre_attention(*a, interleave=interleave),
+        *_mla_inputs(dtype),
+        fusions=[kv, "mla_q_rope"],
+    )
     assert _matched(report) == {"rms_norm": 1, MLA_FUSIONS[interleave]: 1, "mla_q_rope": 1}
     (kv_site,) = report.sites_of(MLA_FUSIONS[interleave])
     rope = "interleave" if interleave else "rotate_half"
@@ -91,11 +97,9 @@ def test_mla_q_and_kv_branches_fuse_bit_exact(interleave, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
 def test_mla_q_and_kv_merge_into_one_launch(interleave, dtype):
-    """The opt-in merge: both branches' ops (sharing cos / sin) become one mla_q_kv_rope."""
+    """The merge (in "all"): both branches' ops (sharing cos / sin) become one mla_q_kv_rope."""
     merge = "mla_q_kv_rope" if interleave else "mla_q_kv_rope_rotate_half"
-    out, expected, report = _run(
-        lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype), fusions=[merge]
-    )
+    out, expected, report = _run(lambda *a: mla_pre_attention(*a, interleave=interleave), *_mla_inputs(dtype))
     assert _matched(report) == {"rms_norm": 1, MLA_FUSIONS[interleave]: 1, "mla_q_rope": 1, merge: 1}
     rope = "interleave" if interleave else "rotate_half"
     assert report.sites_of(merge)[0].spelling == f"llama_{rope}"
@@ -108,6 +112,33 @@ def test_mla_q_and_kv_merge_into_one_launch(interleave, dtype):
     assert not {"aten.sub.Tensor", "aten.neg.default", "aten.cat.default", "aten.rsqrt.default"} & set(after)
     for a, e in zip(out, expected, strict=True):
         assert a.shape == e.shape and torch.equal(a, e)
+
+
+def test_prefill_sizes_stay_two_launches(monkeypatch):
+    """From ONE_LAUNCH_MAX_TOKENS static tokens the merge is rejected, with the reason, and the two
+    ops stay; one token fewer merges. (The bound itself, not a patched one: a compile cached under
+    a patched bound would answer later compiles of the same graph.)"""
+    import test_rewrite_mla_rope as this
+
+    for tokens, merged in ((ONE_LAUNCH_MAX_TOKENS, False), (ONE_LAUNCH_MAX_TOKENS - 2, True)):
+        monkeypatch.setattr(this, "S", tokens // B)  # the spelling's views and the inputs read B, S
+        out, expected, report = _run(mla_pre_attention, *_mla_inputs(torch.bfloat16))
+        before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
+        assert before["aten.rsqrt.default"] == 1 and not any(op.startswith("fusion_passes.") for op in before)
+        assert report.matches["mla_q_kv_rope"] == merged
+        if merged:
+            assert after["fusion_passes.mla_q_kv_rope.default"] == 1 and not report.rejected
+        else:
+            assert "fusion_passes.mla_q_kv_rope.default" not in after
+            assert (
+                after["fusion_passes.mla_q_rope.default"]
+                == after["fusion_passes.mla_kv_norm_rope.default"]
+                == 1
+            )
+            (rejected,) = report.rejected
+            assert f"{tokens} tokens: left as two launches" in rejected.reason
+        for a, e in zip(out, expected, strict=True):
+            assert torch.equal(a, e)
 
 
 def test_branches_with_their_own_cos_stay_two_launches():
@@ -139,8 +170,9 @@ def test_fp32_weight_norm_form_fuses():
     """F.rms_norm's rounding (weight applied in fp32) is the op's cast_before_weight=False form."""
     args = _mla_inputs(torch.bfloat16)
     out, expected, report = _run(lambda *a: mla_pre_attention(*a, norm=functional_rms_norm), *args)
-    assert _matched(report) == {"rms_norm": 1, "mla_kv_norm_rope": 1, "mla_q_rope": 1}
+    assert _matched(report) == {"rms_norm": 1, "mla_kv_norm_rope": 1, "mla_q_rope": 1, "mla_q_kv_rope": 1}
     assert report.sites_of("mla_kv_norm_rope")[0].spelling == "rms_norm_fp32_weight_rope_interleave"
+    assert report.sites_of("mla_q_kv_rope")[0].spelling == "fp32_weight_interleave"
     for a, e in zip(out, expected, strict=True):
         assert torch.equal(a, e)
 
@@ -238,6 +270,8 @@ def test_mla_fusions_are_in_all_after_rms_norm():
         "mla_indexer_k_norm_rope",
         "mla_q_rope",
         "mla_indexer_q_rope",
+        "mla_q_kv_rope",
+        "mla_q_kv_rope_rotate_half",
     ]
     assert names.index("rms_norm") < names.index("mla_kv_norm_rope")
     requested = [f.name for f in fusion_passes.registry.get_fusions(["mla_kv_norm_rope"])]

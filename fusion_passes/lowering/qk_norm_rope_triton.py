@@ -5,9 +5,11 @@ Unfused (stock Inductor): a norm kernel per tensor (or a reduction and a pointwi
     whole-row norm), then the RoPE pointwise kernels: 2 to 6 launches, and q and k each written and
     read back once more between them.
 Fused:   one grid; programs [0, q_programs) take q rows, the rest k rows. Each program loads its rows
-    once, as three column tiles of every head (the first and second halves of the rotary dims and
-    the pass-through dims, so rotate_half needs no data movement), reduces the squares in fp32 and
-    writes each output element once, rounding exactly where qk_norm_rope_reference.py does:
+    once from DRAM, as three column tiles of every head (the first and second halves of the rotary
+    dims and the pass-through dims, so rotate_half needs no data movement: full RoPE), or as a
+    whole-head tile and a rotary tile with shifted partner loads that L1 serves (partial RoPE, and
+    the whole-row norm, a step of heads at a time); it reduces the squares in fp32 and writes each
+    output element once, rounding exactly where qk_norm_rope_reference.py does:
         y        = to_x_dtype(scaled norm)                      (rms_norm's two rounding forms)
         out[:R/2]  = to_x_dtype(to_x_dtype(y1 * c1) - to_x_dtype(y2 * s1))
         out[R/2:R] = to_x_dtype(to_x_dtype(y2 * c2) + to_x_dtype(y1 * s2))
@@ -33,12 +35,26 @@ from fusion_passes.lowering.rms_norm_triton import scale_by_weight
 _ELEMENTS_PER_PROGRAM = 2048
 _ELEMENTS_PER_THREAD = 16
 _MAX_WARPS = 16
+# A whole-row norm (MiniMax-M2) of at most this many tokens, known when the launch is traced or
+# called, takes the split tiles: one token per program in 16 warps. Measured on an H200 (bf16,
+# CUDA graph, 48 + 8 heads of 128): 2.8 / 3.4 us at 1 / 64 tokens against the whole-head tile's
+# 5.0 / 5.1; at 512 tokens the tile is ahead (8.1 against 9.5 us). A symbolic count takes the tile.
+WHOLE_ROW_SPLIT_MAX_TOKENS = 64
 
 
 @triton.jit
 def _rounded(x, dtype):
     """x (fp32) rounded to the activations' dtype and back: where the model rounds."""
     return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _token_offset(token, S, stride_b, stride_s, ONE_SEQ: tl.constexpr):
+    """Element offset (int64) of token's row, batch * stride_b + seq * stride_s; a batch of one
+    sequence (the flattened tokens of a serving step) needs no division by S."""
+    if ONE_SEQ:
+        return token.to(tl.int64) * stride_s
+    return (token // S).to(tl.int64) * stride_b + (token % S).to(tl.int64) * stride_s
 
 
 @triton.jit
@@ -51,7 +67,7 @@ def _norm_rope_rows(
     local_pid,  # this program's index among the programs of this tensor
     n_rows,  # B * S * H: head rows of this tensor
     S,  # tokens per sequence
-    H,  # heads of this tensor
+    H: tl.constexpr,  # heads of this tensor
     stride_b,  # x strides (elements) of batch, token and head
     stride_s,
     stride_h,
@@ -68,6 +84,7 @@ def _norm_rope_rows(
     ROWS: tl.constexpr,  # head rows per program (per head) / power of two >= H (whole row)
     NORM_PER_HEAD: tl.constexpr,  # normalise each head alone, else all heads of a token together
     CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form (see rms_norm_triton.scale_by_weight)
+    ONE_SEQ: tl.constexpr,  # B == 1 (see _token_offset)
 ):
     D: tl.constexpr = 2 * HALF + PASS
     dtype = out_ptr.dtype.element_ty
@@ -78,14 +95,14 @@ def _norm_rope_rows(
     else:  # one token per program: its H heads
         rows = local_pid * H + lanes
         row_mask = lanes < H
-    rows = rows.to(tl.int64)
+    # int32 row arithmetic, H a constant: a division by it is a multiply and a shift (int64
+    # divisions by runtime values were most of the kernel's instructions).
     head = rows % H
     token = rows // H
-    seq = token % S
-    batch = token // S
-    x_row = x_ptr + batch * stride_b + seq * stride_s + head * stride_h
-    cos_row = cos_ptr + batch * cos_stride_b + seq * cos_stride_s
-    sin_row = sin_ptr + batch * sin_stride_b + seq * sin_stride_s
+    x_row = x_ptr + _token_offset(token, S, stride_b, stride_s, ONE_SEQ) + head * stride_h
+    cos_row = cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ)
+    sin_row = sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ)
+    rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     half_mask = row_mask[:, None] & (cols < HALF)[None, :]
     pcols = tl.arange(0, BLOCK_PASS)
@@ -135,71 +152,115 @@ def _norm_rope_rows(
 
 
 @triton.jit
-def _norm_rope_rows_tile(
-    x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, local_pid, n_rows, S, H,
-    stride_b, stride_s, stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s,
-    eps, weight_offset,
-    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-    NORM_PER_HEAD: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+def _load_cols(ptr, cols, row_mask, col_mask, PER_ROW: tl.constexpr):
+    """Columns as fp32: of each row's own pointer ([ROWS, 1]), or of one shared row loaded once
+    (a per-head norm's [D] weight, a whole-row program's cos / sin) and broadcast over the rows."""
+    if PER_ROW:
+        return tl.load(ptr + cols, mask=row_mask & col_mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotary_tile(
+    x_row, w_row, out_row, cos_row, sin_row, row_mask, rstd, weight_offset,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    NORM_HERE: tl.constexpr, W_PER_ROW: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, eps,
 ):  # fmt: skip
-    """_norm_rope_rows with each head row as one [ROWS, BLOCK_D] tile: contiguous, vectorised loads
-    and one store per row, whatever the split of rotary and pass-through dims (the three narrow
-    tiles of _norm_rope_rows load 32 bf16 at a time when the rotary half is 32 wide). The rotation
-    partner of each rotary column (j + R/2 in the first half, j - R/2 in the second) is read by
-    two shifted loads of the same row, served from L1: DRAM still sees each byte once.
+    """Head rows ([ROWS, 1] pointers) normalised and rotated as two tiles: the whole head
+    [ROWS, BLOCK_D] (the sum of squares when NORM_HERE, else rstd is given; the pass-through
+    columns R..D stored from it) and the rotary columns [ROWS, BLOCK_R] with their partners
+    (j + R/2 in the first half, j - R/2 in the second), read by shifted loads of the same rows,
+    which L1 serves: DRAM sees each byte once, and the RoPE arithmetic runs on R columns only.
         out[j] = to_x_dtype(to_x_dtype(y[j] * cos[j]) -+ to_x_dtype(y[partner(j)] * sin[j]))  j < R
         out[j] = y[j]                                                                      j >= R
     """
     D: tl.constexpr = 2 * HALF + PASS
     R: tl.constexpr = 2 * HALF
-    dtype = out_ptr.dtype.element_ty
-    lanes = tl.arange(0, ROWS)
-    if NORM_PER_HEAD:
-        rows = local_pid * ROWS + lanes
-        row_mask = rows < n_rows
-    else:  # one token per program: its H heads
-        rows = local_pid * H + lanes
-        row_mask = lanes < H
-    rows = rows.to(tl.int64)
-    head = rows % H
-    token = rows // H
-    seq = token % S
-    batch = token // S
-    x_row = (x_ptr + batch * stride_b + seq * stride_s + head * stride_h)[:, None]
-    cos_row = (cos_ptr + batch * cos_stride_b + seq * cos_stride_s)[:, None]
-    sin_row = (sin_ptr + batch * sin_stride_b + seq * sin_stride_s)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    row_mask = row_mask[:, None]
-    mask = row_mask & (cols < D)
-    first = row_mask & (cols < HALF)  # partner at j + HALF
-    second = row_mask & (cols >= HALF) & (cols < R)  # partner at j - HALF
-    rot = row_mask & (cols < R)
-    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_row + cols + HALF, mask=first, other=0.0).to(tl.float32)
-    x_partner += tl.load(x_row + cols - HALF, mask=second, other=0.0).to(tl.float32)
-    if NORM_PER_HEAD:  # one [D] weight shared by every head
-        w_row = w_ptr
-    else:  # each head its own slice of the [H * D] weight
-        w_row = (w_ptr + head * D)[:, None]
-    w = tl.load(w_row + cols, mask=mask, other=0.0).to(tl.float32)
-    w_partner = tl.load(w_row + cols + HALF, mask=first, other=0.0).to(tl.float32)
-    w_partner += tl.load(w_row + cols - HALF, mask=second, other=0.0).to(tl.float32)
-    c = tl.load(cos_row + cols, mask=rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_row + cols, mask=rot, other=0.0).to(tl.float32)
-    squares = tl.sum(x * x, axis=1)
-    if NORM_PER_HEAD:
-        rstd = tl.rsqrt(squares / D + eps)[:, None]
-    else:
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
+    dtype = out_row.dtype.element_ty
+    if NORM_HERE or PASS > 0:
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        mask = row_mask & (cols < D)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if NORM_HERE:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        if PASS > 0:
+            w = _load_cols(w_row, cols, row_mask, cols < D, W_PER_ROW)
+            y = scale_by_weight(x * rstd, w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
+            tl.store(out_row + cols, y.to(dtype), mask=mask & (cols >= R))
+    rc = tl.arange(0, BLOCK_R)[None, :]
+    lo, hi = rc < HALF, (rc >= HALF) & (rc < R)  # partner at j + R/2, at j - R/2
+    first, second = row_mask & lo, row_mask & hi
+    rot = first | second
+    x = tl.load(x_row + rc, mask=rot, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_row + rc + HALF, mask=first, other=0.0).to(tl.float32)
+    x_partner += tl.load(x_row + rc - HALF, mask=second, other=0.0).to(tl.float32)
+    w = _load_cols(w_row, rc, row_mask, lo | hi, W_PER_ROW)
+    w_partner = _load_cols(w_row, rc + HALF, row_mask, lo, W_PER_ROW)
+    w_partner += _load_cols(w_row, rc - HALF, row_mask, hi, W_PER_ROW)
+    c = _load_cols(cos_row, rc, row_mask, lo | hi, NORM_HERE)
+    s = _load_cols(sin_row, rc, row_mask, lo | hi, NORM_HERE)
     y = _rounded(scale_by_weight(x * rstd, w, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
     y_partner = scale_by_weight(x_partner * rstd, w_partner, weight_offset, dtype, CAST_BEFORE_WEIGHT)
     y_partner = _rounded(y_partner, dtype)
     # rotate_half: the first half subtracts its partner's product, the second adds it (negation
     # is exact, so the rounding matches the reference's separate sub and add).
-    sign = tl.where(cols < HALF, -1.0, 1.0)
+    sign = tl.where(rc < HALF, -1.0, 1.0)
     o = _rounded(y * c, dtype) + sign * _rounded(y_partner * s, dtype)
-    o = tl.where(cols < R, o, y)
-    tl.store(out_ptr + rows[:, None] * D + cols, o.to(dtype), mask=mask)
+    tl.store(out_row + rc, o.to(dtype), mask=rot)
+
+
+@triton.jit
+def _norm_rope_rows_tile(
+    x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, local_pid, n_rows, S, H: tl.constexpr,
+    stride_b, stride_s, stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s,
+    eps, weight_offset,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROWS: tl.constexpr, NORM_PER_HEAD: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    STEPS: tl.constexpr, ONE_SEQ: tl.constexpr,
+):  # fmt: skip
+    """_norm_rope_rows with each head row as whole-head and rotary tiles (_rotary_tile): contiguous,
+    vectorised loads whatever the split of rotary and pass-through dims (the narrow tiles of
+    _norm_rope_rows load 32 bf16 at a time when the rotary half is 32 wide). Per-head norm: ROWS
+    head rows per program. Whole-row norm: one token per program, its heads taken ROWS at a time
+    (STEPS = cdiv(H, ROWS) steps), twice: the sum of squares first, then the outputs (the second reads come from L1 / L2), so a
+    48-head row needs no 64-row tile and a program few registers."""
+    D: tl.constexpr = 2 * HALF + PASS
+    lanes = tl.arange(0, ROWS)
+    if NORM_PER_HEAD:
+        rows = local_pid * ROWS + lanes
+        row_mask = (rows < n_rows)[:, None]
+        head = rows % H  # int32, H constant (see _norm_rope_rows)
+        token = rows // H
+        x_row = x_ptr + _token_offset(token, S, stride_b, stride_s, ONE_SEQ) + head * stride_h
+        cos_row = cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ)
+        sin_row = sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ)
+        out_row = out_ptr + rows.to(tl.int64) * D
+        _rotary_tile(
+            x_row[:, None], w_ptr, out_row[:, None], cos_row[:, None], sin_row[:, None], row_mask,
+            0.0, weight_offset, HALF, PASS, BLOCK_D, BLOCK_R, True, False, CAST_BEFORE_WEIGHT, eps,
+        )  # fmt: skip
+    else:
+        token = local_pid
+        x_token = x_ptr + _token_offset(token, S, stride_b, stride_s, ONE_SEQ)
+        cos_row = cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ)
+        sin_row = sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ)
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        squares = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for step in tl.static_range(STEPS):  # unrolled: every step's loads in flight at once
+            heads = step * ROWS + lanes
+            mask = (heads < H)[:, None] & (cols < D)
+            x = tl.load(x_token + (heads * stride_h)[:, None] + cols, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            squares += x * x
+        rstd = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (H * D) + eps)
+        for step in tl.static_range(STEPS):
+            heads = step * ROWS + lanes
+            _rotary_tile(
+                (x_token + heads * stride_h)[:, None], (w_ptr + heads * D)[:, None],
+                (out_ptr + (token.to(tl.int64) * H + heads) * D)[:, None], cos_row, sin_row, (heads < H)[:, None],
+                rstd, weight_offset, HALF, PASS, BLOCK_D, BLOCK_R, False, True, CAST_BEFORE_WEIGHT,
+                eps,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -213,8 +274,8 @@ def _qk_norm_rope_kernel(
     q_out_ptr,  # *dtype [B, S, HQ, D] contiguous
     k_out_ptr,  # *dtype [B, S, HK, D] contiguous
     S,  # tokens per sequence
-    HQ,  # q heads
-    HK,  # k heads
+    HQ: tl.constexpr,  # q heads
+    HK: tl.constexpr,  # k heads
     n_q_rows,  # B * S * HQ
     n_k_rows,  # B * S * HK
     q_programs,  # programs taking q rows; the rest of the grid takes k rows
@@ -234,11 +295,15 @@ def _qk_norm_rope_kernel(
     PASS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per q program
-    ROWS_K: tl.constexpr,  # rows per k program (ROWS, unless a whole-row norm with fewer k heads)
+    ROWS: tl.constexpr,  # head rows per q program (per head) or per step of a token's heads
+    ROWS_K: tl.constexpr,  # the same for k (ROWS, unless a whole-row norm with fewer k heads)
     NORM_PER_HEAD: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     WHOLE_HEAD_TILE: tl.constexpr,  # _norm_rope_rows_tile (BLOCK_PASS is then next_power_of_2(D))
+    BLOCK_R: tl.constexpr,  # next_power_of_2(R): _norm_rope_rows_tile's rotary tile
+    Q_STEPS: tl.constexpr,  # whole-row tile: cdiv(HQ, ROWS) steps over a token's q heads (else 1)
+    K_STEPS: tl.constexpr,  # the same for k
+    ONE_SEQ: tl.constexpr,  # B == 1: token offsets without a division by S
 ):
     # Inductor's launches pass Python floats as fp64: pin them to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
@@ -249,44 +314,43 @@ def _qk_norm_rope_kernel(
             _norm_rope_rows_tile(
                 q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
                 q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
-                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, ROWS,
-                NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, BLOCK_R, ROWS,
+                NORM_PER_HEAD, CAST_BEFORE_WEIGHT, Q_STEPS, ONE_SEQ,
             )  # fmt: skip
         else:
             _norm_rope_rows_tile(
                 k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
                 k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
-                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, ROWS_K,
-                NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+                sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, BLOCK_R, ROWS_K,
+                NORM_PER_HEAD, CAST_BEFORE_WEIGHT, K_STEPS, ONE_SEQ,
             )  # fmt: skip
     elif pid < q_programs:
         _norm_rope_rows(
             q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
             q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
-            NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ,
         )  # fmt: skip
     else:
         _norm_rope_rows(
             k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
             k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
-            NORM_PER_HEAD, CAST_BEFORE_WEIGHT,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ,
         )  # fmt: skip
 
 
-def launch_config(
-    head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool, whole_head_tile: bool
-):
+def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool, whole_head_tile: bool):
     """(BLOCK_HALF, BLOCK_PASS, ROWS, num_warps): independent of the token count, so a dynamic
     token count never re-specialises the kernel. `heads` is the larger of q's and k's. With
     whole_head_tile, BLOCK_PASS is the padded head width (the tile's columns).
 
-    Measured on an H200 (benchmarks/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096
-    tokens): Qwen 3.5 (head 256, rotary 64) whole-head tile at 8 rows x 4 warps 2.6 / 3.6 / 38.6
-    against 5.1 / 5.3 / 84.6 with the split tiles (4 rows x 2 warps); MiniMax-M2 (whole-row norm,
-    48 heads of 128, rotary 64) split tiles at 16 warps 2.7 / 3.3 / 70.5, the whole-head tile
-    3.5 / 4.4 / 180 (the [64, 128] tile's partner loads thrash), fewer warps slower."""
+    Measured on an H200 (benchmarks/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096 /
+    16384 tokens): Qwen 3.5 (head 256, rotary 64) whole-head tile at 8 rows x 4 warps 2.1 / 3.0 /
+    24.8 / 90.6 (the best of 4-16 rows x 2-8 warps within 6%); MiniMax-M2 (whole-row norm, 48
+    heads of 128, rotary 64) whole-head tile 16 heads a step x 4 warps 5.0 / 5.1 / 38.9 / 143.1,
+    the split tiles (all 64 padded heads at once, 16 warps) 2.8 / 3.4 / 67.7 / 261.5: see
+    WHOLE_ROW_SPLIT_MAX_TOKENS."""
     half, pass_ = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     if whole_head_tile:
@@ -294,11 +358,10 @@ def launch_config(
     else:
         block_pass = triton.next_power_of_2(pass_) if pass_ else 1
         padded = 2 * block_half + (block_pass if pass_ else 0)
-    if norm_per_head:
-        fit = max(1, _ELEMENTS_PER_PROGRAM // padded)
-        rows = 1 << (fit.bit_length() - 1)  # a power of two (tl.arange), rounded down
-    else:  # a whole token per program: the reduction spans all its heads
-        rows = triton.next_power_of_2(heads)
+    fit = max(1, _ELEMENTS_PER_PROGRAM // padded)
+    rows = 1 << (fit.bit_length() - 1)  # a power of two (tl.arange), rounded down
+    if not norm_per_head:  # a whole token per program: its heads in one tile, or ROWS at a time
+        rows = min(rows, triton.next_power_of_2(heads)) if whole_head_tile else triton.next_power_of_2(heads)
     warps = max(1, rows * padded // (_ELEMENTS_PER_THREAD * 32))
     num_warps = min(_MAX_WARPS, 1 << (warps.bit_length() - 1))
     return block_half, block_pass, rows, num_warps
@@ -338,13 +401,21 @@ def qk_norm_rope_triton(
     rotary_dim = cos.shape[-1]
     q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
-    if whole_head_tile is None:  # partial rotary, per-head norm (see launch_config)
-        whole_head_tile = rotary_dim < d and norm_per_head
+    if whole_head_tile is None:  # see launch_config's timings
+        if norm_per_head:  # the split tiles for full RoPE
+            whole_head_tile = rotary_dim < d
+        else:  # the whole-head tile, but the split tiles at a static decode size
+            tokens = b * s
+            whole_head_tile = not (isinstance(tokens, int) and tokens <= WHOLE_ROW_SPLIT_MAX_TOKENS)
     block_half, block_pass, default_rows, default_warps = launch_config(
         d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
-    # Overrides (benchmarks/tune_qk_norm_rope.py); a whole-row norm needs every head in one program.
-    rows = rows if rows and norm_per_head else default_rows
+    # Overrides (benchmarks/tune_qk_norm_rope.py); a whole-row norm of the split tiles needs every
+    # head in one tile.
+    rows = rows if rows and (norm_per_head or whole_head_tile) else default_rows
+    rows_k = rows if norm_per_head else triton.next_power_of_2(hk)
+    if whole_head_tile and not norm_per_head:
+        rows_k = min(rows, rows_k)
     num_warps = num_warps or default_warps
     n_q, n_k = b * s * hq, b * s * hk
     if norm_per_head:
@@ -366,10 +437,14 @@ def qk_norm_rope_triton(
         BLOCK_HALF=block_half,
         BLOCK_PASS=block_pass,
         ROWS=rows,
-        ROWS_K=rows if norm_per_head else triton.next_power_of_2(hk),
+        ROWS_K=rows_k,
         NORM_PER_HEAD=norm_per_head,
         CAST_BEFORE_WEIGHT=cast_before_weight,
         WHOLE_HEAD_TILE=whole_head_tile,
+        BLOCK_R=triton.next_power_of_2(rotary_dim),
+        Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),
+        K_STEPS=1 if norm_per_head else triton.cdiv(hk, rows_k),
+        ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
         num_warps=num_warps,
     )  # fmt: skip
     # permute, not transpose: inlined as a direct launch, this lands in Inductor's post-grad graph,

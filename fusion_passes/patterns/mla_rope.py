@@ -313,6 +313,13 @@ MLA_INDEXER_K_NORM_ROPE = Fusion(
 
 # --- mla_q_kv_rope: MLA's two branches in one launch ---
 
+# From this many tokens (a static count), the branches stay two launches. Measured on an H200 (bf16,
+# CUDA graph, DeepSeek V3 widths, us, one launch / two): 2.7 / 4.6 at 1 token, 4.2 / 6.0 at 64,
+# 8.5 / 10.5 at 256, 31.7 / 31.7 at 1024, 61.2 / 58.4 at 2048, 121.7 / 112.3 at 4096 (one
+# launch shares one warp count between the two kernels' programs). A symbolic count merges: the
+# decode steps gain the most.
+ONE_LAUNCH_MAX_TOKENS = 2048
+
 
 def _q_kv_spelling(form: str, interleave: bool):
     offset, cast = _NORM_FORMS[form]
@@ -338,6 +345,12 @@ def _q_kv_spelling(form: str, interleave: bool):
             check_mla_q_kv_args(q, kv, weight, cos.squeeze(1), sin.squeeze(1), interleave)
         except ValueError as e:
             return str(e)
+        tokens = q.shape[0] * q.shape[1]
+        if isinstance(tokens, int) and tokens >= ONE_LAUNCH_MAX_TOKENS:
+            return (
+                f"{tokens} tokens: left as two launches (faster from {ONE_LAUNCH_MAX_TOKENS} tokens, "
+                "each kernel with its own launch shape)"
+            )
         return None
 
     return Spelling(f"{form}_{'interleave' if interleave else 'rotate_half'}", pattern, replacement, check)
@@ -368,12 +381,11 @@ def _q_kv_fusion(interleave: bool) -> Fusion:
                  (two launches: at decode each is most of its branch's time)
         Fused:   query, kv_nope, k_pe = fusion_passes.mla_q_kv_rope(q, kv, w, cos, sin, eps, ...)
 
-        Opt-in until measured on a GPU.""",
+        Below ONE_LAUNCH_MAX_TOKENS tokens (or a symbolic count); above, two launches are faster.""",
         spellings=tuple(_q_kv_spelling(form, interleave) for form in _NORM_FORMS),
         example_inputs=_q_kv_examples(interleave),
         scalars={"eps": DEFAULT_SCALAR_SENTINEL},
         requires=(kv, "mla_q_rope"),
-        in_all=False,
         builtin=True,
     )
 

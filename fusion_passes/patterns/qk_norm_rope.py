@@ -123,13 +123,6 @@ def _fused_whole_row(offset: float, cast: bool):
     return replacement
 
 
-# Whole-row norm (MiniMax-M2) from this many tokens on, the site is left to Inductor: the fused
-# kernel (one token of 48 + 8 heads per program) measured on an H200, bf16, in a CUDA graph,
-# against stock Inductor: 3.4x at 1 token, 3.3x at 64, 0.97x at 4096, 0.84x at 16384. Only a
-# static token count is known here; a dynamic one fuses (decode-sized graphs are static).
-WHOLE_ROW_MAX_TOKENS = 4096
-
-
 def _check(offset: float, cast: bool, per_head: bool, full_rope: bool):
     """Reject what the canonical op would compute differently: dtypes, cos/sin shapes, weights of
     another width (a norm over another axis), a full-RoPE site whose cos does not span the head."""
@@ -153,12 +146,6 @@ def _check(offset: float, cast: bool, per_head: bool, full_rope: bool):
                 return f"projection widths {q.shape[-1]}, {k.shape[-1]} not heads of {head_dim}"
             q = q.unflatten(-1, (-1, head_dim))
             k = k.unflatten(-1, (-1, head_dim))
-            tokens = q.shape[0] * q.shape[1]
-            if isinstance(tokens, int) and tokens >= WHOLE_ROW_MAX_TOKENS:
-                return (
-                    f"whole-row norm at {tokens} tokens: left unfused (the fused kernel is slower "
-                    f"than Inductor's from {WHOLE_ROW_MAX_TOKENS} tokens)"
-                )
         cos = values["cos"]
         if full_rope and cos.dim() >= 1 and cos.shape[-1] != q.shape[-1]:
             return f"cos/sin span {cos.shape[-1]} dims, the head {q.shape[-1]}"
