@@ -157,7 +157,7 @@ def test_cli_diff_counts_launched_kernels_by_class(tmp_path):
 @pytest.mark.parametrize("launch", ["direct", "dispatch"])
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
 def test_mla_q_and_kv_in_one_launch_on_cuda(interleave, launch):
-    """The opt-in mla_q_kv_rope on CUDA: one kernel for both branches (in direct mode, emitted by
+    """mla_q_kv_rope on CUDA: one kernel for both branches (in direct mode, emitted by
     Inductor), outputs bit-equal to the two-kernel compile, and a CUDA-graph replay on new inputs."""
     from test_rewrite_mla_rope import _mla_inputs, mla_pre_attention
 

@@ -10,7 +10,7 @@ Fused:
     query         = mla_q_rope(q, cos, sin, rope_first, interleave, heads_first)
     k             = mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)
     query, kv_nope, k_pe = mla_q_kv_rope(q, kv, w, cos, sin, eps, ...): MLA's q and kv branches in
-                    one launch (the opt-in mla_q_kv_rope fusion merges the two ops above: at decode
+                    one launch (the mla_q_kv_rope fusion merges the two ops above: at decode
                     each launch is most of its branch's time)
 
 Why these three: each is one branch between a GEMM and its consumer, and one kernel that reads
