@@ -222,8 +222,8 @@ def _norm_rope_rows_tile(
     vectorised loads whatever the split of rotary and pass-through dims (the narrow tiles of
     _norm_rope_rows load 32 bf16 at a time when the rotary half is 32 wide). Per-head norm: ROWS
     head rows per program. Whole-row norm: one token per program, its heads taken ROWS at a time
-    (STEPS = cdiv(H, ROWS) steps), twice: the sum of squares first, then the outputs (the second reads come from L1 / L2), so a
-    48-head row needs no 64-row tile and a program few registers."""
+    (STEPS = cdiv(H, ROWS) steps), twice: the sum of squares first, then the outputs (the second
+    reads come from L1 / L2), so a 48-head row needs no 64-row tile and a program few registers."""
     D: tl.constexpr = 2 * HALF + PASS
     lanes = tl.arange(0, ROWS)
     if NORM_PER_HEAD:
@@ -255,11 +255,11 @@ def _norm_rope_rows_tile(
         rstd = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (H * D) + eps)
         for step in tl.static_range(STEPS):
             heads = step * ROWS + lanes
+            out_row = out_ptr + (token.to(tl.int64) * H + heads) * D
             _rotary_tile(
-                (x_token + heads * stride_h)[:, None], (w_ptr + heads * D)[:, None],
-                (out_ptr + (token.to(tl.int64) * H + heads) * D)[:, None], cos_row, sin_row, (heads < H)[:, None],
-                rstd, weight_offset, HALF, PASS, BLOCK_D, BLOCK_R, False, True, CAST_BEFORE_WEIGHT,
-                eps,
+                (x_token + heads * stride_h)[:, None], (w_ptr + heads * D)[:, None], out_row[:, None],
+                cos_row, sin_row, (heads < H)[:, None], rstd, weight_offset, HALF, PASS, BLOCK_D,
+                BLOCK_R, False, True, CAST_BEFORE_WEIGHT, eps,
             )  # fmt: skip
 
 
