@@ -95,8 +95,8 @@ def _norm_rope_rows(
     else:  # one token per program: its H heads
         rows = local_pid * H + lanes
         row_mask = lanes < H
-    # int32 row arithmetic, H a constant: a division by it is a multiply and a shift (int64
-    # divisions by runtime values were most of the kernel's instructions).
+    # int32 row arithmetic, H a constant: a division by it is a multiply and a shift (a runtime
+    # divisor costs a reciprocal sequence per row).
     head = rows % H
     token = rows // H
     x_row = x_ptr + _token_offset(token, S, stride_b, stride_s, ONE_SEQ) + head * stride_h
