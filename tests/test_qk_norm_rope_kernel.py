@@ -15,6 +15,8 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
 import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from fusion_passes.lowering.qk_norm_rope import qk_norm_rope  # noqa: E402
 from fusion_passes.lowering.qk_norm_rope_reference import qk_norm_rope_reference  # noqa: E402
@@ -109,6 +111,41 @@ def test_strided_q_batched_cos_and_one_token(config, tile):
                        cos_batch=cos_batch)  # fmt: skip
         assert args[0].stride(-2) == 2 * args[0].shape[-1]
         _check(args, 1e-6, "offset", per_head, torch.bfloat16, tile)
+
+
+@st.composite
+def _shapes(draw):
+    """Any head counts, head dim and rotary dim the op allows (R even, 2 <= R <= D), either norm
+    scope, each body and launch override, a strided q, cos per sequence or broadcast."""
+    d = draw(st.integers(1, 24)) * 2
+    per_head = draw(st.booleans())
+    return dict(
+        config=(
+            draw(st.integers(1, 9)),
+            draw(st.integers(1, 5)),
+            d,
+            2 * draw(st.integers(1, d // 2)),
+            per_head,
+        ),
+        dtype=draw(st.sampled_from(DTYPES)),
+        form=draw(st.sampled_from(list(FORMS))),
+        tokens=(draw(st.integers(1, 3)), draw(st.integers(1, 5))),
+        q_chunk=draw(st.booleans()),
+        per_sequence_cos=draw(st.booleans()),
+        tile=draw(st.sampled_from([None, False, True])),
+        rows=draw(st.sampled_from([None, 1, 2, 4, 8])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_shapes())
+def test_any_head_configuration(case):
+    """Property: every head configuration, body and launch shape matches the reference."""
+    cos_batch = case["tokens"][0] if case["per_sequence_cos"] else 1
+    args = _inputs(case["config"], case["dtype"], case["form"], case["tokens"], case["seed"], case["q_chunk"],
+                   cos_batch)  # fmt: skip
+    _check(args, 1e-6, case["form"], case["config"][4], case["dtype"], case["tile"], case["rows"])
 
 
 def test_rotation_is_applied_per_position():
