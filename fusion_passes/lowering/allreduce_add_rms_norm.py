@@ -26,7 +26,7 @@ then the fused add_rms_norm Triton kernel. The choice depends only on what every
 x's shape, dtype and layout), so all ranks take the same path. No direct launcher is registered: a
 collective must stay a dispatcher call, never be inlined as a bare Triton launch.
 
-Both ops are plain torch.library definitions (``collective_ops.define_collective_op``), not
+Both ops are plain torch.library definitions (``collective_ops.define_collective_op_pair``), not
 custom_op: a dispatcher call on every step, so its host cost counts (see collective_ops). Where an
 op did not take the one-shot kernel, the reason is recorded per group
 (``collective_ops.runtime_fallbacks``, shown by ``Report.summary``).
@@ -42,7 +42,7 @@ from fusion_passes.lowering.allreduce_add_rms_norm_reference import (
     allreduce_rms_norm_reference,
     check_allreduce_rms_norm_args,
 )
-from fusion_passes.lowering.collective_ops import define_collective_op, record_fallback
+from fusion_passes.lowering.collective_ops import define_collective_op_pair, record_fallback
 
 _one_shot_module = None
 
@@ -102,49 +102,18 @@ def _on_cuda(op, x, residual, weight, eps, weight_offset, cast_before_weight, gr
     return out, reduced if new_residual is None else new_residual
 
 
-# The two schemas' entry points (an op's outputs must not depend on whether an input is None,
-# hence two ops; one body each).
-def _reference_add(x, residual, *args):
-    return _on_reference(_ADD_OP, x, residual, *args)
-
-
-def _reference(x, *args):
-    return _on_reference(_OP, x, None, *args)
-
-
-def _cuda_add(x, residual, *args):
-    return _on_cuda(_ADD_OP, x, residual, *args)
-
-
-def _cuda(x, *args):
-    return _on_cuda(_OP, x, None, *args)
-
-
 def _fake(x, weight, eps, weight_offset, cast_before_weight, group_name):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _fake_add(x, residual, *args):
-    return _fake(x, *args)
-
-
-_ADD_OP = "fusion_passes.allreduce_add_rms_norm.default"
-_OP = "fusion_passes.allreduce_rms_norm.default"
-
-# sum(x) over the group + residual, then RMSNorm: returns (normed, new_residual).
-allreduce_add_rms_norm = define_collective_op(
+# sum(x) over the group (+ residual), then RMSNorm: (normed, new_residual), or (normed, reduced).
+allreduce_add_rms_norm, allreduce_rms_norm = define_collective_op_pair(
     "allreduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, "
     "float weight_offset, bool cast_before_weight, str group_name) -> (Tensor, Tensor)",
-    _reference_add,
-    _cuda_add,
-    _fake_add,
-)
-# sum(x) over the group, then RMSNorm: returns (normed, reduced).
-allreduce_rms_norm = define_collective_op(
     "allreduce_rms_norm(Tensor x, Tensor weight, float eps, float weight_offset, "
     "bool cast_before_weight, str group_name) -> (Tensor, Tensor)",
-    _reference,
-    _cuda,
+    _on_reference,
+    _on_cuda,
     _fake,
 )

@@ -25,7 +25,7 @@ is added (the first layer after a vocabulary-parallel embedding) the sum is the 
 Two ops rather than one with an optional residual, for the reason allreduce_add_rms_norm.py gives
 (an op's outputs must not depend on whether an input is None). The static scheme returns a copy of
 its scale: an op's outputs may not alias its inputs (Inductor's buffer planning assumes so).
-Both are plain torch.library definitions (``collective_ops.define_collective_op``, as the
+Both are plain torch.library definitions (``collective_ops.define_collective_op_pair``, as the
 non-quantizing pair), not custom_op: a dispatcher call on every step, so its host cost counts.
 
 On CUDA the op runs the one-shot symmetric-memory kernel
@@ -46,7 +46,7 @@ from fusion_passes.lowering.allreduce_add_rms_norm_reference import (
     all_reduce_sum,
     check_allreduce_rms_norm_args,
 )
-from fusion_passes.lowering.collective_ops import define_collective_op, record_fallback
+from fusion_passes.lowering.collective_ops import define_collective_op_pair, record_fallback
 from fusion_passes.lowering.rms_norm_quant_fp8 import fake_quant_outputs, own_scales
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import (
     add_rms_norm_quant_fp8_reference,
@@ -179,24 +179,6 @@ def _on_cuda(
     return q, own_scales(scales, scale), r
 
 
-# The two schemas' entry points (an op's outputs must not depend on whether an input is None,
-# hence two ops; one body each).
-def _reference_add(x, residual, *args):
-    return _on_reference(_ADD_OP, x, residual, *args)
-
-
-def _reference(x, *args):
-    return _on_reference(_OP, x, None, *args)
-
-
-def _cuda_add(x, residual, *args):
-    return _on_cuda(_ADD_OP, x, residual, *args)
-
-
-def _cuda(x, *args):
-    return _on_cuda(_OP, x, None, *args)
-
-
 def _fake(
     x, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0,
     group_name,
@@ -205,28 +187,16 @@ def _fake(
     return q, scales, torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _fake_add(x, residual, *args):
-    return _fake(x, *args)
-
-
-_ADD_OP = "fusion_passes.allreduce_add_rms_norm_quant_fp8.default"
-_OP = "fusion_passes.allreduce_rms_norm_quant_fp8.default"
-
-# sum(x) over the group + residual, RMSNorm, FP8 quantization: (codes, scales, new_residual).
-allreduce_add_rms_norm_quant_fp8 = define_collective_op(
+# sum(x) over the group (+ residual), RMSNorm, FP8 quantization: (codes, scales, new_residual),
+# or (codes, scales, reduced).
+allreduce_add_rms_norm_quant_fp8, allreduce_rms_norm_quant_fp8 = define_collective_op_pair(
     "allreduce_add_rms_norm_quant_fp8(Tensor x, Tensor residual, Tensor weight, float eps, "
     "float weight_offset, bool cast_before_weight, str scheme, Tensor? scale, int group_size, "
     "bool scale_ue8m0, str group_name) -> (Tensor, Tensor, Tensor)",
-    _reference_add,
-    _cuda_add,
-    _fake_add,
-)
-# sum(x) over the group, RMSNorm, FP8 quantization: (codes, scales, reduced).
-allreduce_rms_norm_quant_fp8 = define_collective_op(
     "allreduce_rms_norm_quant_fp8(Tensor x, Tensor weight, float eps, float weight_offset, "
     "bool cast_before_weight, str scheme, Tensor? scale, int group_size, bool scale_ue8m0, "
     "str group_name) -> (Tensor, Tensor, Tensor)",
-    _reference,
-    _cuda,
+    _on_reference,
+    _on_cuda,
     _fake,
 )

@@ -38,6 +38,30 @@ def define_collective_op(
     return getattr(torch.ops.fusion_passes, name)
 
 
+def define_collective_op_pair(
+    add_schema: str, schema: str, on_reference: Callable, on_cuda: Callable, fake: Callable
+) -> tuple[torch._ops.OpOverloadPacket, torch._ops.OpOverloadPacket]:
+    """The with-residual op (``add_schema``: x, residual, ...) and the one without (``schema``:
+    x, ...), one body each: ``on_reference`` / ``on_cuda`` take (op, x, residual or None, ...),
+    op naming the caller ("fusion_passes.<name>.default") for the fallback record; ``fake`` takes
+    the no-residual arguments. Two ops because an op's outputs must not depend on whether an
+    input is None."""
+    add_op, op = (f"fusion_passes.{sch.split('(', 1)[0]}.default" for sch in (add_schema, schema))
+    with_residual = define_collective_op(
+        add_schema,
+        lambda x, residual, *args: on_reference(add_op, x, residual, *args),
+        lambda x, residual, *args: on_cuda(add_op, x, residual, *args),
+        lambda x, residual, *args: fake(x, *args),
+    )
+    without = define_collective_op(
+        schema,
+        lambda x, *args: on_reference(op, x, None, *args),
+        lambda x, *args: on_cuda(op, x, None, *args),
+        fake,
+    )
+    return with_residual, without
+
+
 def record_fallback(op: str, group_name: str, reason: str) -> None:
     """Note that ``op`` ("fusion_passes.<name>.default") took its fallback on ``group_name``."""
     runtime_fallbacks.setdefault(op, {})[group_name] = reason
