@@ -82,16 +82,22 @@ def check_mla_q_args(q, cos, sin, interleave) -> int:
     return p
 
 
-def check_mla_q_kv_args(q, kv, weight, cos, sin, interleave) -> int:
-    """Raise ValueError for inputs mla_q_kv_rope does not define (those of its two branches, and
-    q and kv of the same tokens and dtype: they share cos and sin); returns R."""
-    r = check_mla_kv_args(kv, weight, cos, sin, interleave)
-    check_mla_q_args(q, cos, sin, interleave)
+def check_mla_q_kv_pair(q, kv) -> None:
+    """Raise ValueError unless q [*lead, H, D] and kv [*lead, R + P] are of the same tokens and
+    dtype (the two branches of mla_q_kv_rope share cos and sin)."""
     if q.dim() < 3 or tuple(q.shape[:-2]) != tuple(kv.shape[:-1]) or q.dtype != kv.dtype:
         raise ValueError(
             f"mla_q_kv_rope: q {tuple(q.shape)} {q.dtype} and kv {tuple(kv.shape)} {kv.dtype} "
             "must be of the same tokens and dtype"
         )
+
+
+def check_mla_q_kv_args(q, kv, weight, cos, sin, interleave) -> int:
+    """Raise ValueError for inputs mla_q_kv_rope does not define (those of its two branches, and
+    check_mla_q_kv_pair's); returns R."""
+    check_mla_q_kv_pair(q, kv)
+    r = check_mla_kv_args(kv, weight, cos, sin, interleave)
+    check_mla_q_args(q, cos, sin, interleave)
     return r
 
 
@@ -170,7 +176,7 @@ def mla_q_kv_rope_reference(
     """(query, normed, k_pe): MLA's two branches side by side, sharing cos and sin; query is
     mla_q_rope_reference in MLA's form (rope last, heads first), (normed, k_pe) are
     mla_kv_norm_rope_reference's."""
-    check_mla_q_kv_args(q, kv, weight, cos, sin, interleave)
+    check_mla_q_kv_pair(q, kv)  # each branch checks its own arguments
     query = mla_q_rope_reference(q, cos, sin, False, interleave, True)
     normed, k_pe = mla_kv_norm_rope_reference(
         kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave

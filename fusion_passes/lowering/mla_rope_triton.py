@@ -27,7 +27,7 @@ from fusion_passes.lowering.mla_rope_reference import (
     check_indexer_k_args,
     check_mla_kv_args,
     check_mla_q_args,
-    check_mla_q_kv_args,
+    check_mla_q_kv_pair,
 )
 
 # Elements one program works on at once: narrow rows are packed several to a program.
@@ -440,8 +440,9 @@ def mla_q_kv_rope_triton(
 ):  # fmt: skip
     """(query, normed, k_pe) as mla_q_kv_rope_reference, in one launch: the kv programs of
     mla_kv_norm_rope_triton, then the q programs of mla_q_rope_triton (MLA's form: rope last,
-    heads first), with the launch shapes each uses alone (both run 2 warps)."""
-    check_mla_q_kv_args(q, kv, weight, cos, sin, interleave)
+    heads first), with the launch shapes each uses alone (both run 2 warps). Each plan checks its
+    branch's arguments."""
+    check_mla_q_kv_pair(q, kv)
     (normed, k_pe), kv_args, kv_programs = _kv_plan(
         kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, None
     )
