@@ -1,10 +1,10 @@
-"""Launch-shape sweep of the add + RMSNorm + FP8 quantization kernel (Llama form, bf16, one GPU):
+"""Launch-shape sweep of the (add +) RMSNorm + FP8 quantization kernel (Llama form, bf16, one GPU):
 the kernel alone, inside a CUDA graph of GRAPH_CALLS calls, for every (rows per program, warps)
 pair, per hidden size, token count and dynamic scheme, against the default launch
 (rms_norm_triton.launch_config of the padded row).
 
     python benchmarks/tune_rms_norm_quant_fp8.py [--hidden 7168 4096 3072] [--tokens 1 4096]
-        [--out tune_rms_norm_quant_fp8.md]
+        [--no-residual] [--out tune_rms_norm_quant_fp8.md]
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def _default(hidden, scheme) -> tuple[int, int]:
     return rows, warps
 
 
-def sweep(hidden: int, tokens: int, scheme: str, g, rows_options, warps_options) -> list[tuple[int, int, float]]:
+def sweep(
+    hidden: int, tokens: int, scheme: str, g, rows_options, warps_options, residual: bool = True
+) -> list[tuple[int, int, float]]:
     sets = [_inputs(tokens, hidden, g) for _ in range(GRAPH_CALLS)]
     results = []
     shapes = {(rows, warps) for rows in rows_options for warps in warps_options}
@@ -53,8 +55,18 @@ def sweep(hidden: int, tokens: int, scheme: str, g, rows_options, warps_options)
     for rows, warps in shapes:
         calls = [
             lambda x=x: rms_norm_quant_fp8_triton(
-                x["x"], x["w"], EPS, 0.0, True, scheme, None, GROUP, False, x["residual"],
-                rows=rows, num_warps=warps,
+                x["x"],
+                x["w"],
+                EPS,
+                0.0,
+                True,
+                scheme,
+                None,
+                GROUP,
+                False,
+                x["residual"] if residual else None,
+                rows=rows,
+                num_warps=warps,
             )  # fmt: skip
             for x in sets
         ]
@@ -69,24 +81,33 @@ def main() -> int:
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="rows per program")
     parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
+    parser.add_argument("--no-residual", action="store_true", help="RMSNorm + quant, no residual add")
     parser.add_argument("--out", default="tune_rms_norm_quant_fp8.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     g = torch.Generator().manual_seed(0)
     lines = [
-        f"# add + RMSNorm + FP8 launch shapes, bf16, {torch.cuda.get_device_name()} "
+        f"# {'' if args.no_residual else 'add + '}RMSNorm + FP8 launch shapes, bf16, {torch.cuda.get_device_name()} "
         "(CUDA graph, us per call)",
         "",
         "| hidden | tokens | scheme | default (rows, warps) | default us | best (rows, warps) | best us | default / best |",
         "|---:|---:|---|---|---:|---|---:|---:|",
     ]
-    every = ["", "## Every shape", "", "| hidden | tokens | scheme | rows | warps | us |", "|---:|---:|---|---:|---:|---:|"]
+    every = [
+        "",
+        "## Every shape",
+        "",
+        "| hidden | tokens | scheme | rows | warps | us |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
     for hidden in args.hidden:
         for tokens in args.tokens:
             for scheme in args.schemes:
-                results = sweep(hidden, tokens, scheme, g, args.rows, args.warps)
-                every += [f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {us:.2f} |" for r, w, us in results]
+                results = sweep(hidden, tokens, scheme, g, args.rows, args.warps, not args.no_residual)
+                every += [
+                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {us:.2f} |" for r, w, us in results
+                ]
                 default = _default(hidden, scheme)
                 default_us = next(us for rows, warps, us in results if (rows, warps) == default)
                 rows, warps, best_us = min(results, key=lambda r: r[2])

@@ -211,13 +211,12 @@ def test_fp8_rounding_exhaustive(with_residual):
 def test_static_scales_of_any_size(scale):
     """The static scheme over activations from 2^-40 to 3e38 (rows of +-32 give y = +-weight
     exactly): codes bit-equal to the reference's, quotients past +-448 clamped (y / scale
-    overflowing to inf included). No activation is 0 (0 / 0 is NaN, which the clamp keeps in
-    torch and does not in the kernel's max.f32)."""
+    overflowing to inf included), and a zero activation over a zero scale (0 / 0) a NaN code."""
     g = torch.Generator().manual_seed(5)
     magnitude = torch.exp2(torch.randint(-40, 41, (512,), generator=g).float()) * (
         1 + torch.rand(512, generator=g)
     )
-    weight = torch.cat([magnitude, torch.tensor([3e38, 1e-30, 448.0, 449.0, 1.0])])
+    weight = torch.cat([magnitude, torch.tensor([3e38, 1e-30, 448.0, 449.0, 1.0, 0.0])])
     weight = (weight * torch.where(torch.rand(weight.shape, generator=g) < 0.5, -1.0, 1.0)).bfloat16().float()
     x = 32.0 * torch.tensor([[1.0], [-1.0]]).expand(2, weight.shape[0])
     case = dict(
@@ -225,7 +224,9 @@ def test_static_scales_of_any_size(scale):
         group_size=128, scale_ue8m0=False,
     )  # fmt: skip
     (q, _, _), (ref_q, _, _) = _run(case, x.to(DEVICE), weight.to(DEVICE), None)
-    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    nan = _nan_codes(ref_q)
+    assert torch.equal(_nan_codes(q), nan) and nan.any() == (scale == 0.0)
+    assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
 
 
 @pytest.mark.parametrize(
@@ -252,6 +253,42 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
         assert torch.all(s[[1, 3]] == expected) and torch.all(s[[0, 2, 4]] > expected)
     assert torch.all(q[[1, 3]].float() == 0) and not q.float().isnan().any()
     assert fp8_codes_apart(q, ref_q) <= (0 if dtype == torch.float32 else 1)
+
+
+def _nan_codes(q):
+    """Where float8_e4m3fn codes are NaN (0x7F or 0xFF: NaN codes of either sign are one value)."""
+    return (q.view(torch.uint8) & 0x7F) == 0x7F
+
+
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "scale_ue8m0"),
+    [("static", 128, False), ("per_token", 128, False), ("per_group", 128, False), ("per_group", 64, True)],
+)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0, with_residual):
+    """A NaN weight column makes that column of y NaN (rows of +-32: y = +-weight exactly
+    elsewhere). As in torch, its code is NaN and, for the computed scales, so are the amax and
+    the scale of every row (per_token) or of its group (per_group), and so every code they
+    scale; the rest is bit-exact. (A max instruction that drops NaN would give a finite scale
+    and, with a clamp of max instructions, the code -448.)"""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(256, generator=g).bfloat16()
+    weight[5] = float("nan")
+    x = 32.0 * (torch.randint(0, 2, (6, 256), generator=g) * 2 - 1).bfloat16()
+    residual = None
+    if with_residual:
+        x, residual = (0.75 * x).to(DEVICE), (0.25 * x).to(DEVICE)
+    case = dict(
+        eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
+        scale=0.5 if scheme == "static" else None, group_size=group_size, scale_ue8m0=scale_ue8m0,
+    )  # fmt: skip
+    (q, scales, _), (ref_q, ref_scales, _) = _run(case, x.to(DEVICE), weight.to(DEVICE), residual)
+    nan = _nan_codes(ref_q)
+    expected_nan = {"static": 1, "per_token": 256, "per_group": group_size}[scheme]
+    assert torch.all(nan.sum(-1) == expected_nan)
+    assert torch.equal(_nan_codes(q), nan)
+    assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
+    torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0, equal_nan=True)
 
 
 def test_strided_inputs_fully_written(monkeypatch):

@@ -226,6 +226,29 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
     assert fp8_codes_apart(q, ref_q) <= 1
 
 
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "scale_ue8m0"),
+    [("static", 128, False), ("per_token", 128, False), ("per_group", 128, False), ("per_group", 64, True)],
+)
+def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0):
+    """A NaN in up (gates of 32: silu(g) = g exactly) gives a NaN code and, for the computed
+    scales, a NaN amax and scale for its row (per_token) or group (per_group), so NaN codes for
+    every element they scale, as torch does; the other rows and groups are bit-exact."""
+    g = torch.Generator().manual_seed(11)
+    up = (torch.randn(4, 256, generator=g) * 8).bfloat16()
+    up[1, 70] = float("nan")
+    gate = torch.full_like(up, 32.0)
+    case = dict(scheme=scheme, scale=0.5 if scheme == "static" else None, group_size=group_size,
+                scale_ue8m0=scale_ue8m0)  # fmt: skip
+    (q, scales), (ref_q, ref_scales) = _run(case, gate.to(DEVICE), up.to(DEVICE))
+    nan = (ref_q.view(torch.uint8) & 0x7F) == 0x7F  # NaN codes, 0x7F or 0xFF
+    expected = {"static": 1, "per_token": 256, "per_group": group_size}[scheme]
+    assert nan.sum().item() == expected and nan[1].sum().item() == expected
+    assert torch.equal((q.view(torch.uint8) & 0x7F) == 0x7F, nan)
+    assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
+    torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"])
 def test_strided_inputs_fully_written(monkeypatch, scheme):
     """Views of one 3-d gate_up tensor (row stride 2 * 384) and a column-sliced up are read in

@@ -60,10 +60,16 @@ def check_quant_args(
 
 
 def ue8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two (UE8M0) scales: 2^ceil(log2(scale)). log2 in float64, exact for a float32
-    scale: float32's log2 rounds 2^k * (1 + 2^-23) to exactly k, and ceil would then round such a
-    scale down (it must round up, to k + 1)."""
-    return torch.exp2(torch.ceil(torch.log2(scales.double()))).float()
+    """Power-of-two (UE8M0) scales: 2^ceil(log2(scale)), from the exponent bits (frexp), not from
+    a log2: float32's log2 rounds 2^k * (1 + 2^-23) to exactly k (ceil would then round it down),
+    and float64's log2 on CUDA need not give an integer at a power of two (ceil then rounds 2^k
+    up to 2^(k+1)): the same scales must come out on every device. frexp: scale = m * 2^e, m in
+    [0.5, 1); a power of two (m = 0.5) stays, anything else rounds up to 2^e. Zero, inf and NaN
+    stay as they are."""
+    mantissa, exponent = torch.frexp(scales)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    rounded = torch.ldexp(torch.ones_like(scales), exponent)
+    return torch.where(torch.isfinite(scales) & (scales != 0), rounded, scales)
 
 
 def quant_fp8_reference(

@@ -49,9 +49,13 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
     gave 104.0, not 96.0; 7.9 gave 4.0, not 8.0). These integer steps give torch's codes in the
     interpreter and compiled alike, and need no fp8 type in either: the kernel stores bytes.
 
+    A NaN gives torch's NaN code, 0x7F with v's sign bit.
+
     HW_CONVERT (compiled for a GPU): the hardware conversion instead (cvt.rn.satfinite, round to
-    nearest even, subnormals kept: the same codes), one instruction per two values where the
-    integer steps take about a dozen per value: at 16384 x 7168 that is ~1.4G instructions."""
+    nearest even, subnormals kept, NaN to NaN: the same codes), one instruction per two values
+    where the integer steps take about a dozen per value: at 16384 x 7168 that is ~1.4G
+    instructions. satfinite also saturates |v| > 448 to +-448, so the caller's clamp is not
+    needed on this path."""
     if HW_CONVERT:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = v.to(tl.int32, bitcast=True)
@@ -64,7 +68,13 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
     # Normal: rebias the exponent (127 to 7) and round off 20 mantissa bits to nearest even; a
     # mantissa that rounds up past 7 carries into the exponent.
     normal = (magnitude - (120 << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
-    return (tl.where(magnitude < (121 << 23), subnormal, normal) | sign).to(tl.uint8)
+    code = tl.where(magnitude < (121 << 23), subnormal, normal)
+    return (tl.where(magnitude > 0x7F800000, 0x7F, code) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -80,8 +90,8 @@ def exact_quotient(y, scale):
     division per group, then one multiply and two fmas per element, where div.rn costs a range
     check (FCHK) and a Newton sequence per element, and a slow-path call per zero numerator.
 
-    The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign: -0 gives
-    -0, as -0 / scale does. Negation is a multiply by -1: Triton's unary minus is 0 - x, which
+    The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign for a positive
+    scale: -0 gives -0, as -0 / scale does (a negative one would give +0 for both zeros). Negation is a multiply by -1: Triton's unary minus is 0 - x, which
     turns -0 into +0. An infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale,
     leaving q0 = y * 0 (a signed zero; NaN for an infinite y), as y / inf gives it.
     Compiled for a GPU only: the interpreter's fma rounds the product first."""
@@ -106,7 +116,11 @@ def _static_quotient(y, given, scale, mask):
         bound = 449.0 * s
         y = tl.minimum(tl.maximum(y, -bound, propagate_nan=tl.PropagateNan.ALL), bound,
                        propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-        q = exact_quotient(y, scale)
+        # exact_quotient keeps a zero's sign for positive scales only: divide -y by |scale|
+        # (y / -3 = -y / 3 exactly, +0 / -3 = -0 included).
+        if given < 0:
+            y = y * -1.0
+        q = exact_quotient(y, tl.abs(scale))
     else:
         q = tl.div_rn(tl.where(mask, y, 1.0), scale[:, :, None])
     return q
@@ -133,13 +147,15 @@ def store_quantized(
     HW_CONVERT: tl.constexpr,
 ):
     """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
-    then codes = fp8(clamp(y / scale, -448, 448)). Shared by every "... + FP8 quantization" kernel."""
+    then codes = fp8(clamp(y / scale, -448, 448)). Shared by every "... + FP8 quantization" kernel.
+    NaN propagates as in torch: a NaN in a group makes its amax, its scale and so all its codes
+    NaN (tl.max and tl.maximum would drop it: PTX max.f32 returns the operand that is not NaN)."""
     if STATIC:
         given = tl.load(scale_ptr)
         scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
     else:
         # Masked elements hold 0: nothing to the amax.
-        amax = tl.max(tl.abs(y), axis=2)
+        amax = tl.reduce(tl.abs(y), 2, _max_keeping_nan)
         # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
         # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
         # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
@@ -148,11 +164,12 @@ def store_quantized(
             scale = amax * _RECIPROCAL_FP8_MAX
         else:
             scale = tl.div_rn(amax, _FP8_MAX)
-        scale = tl.maximum(scale, _MIN_SCALE)
+        scale = tl.maximum(scale, _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
         if SCALE_UE8M0:
-            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one.
+            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one
+            # (a NaN's would carry out of the exponent: it stays NaN).
             scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-            scale = scale_bits.to(tl.float32, bitcast=True)
+            scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
         scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
         tl.store(scale_ptrs, scale, mask=group_mask)
     if not HW_CONVERT:
@@ -161,7 +178,9 @@ def store_quantized(
         q = exact_quotient(y, scale)
     else:
         q = _static_quotient(y, given, scale, mask)
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    if not HW_CONVERT:  # cvt.rn.satfinite saturates to +-448 itself (2 instructions an element)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
 
 
