@@ -36,10 +36,18 @@ _ELEMENTS_PER_PROGRAM = 2048
 _ELEMENTS_PER_THREAD = 16
 _MAX_WARPS = 16
 # A whole-row norm (MiniMax-M2) of at most this many tokens, known when the launch is traced or
-# called, takes the split tiles: one token per program in 16 warps. Measured on an H200 (bf16,
-# CUDA graph, 48 + 8 heads of 128): 2.8 / 3.4 us at 1 / 64 tokens against the whole-head tile's
-# 5.0 / 5.1; at 512 tokens the tile is ahead (8.1 against 9.5 us). A symbolic count takes the tile.
-WHOLE_ROW_SPLIT_MAX_TOKENS = 64
+# called, takes the split tiles: one token per program, its heads read once and held in registers;
+# in 16 warps up to WHOLE_ROW_WIDE_MAX_TOKENS tokens (a decode step: few programs, each spread
+# wide), in 4 above (more programs per SM). Measured on an H200 (bf16, CUDA graph, 48 + 8 heads
+# of 128), split tiles against the whole-head tile (16 heads a step, 4 warps), us:
+#   tokens        1     64    256   512   1024   2048   4096
+#   split 16 w   2.9   3.4                                         (4 warps: 3.2 / 3.7)
+#   split 4 w                4.3   6.5   10.8   22.3   42.1
+#   tile         5.7   5.4   6.1   8.1   11.5   22.0   39.6
+# A symbolic count takes the tile.
+WHOLE_ROW_SPLIT_MAX_TOKENS = 1024
+WHOLE_ROW_WIDE_MAX_TOKENS = 64
+_WHOLE_ROW_SPLIT_WARPS = 4
 
 
 @triton.jit
@@ -55,6 +63,15 @@ def _token_offset(token, S, stride_b, stride_s, ONE_SEQ: tl.constexpr):
     if ONE_SEQ:
         return token.to(tl.int64) * stride_s
     return (token // S).to(tl.int64) * stride_b + (token % S).to(tl.int64) * stride_s
+
+
+@triton.jit
+def _load_cols(ptr, cols, row_mask, col_mask, PER_ROW: tl.constexpr):
+    """Columns as fp32: of each row's own pointer ([ROWS, 1]), or of one shared row loaded once
+    (a per-head norm's [D] weight, a whole-row program's cos / sin) and broadcast over the rows."""
+    if PER_ROW:
+        return tl.load(ptr + cols, mask=row_mask & col_mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -100,8 +117,13 @@ def _norm_rope_rows(
     head = rows % H
     token = rows // H
     x_row = x_ptr + _token_offset(token, S, stride_b, stride_s, ONE_SEQ) + head * stride_h
-    cos_row = cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ)
-    sin_row = sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ)
+    if NORM_PER_HEAD:
+        cos_row = (cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ))[:, None]
+        sin_row = (sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ))[:, None]
+    else:  # one token: its cos / sin row loaded once and broadcast over the heads (loaded per
+        # head row, L1 would serve it H times: as many loads as of x itself, at D = 2R)
+        cos_row = cos_ptr + _token_offset(local_pid, S, cos_stride_b, cos_stride_s, ONE_SEQ)
+        sin_row = sin_ptr + _token_offset(local_pid, S, sin_stride_b, sin_stride_s, ONE_SEQ)
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     half_mask = row_mask[:, None] & (cols < HALF)[None, :]
@@ -117,10 +139,11 @@ def _norm_rope_rows(
         w_row = (w_ptr + head * D)[:, None]
         w1 = tl.load(w_row + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_row + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    c1 = tl.load(cos_row[:, None] + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_row[:, None] + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_row[:, None] + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_row[:, None] + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    in_half = (cols < HALF)[None, :]
+    c1 = _load_cols(cos_row, cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    c2 = _load_cols(cos_row, HALF + cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    s1 = _load_cols(sin_row, cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    s2 = _load_cols(sin_row, HALF + cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
     squares = tl.sum(x1 * x1 + x2 * x2, axis=1)
     if PASS > 0:
         xp_ptrs = x_row[:, None] + 2 * HALF + pcols[None, :]
@@ -152,15 +175,6 @@ def _norm_rope_rows(
 
 
 @triton.jit
-def _load_cols(ptr, cols, row_mask, col_mask, PER_ROW: tl.constexpr):
-    """Columns as fp32: of each row's own pointer ([ROWS, 1]), or of one shared row loaded once
-    (a per-head norm's [D] weight, a whole-row program's cos / sin) and broadcast over the rows."""
-    if PER_ROW:
-        return tl.load(ptr + cols, mask=row_mask & col_mask, other=0.0).to(tl.float32)
-    return tl.load(ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _rotary_tile(
     x_row, w_row, out_row, cos_row, sin_row, row_mask, rstd, weight_offset,
     HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -179,12 +193,15 @@ def _rotary_tile(
     dtype = out_row.dtype.element_ty
     if NORM_HERE or PASS > 0:
         cols = tl.arange(0, BLOCK_D)[None, :]
-        mask = row_mask & (cols < D)
+        # With rstd given, only the pass-through columns are read (R..D: no L1 / L2 reads of the
+        # rotary columns, which the rotary tile reads itself).
+        in_tile = (cols < D) if NORM_HERE else (cols >= R) & (cols < D)
+        mask = row_mask & in_tile
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         if NORM_HERE:
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         if PASS > 0:
-            w = _load_cols(w_row, cols, row_mask, cols < D, W_PER_ROW)
+            w = _load_cols(w_row, cols, row_mask, in_tile, W_PER_ROW)
             y = scale_by_weight(x * rstd, w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
             tl.store(out_row + cols, y.to(dtype), mask=mask & (cols >= R))
     rc = tl.arange(0, BLOCK_R)[None, :]
@@ -348,9 +365,9 @@ def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: boo
     Measured on an H200 (benchmarks/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096 /
     16384 tokens): Qwen 3.5 (head 256, rotary 64) whole-head tile at 8 rows x 4 warps 2.1 / 3.0 /
     24.8 / 90.6 (the best of 4-16 rows x 2-8 warps within 6%); MiniMax-M2 (whole-row norm, 48
-    heads of 128, rotary 64) whole-head tile 16 heads a step x 4 warps 5.0 / 5.1 / 38.9 / 143.1,
-    the split tiles (all 64 padded heads at once, 16 warps) 2.8 / 3.4 / 67.7 / 261.5: see
-    WHOLE_ROW_SPLIT_MAX_TOKENS."""
+    heads of 128, rotary 64) whole-head tile 16 heads a step x 4 warps 5.7 / 5.4 / 39.6 / 142.4,
+    the split tiles (all 64 padded heads at once) 2.9 / 3.4 (16 warps) / 42.1 / 159.3 (4 warps):
+    see WHOLE_ROW_SPLIT_MAX_TOKENS."""
     half, pass_ = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     if whole_head_tile:
@@ -401,15 +418,18 @@ def qk_norm_rope_triton(
     rotary_dim = cos.shape[-1]
     q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
+    tokens = b * s
+    static_tokens = tokens if isinstance(tokens, int) else None
     if whole_head_tile is None:  # see launch_config's timings
         if norm_per_head:  # the split tiles for full RoPE
             whole_head_tile = rotary_dim < d
-        else:  # the whole-head tile, but the split tiles at a static decode size
-            tokens = b * s
-            whole_head_tile = not (isinstance(tokens, int) and tokens <= WHOLE_ROW_SPLIT_MAX_TOKENS)
+        else:  # the whole-head tile, but the split tiles up to a static token count
+            whole_head_tile = static_tokens is None or static_tokens > WHOLE_ROW_SPLIT_MAX_TOKENS
     block_half, block_pass, default_rows, default_warps = launch_config(
         d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
+    if not (norm_per_head or whole_head_tile) and (static_tokens or 0) > WHOLE_ROW_WIDE_MAX_TOKENS:
+        default_warps = _WHOLE_ROW_SPLIT_WARPS
     # Overrides (benchmarks/tune_qk_norm_rope.py); a whole-row norm of the split tiles needs every
     # head in one tile.
     rows = rows if rows and (norm_per_head or whole_head_tile) else default_rows
