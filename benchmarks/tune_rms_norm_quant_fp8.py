@@ -1,10 +1,11 @@
-"""Launch-shape sweep of the (add +) RMSNorm + FP8 quantization kernel (Llama form, bf16, one GPU):
-the kernel alone, inside a CUDA graph of GRAPH_CALLS calls, for every (rows per program, warps)
-pair, per hidden size, token count and dynamic scheme, against the default launch
-(rms_norm_triton.launch_config of the padded row).
+"""Launch-shape sweep of the FP8 quantization kernels (bf16, one GPU): (add +) RMSNorm + quant
+(Llama form) or SiLU-and-mul + quant, the kernel alone inside a CUDA graph of GRAPH_CALLS calls,
+for every (rows per program, warps) pair, per hidden (or intermediate) size, token count and
+scheme, against the default launch (rms_norm_triton.launch_config of the padded row;
+silu_mul_quant_fp8_triton.launch_layout).
 
-    python benchmarks/tune_rms_norm_quant_fp8.py [--hidden 7168 4096 3072] [--tokens 1 4096]
-        [--no-residual] [--out tune_rms_norm_quant_fp8.md]
+    python benchmarks/tune_rms_norm_quant_fp8.py [--op add_rms_norm | rms_norm | silu_mul]
+        [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton  # noqa: E402
 from fusion_passes.lowering.rms_norm_triton import launch_config  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
+    launch_layout,
+    silu_mul_quant_fp8_triton,
+)
 
 from timing import time_graph_us  # noqa: E402
 
 DTYPE, EPS, GROUP = torch.bfloat16, 1e-6, 128
+STATIC_SCALE = 0.02
 GRAPH_CALLS = 20
 ROWS = (1, 2, 4)
 WARPS = (2, 4, 8, 16)
-SCHEMES = ("per_token", "per_group")
+SCHEMES = ("static", "per_token", "per_group")
+OPS = ("add_rms_norm", "rms_norm", "silu_mul")
 
 
 def _inputs(tokens, hidden, g):
@@ -39,37 +46,36 @@ def _inputs(tokens, hidden, g):
     )
 
 
-def _default(hidden, scheme) -> tuple[int, int]:
+def _default(op, hidden, scheme) -> tuple[int, int]:
+    if op == "silu_mul":
+        return launch_layout(hidden, scheme, GROUP)[4:]
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
     _, rows, warps = launch_config(triton.next_power_of_2(groups) * triton.next_power_of_2(group))
     return rows, warps
 
 
+def _call(op, x, scheme, scale, rows, warps):
+    """One launch of op's kernel on the inputs x (silu_mul: gate = x, up = residual)."""
+    if op == "silu_mul":
+        return silu_mul_quant_fp8_triton(
+            x["x"], x["residual"], scheme, scale, GROUP, rows=rows, num_warps=warps
+        )
+    residual = x["residual"] if op == "add_rms_norm" else None
+    return rms_norm_quant_fp8_triton(
+        x["x"], x["w"], EPS, 0.0, True, scheme, scale, GROUP, False, residual, rows=rows, num_warps=warps
+    )
+
+
 def sweep(
-    hidden: int, tokens: int, scheme: str, g, rows_options, warps_options, residual: bool = True
+    op, hidden: int, tokens: int, scheme: str, g, rows_options, warps_options
 ) -> list[tuple[int, int, float]]:
     sets = [_inputs(tokens, hidden, g) for _ in range(GRAPH_CALLS)]
+    scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
     results = []
     shapes = {(rows, warps) for rows in rows_options for warps in warps_options}
-    shapes = sorted(shapes | {_default(hidden, scheme)})
+    shapes = sorted(shapes | {_default(op, hidden, scheme)})
     for rows, warps in shapes:
-        calls = [
-            lambda x=x: rms_norm_quant_fp8_triton(
-                x["x"],
-                x["w"],
-                EPS,
-                0.0,
-                True,
-                scheme,
-                None,
-                GROUP,
-                False,
-                x["residual"] if residual else None,
-                rows=rows,
-                num_warps=warps,
-            )  # fmt: skip
-            for x in sets
-        ]
+        calls = [lambda x=x: _call(op, x, scheme, scale, rows, warps) for x in sets]
         results.append((rows, warps, time_graph_us(calls)))
     return results
 
@@ -78,18 +84,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096, 3072])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4096])
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--op", choices=OPS, default="add_rms_norm")
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=["per_token", "per_group"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="rows per program")
     parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
-    parser.add_argument("--no-residual", action="store_true", help="RMSNorm + quant, no residual add")
     parser.add_argument("--out", default="tune_rms_norm_quant_fp8.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     g = torch.Generator().manual_seed(0)
     lines = [
-        f"# {'' if args.no_residual else 'add + '}RMSNorm + FP8 launch shapes, bf16, {torch.cuda.get_device_name()} "
-        "(CUDA graph, us per call)",
+        f"# {args.op} + FP8 launch shapes, bf16, {torch.cuda.get_device_name()} (CUDA graph, us per call)",
         "",
         "| hidden | tokens | scheme | default (rows, warps) | default us | best (rows, warps) | best us | default / best |",
         "|---:|---:|---|---|---:|---|---:|---:|",
@@ -104,11 +109,13 @@ def main() -> int:
     for hidden in args.hidden:
         for tokens in args.tokens:
             for scheme in args.schemes:
-                results = sweep(hidden, tokens, scheme, g, args.rows, args.warps, not args.no_residual)
-                every += [
+                results = sweep(args.op, hidden, tokens, scheme, g, args.rows, args.warps)
+                shapes = [
                     f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {us:.2f} |" for r, w, us in results
                 ]
-                default = _default(hidden, scheme)
+                print("\n".join(shapes), flush=True)  # kept in the log if a time limit cuts the run
+                every += shapes
+                default = _default(args.op, hidden, scheme)
                 default_us = next(us for rows, warps, us in results if (rows, warps) == default)
                 rows, warps, best_us = min(results, key=lambda r: r[2])
                 lines.append(

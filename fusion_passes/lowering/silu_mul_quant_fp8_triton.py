@@ -112,25 +112,10 @@ def _silu_mul_quant_fp8_kernel(
     )  # fmt: skip
 
 
-def silu_mul_quant_fp8_triton(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    scheme: str,
-    scale: torch.Tensor | None = None,
-    group_size: int = 128,
-    scale_ue8m0: bool = False,
-    *,
-    wrap: Callable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu(gate) * up quantized to float8_e4m3fn over the last dim, as
-    silu_mul_quant_fp8_reference computes it. Returns (codes, scales): codes a new contiguous fp8
-    tensor of gate's shape; scales the given scale (static), else new fp32 [..., 1] (per_token) or
-    [..., N / group_size] (per_group). gate and up may be row-strided views (the two halves of one
-    gate_up projection) and are read in place. `wrap` (e.g. torch.library.wrap_triton) is applied
-    to the kernel before launch so make_fx can trace it."""
-    check_silu_mul_args(gate, up)
-    check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
-    n = gate.shape[-1]
+def launch_layout(n: int, scheme: str, group_size: int = 128) -> tuple[int, int, int, int, int, int]:
+    """(num_groups, group, BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, num_warps) of rows of n
+    columns: per_group rows in groups of group_size, BLOCK_GROUPS of them a program; a per_token
+    row whole; a static row in tiles of _COLUMNS_PER_PROGRAM columns. Independent of the row count."""
     if scheme == "per_group":
         num_groups, group = n // group_size, group_size
     elif scheme == "per_token":
@@ -141,6 +126,37 @@ def silu_mul_quant_fp8_triton(
     block_group = triton.next_power_of_2(group)
     block_groups = 1 if scheme != "per_group" else max(1, _COLUMNS_PER_PROGRAM // block_group)
     block_groups = min(block_groups, triton.next_power_of_2(num_groups))
+    _, rows_per_program, num_warps = launch_config(block_groups * block_group)
+    return num_groups, group, block_groups, block_group, rows_per_program, num_warps
+
+
+def silu_mul_quant_fp8_triton(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    scheme: str,
+    scale: torch.Tensor | None = None,
+    group_size: int = 128,
+    scale_ue8m0: bool = False,
+    *,
+    wrap: Callable | None = None,
+    rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantized to float8_e4m3fn over the last dim, as
+    silu_mul_quant_fp8_reference computes it. Returns (codes, scales): codes a new contiguous fp8
+    tensor of gate's shape; scales the given scale (static), else new fp32 [..., 1] (per_token) or
+    [..., N / group_size] (per_group). gate and up may be row-strided views (the two halves of one
+    gate_up projection) and are read in place. `wrap` (e.g. torch.library.wrap_triton) is applied
+    to the kernel before launch so make_fx can trace it. ``rows`` / ``num_warps`` override the
+    launch shape for sweeps (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul); default:
+    launch_layout's."""
+    check_silu_mul_args(gate, up)
+    check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
+    n = gate.shape[-1]
+    num_groups, group, block_groups, block_group, default_rows, default_warps = launch_layout(
+        n, scheme, group_size
+    )
+    rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
     # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
@@ -149,7 +165,6 @@ def silu_mul_quant_fp8_triton(
         scales = torch.empty((*gate.shape[:-1], num_groups), dtype=torch.float32, device=gate.device)
     else:
         scales = scale
-    _, rows_per_program, num_warps = launch_config(block_groups * block_group)
     kernel = (wrap or (lambda k: k))(_silu_mul_quant_fp8_kernel)
     kernel[(triton.cdiv(m, rows_per_program), triton.cdiv(num_groups, block_groups))](
         gate_rows,
