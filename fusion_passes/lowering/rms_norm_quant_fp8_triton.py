@@ -127,10 +127,23 @@ def _static_quotient(y, given, scale, mask):
 
 
 @triton.jit
+def load_static_scale(scale_ptr, STATIC: tl.constexpr):
+    """The given scale of the static scheme (1.0, unused, otherwise). Kernels load it first: read
+    where it is used, it sat behind the row reduction's two bar.sync in the norm kernel's SASS,
+    one dependent load latency more on every call (the whole kernel at decode sizes)."""
+    if STATIC:
+        given = tl.load(scale_ptr)
+    else:
+        given = 1.0
+    return given
+
+
+@triton.jit
 def store_quantized(
     y,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the model's activation (rounded to its dtype)
     q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
-    scale_ptr,  # *fp32: STATIC: the given scale (read); else [M, num_groups] (written)
+    scale_ptr,  # *fp32 [M, num_groups]: the computed scales (written; not used when STATIC)
+    given,  # fp32: the static scale (load_static_scale), used when STATIC
     rows,  # int64 [ROWS]: this program's rows
     groups,  # [BLOCK_GROUPS]: group indices
     rows_3d,  # rows[:, None, None]
@@ -151,7 +164,6 @@ def store_quantized(
     NaN propagates as in torch: a NaN in a group makes its amax, its scale and so all its codes
     NaN (tl.max and tl.maximum would drop it: PTX max.f32 returns the operand that is not NaN)."""
     if STATIC:
-        given = tl.load(scale_ptr)
         scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
     else:
         # Masked elements hold 0: nothing to the amax.
@@ -190,7 +202,7 @@ def rms_norm_quantize_block(
     w,  # fp32 [1, BLOCK_GROUPS, BLOCK_GROUP]: the weight (masked columns 0)
     eps,  # fp32
     weight_offset,  # fp32
-    q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+    q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
     dtype: tl.constexpr,  # the model's activation dtype
     ROWS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
@@ -209,7 +221,7 @@ def rms_norm_quantize_block(
     # The model quantizes the activation it produced in its dtype: round there, then back to fp32.
     y = y.to(dtype).to(tl.float32)
     store_quantized(
-        y, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
         ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
 
@@ -255,6 +267,7 @@ def _rms_norm_quant_fp8_kernel(
     dtype = x_ptr.dtype.element_ty
     w_mask = ((groups < num_groups)[:, None] & (in_group < group_size)[None, :])[None, :, :]
     w = tl.load(weight_ptr + cols, mask=w_mask, other=0.0).to(tl.float32)
+    given = load_static_scale(scale_ptr, STATIC)
 
     r = tl.load(x_ptr + rows_3d * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -266,7 +279,7 @@ def _rms_norm_quant_fp8_kernel(
         r = r_rounded.to(tl.float32)
 
     rms_norm_quantize_block(
-        r, w, eps, weight_offset, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups,
+        r, w, eps, weight_offset, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups,
         group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, CAST_BEFORE_WEIGHT, STATIC,
         SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
     )  # fmt: skip

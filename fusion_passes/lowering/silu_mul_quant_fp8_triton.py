@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, check_quant_args
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import store_quantized
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import load_static_scale, store_quantized
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
 
@@ -92,6 +92,7 @@ def _silu_mul_quant_fp8_kernel(
     rows = rows.to(tl.int64)
     rows_3d = rows[:, None, None]
     dtype = gate_ptr.dtype.element_ty
+    given = load_static_scale(scale_ptr, STATIC)
 
     gate = tl.load(gate_ptr + rows_3d * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows_3d * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
@@ -107,7 +108,7 @@ def _silu_mul_quant_fp8_kernel(
     y = _round_to(silu * up, dtype, HW_CONVERT)
 
     store_quantized(
-        y, q_ptr, scale_ptr, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
         ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
 
