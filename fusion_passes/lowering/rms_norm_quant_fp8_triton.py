@@ -74,6 +74,7 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
 
 @triton.jit
 def _max_keeping_nan(a, b):
+    """max.NaN: a NaN operand gives NaN (tl.reduce's combine for an amax that keeps NaN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -91,8 +92,8 @@ def exact_quotient(y, scale):
     check (FCHK) and a Newton sequence per element, and a slow-path call per zero numerator.
 
     The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign for a positive
-    scale: -0 gives -0, as -0 / scale does (a negative one would give +0 for both zeros). Negation is a multiply by -1: Triton's unary minus is 0 - x, which
-    turns -0 into +0. An infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale,
+    scale: -0 gives -0, as -0 / scale does (a negative scale would give +0 for both zeros).
+    Negation is a multiply by -1: Triton's unary minus is 0 - x, which turns -0 into +0. An infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale,
     leaving q0 = y * 0 (a signed zero; NaN for an infinite y), as y / inf gives it.
     Compiled for a GPU only: the interpreter's fma rounds the product first."""
     # != inf, not < inf: a NaN scale must stay NaN (rcp NaN gives NaN codes, as NaN / NaN).
