@@ -75,6 +75,20 @@ def fp8_codes_apart(actual: torch.Tensor, expected: torch.Tensor) -> int:
     return int((a - e).abs().max().item()) if a.numel() else 0
 
 
+def fp8_nan_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Where float8_e4m3fn codes are NaN: 0x7F or 0xFF (e4m3fn's only NaNs, one per sign)."""
+    return (codes.view(torch.uint8) & 0x7F) == 0x7F
+
+
+def fp8_codes_equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Codes bit for bit equal, NaN codes of either sign counted as one value (the sign of a NaN
+    is the arithmetic's choice: x86 and CUDA make different default NaNs)."""
+    nan = fp8_nan_codes(expected)
+    if not torch.equal(fp8_nan_codes(actual), nan):
+        return False
+    return torch.equal(actual.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan])
+
+
 def ue8m0_quantization_apart(
     q: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, group_size: int, rtol: float
 ) -> tuple[bool, int]:

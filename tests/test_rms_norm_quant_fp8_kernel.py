@@ -24,7 +24,12 @@ import triton.language as tl  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fusion_passes.numerics import fp8_codes_apart, ue8m0_quantization_apart  # noqa: E402
+from fusion_passes.numerics import (  # noqa: E402
+    fp8_codes_apart,
+    fp8_codes_equal,
+    fp8_nan_codes,
+    ue8m0_quantization_apart,
+)
 
 from fusion_passes.lowering.rms_norm_quant_fp8 import (  # noqa: E402
     add_rms_norm_quant_fp8,
@@ -224,9 +229,7 @@ def test_static_scales_of_any_size(scale):
         group_size=128, scale_ue8m0=False,
     )  # fmt: skip
     (q, _, _), (ref_q, _, _) = _run(case, x.to(DEVICE), weight.to(DEVICE), None)
-    nan = _nan_codes(ref_q)
-    assert torch.equal(_nan_codes(q), nan) and nan.any() == (scale == 0.0)
-    assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
+    assert fp8_codes_equal(q, ref_q) and fp8_nan_codes(ref_q).any() == (scale == 0.0)
 
 
 @pytest.mark.parametrize(
@@ -255,11 +258,6 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
     assert fp8_codes_apart(q, ref_q) <= (0 if dtype == torch.float32 else 1)
 
 
-def _nan_codes(q):
-    """Where float8_e4m3fn codes are NaN (0x7F or 0xFF: NaN codes of either sign are one value)."""
-    return (q.view(torch.uint8) & 0x7F) == 0x7F
-
-
 @pytest.mark.parametrize(
     ("scheme", "group_size", "scale_ue8m0"),
     [("static", 128, False), ("per_token", 128, False), ("per_group", 128, False), ("per_group", 64, True)],
@@ -283,11 +281,9 @@ def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0, with_residu
         scale=0.5 if scheme == "static" else None, group_size=group_size, scale_ue8m0=scale_ue8m0,
     )  # fmt: skip
     (q, scales, _), (ref_q, ref_scales, _) = _run(case, x.to(DEVICE), weight.to(DEVICE), residual)
-    nan = _nan_codes(ref_q)
     expected_nan = {"static": 1, "per_token": 256, "per_group": group_size}[scheme]
-    assert torch.all(nan.sum(-1) == expected_nan)
-    assert torch.equal(_nan_codes(q), nan)
-    assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
+    assert torch.all(fp8_nan_codes(ref_q).sum(-1) == expected_nan)
+    assert fp8_codes_equal(q, ref_q)
     torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0, equal_nan=True)
 
 

@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
+from fusion_passes.numerics import fp8_codes_apart, fp8_codes_equal, fp8_nan_codes  # noqa: E402
 
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
     ue8m0,
@@ -241,11 +241,10 @@ def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0):
     case = dict(scheme=scheme, scale=0.5 if scheme == "static" else None, group_size=group_size,
                 scale_ue8m0=scale_ue8m0)  # fmt: skip
     (q, scales), (ref_q, ref_scales) = _run(case, gate.to(DEVICE), up.to(DEVICE))
-    nan = (ref_q.view(torch.uint8) & 0x7F) == 0x7F  # NaN codes, 0x7F or 0xFF
+    nan = fp8_nan_codes(ref_q)
     expected = {"static": 1, "per_token": 256, "per_group": group_size}[scheme]
     assert nan.sum().item() == expected and nan[1].sum().item() == expected
-    assert torch.equal((q.view(torch.uint8) & 0x7F) == 0x7F, nan)
-    assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
+    assert fp8_codes_equal(q, ref_q)
     torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0, equal_nan=True)
 
 

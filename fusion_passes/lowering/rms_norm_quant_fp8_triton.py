@@ -93,8 +93,9 @@ def exact_quotient(y, scale):
 
     The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign for a positive
     scale: -0 gives -0, as -0 / scale does (a negative scale would give +0 for both zeros).
-    Negation is a multiply by -1: Triton's unary minus is 0 - x, which turns -0 into +0. An infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale,
-    leaving q0 = y * 0 (a signed zero; NaN for an infinite y), as y / inf gives it.
+    Negation is a multiply by -1: Triton's unary minus is 0 - x, which turns -0 into +0. An
+    infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale, leaving q0 = y * 0 (a
+    signed zero; NaN for an infinite y), as y / inf gives it.
     Compiled for a GPU only: the interpreter's fma rounds the product first."""
     # != inf, not < inf: a NaN scale must stay NaN (rcp NaN gives NaN codes, as NaN / NaN).
     not_inf = scale != float("inf")
