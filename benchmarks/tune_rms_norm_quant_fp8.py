@@ -1,8 +1,8 @@
 """Launch-shape sweep of the FP8 quantization kernels (bf16, one GPU): (add +) RMSNorm + quant
 (Llama form) or SiLU-and-mul + quant, the kernel alone inside a CUDA graph of GRAPH_CALLS calls,
-for every (rows per program, warps) pair, per hidden (or intermediate) size, token count and
-scheme, against the default launch (rms_norm_triton.launch_config of the padded row;
-silu_mul_quant_fp8_triton.launch_layout).
+for every (rows per program, warps[, columns a program]) shape, per hidden (or intermediate)
+size, token count and scheme, against the default launch (rms_norm_triton.launch_config of the
+padded row; silu_mul_quant_fp8_triton.launch_layout for the token count).
 
     python benchmarks/tune_rms_norm_quant_fp8.py [--op add_rms_norm | rms_norm | silu_mul]
         [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
@@ -46,19 +46,23 @@ def _inputs(tokens, hidden, g):
     )
 
 
-def _default(op, hidden, scheme) -> tuple[int, int]:
+def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
+    """(rows, warps, columns) of the default launch; columns: a silu_mul static / per_group
+    program's (None for per_token and the norm kernels, whose programs hold whole rows)."""
     if op == "silu_mul":
-        return launch_layout(hidden, scheme, GROUP)[4:]
+        layout = launch_layout(hidden, scheme, GROUP, tokens)
+        columns = None if scheme == "per_token" else layout.block_groups * layout.block_group
+        return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
     _, rows, warps = launch_config(triton.next_power_of_2(groups) * triton.next_power_of_2(group))
-    return rows, warps
+    return rows, warps, None
 
 
-def _call(op, x, scheme, scale, rows, warps):
+def _call(op, x, scheme, scale, rows, warps, columns):
     """One launch of op's kernel on the inputs x (silu_mul: gate = x, up = residual)."""
     if op == "silu_mul":
         return silu_mul_quant_fp8_triton(
-            x["x"], x["residual"], scheme, scale, GROUP, rows=rows, num_warps=warps
+            x["x"], x["residual"], scheme, scale, GROUP, rows=rows, num_warps=warps, columns=columns
         )
     residual = x["residual"] if op == "add_rms_norm" else None
     return rms_norm_quant_fp8_triton(
@@ -67,16 +71,18 @@ def _call(op, x, scheme, scale, rows, warps):
 
 
 def sweep(
-    op, hidden: int, tokens: int, scheme: str, g, rows_options, warps_options
-) -> list[tuple[int, int, float]]:
+    op, hidden: int, tokens: int, scheme: str, g, rows_options, warps_options, columns_options
+) -> list[tuple[int, int, int | None, float]]:
     sets = [_inputs(tokens, hidden, g) for _ in range(GRAPH_CALLS)]
     scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
+    if op != "silu_mul" or scheme == "per_token":
+        columns_options = [None]
     results = []
-    shapes = {(rows, warps) for rows in rows_options for warps in warps_options}
-    shapes = sorted(shapes | {_default(op, hidden, scheme)})
-    for rows, warps in shapes:
-        calls = [lambda x=x: _call(op, x, scheme, scale, rows, warps) for x in sets]
-        results.append((rows, warps, time_graph_us(calls)))
+    shapes = {(r, w, c) for r in rows_options for w in warps_options for c in columns_options}
+    shapes.add(_default(op, hidden, tokens, scheme))
+    for rows, warps, columns in sorted(shapes, key=lambda s: (s[0], s[1], s[2] or 0)):
+        calls = [lambda x=x: _call(op, x, scheme, scale, rows, warps, columns) for x in sets]
+        results.append((rows, warps, columns, time_graph_us(calls)))
     return results
 
 
@@ -88,6 +94,13 @@ def main() -> int:
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=["per_token", "per_group"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="rows per program")
     parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
+    parser.add_argument(
+        "--columns",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="silu_mul static / per_group: columns a program",
+    )
     parser.add_argument("--out", default="tune_rms_norm_quant_fp8.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -96,30 +109,32 @@ def main() -> int:
     lines = [
         f"# {args.op} + FP8 launch shapes, bf16, {torch.cuda.get_device_name()} (CUDA graph, us per call)",
         "",
-        "| hidden | tokens | scheme | default (rows, warps) | default us | best (rows, warps) | best us | default / best |",
+        "| hidden | tokens | scheme | default (rows, warps, columns) | default us | best (rows, warps, columns) "
+        "| best us | default / best |",
         "|---:|---:|---|---|---:|---|---:|---:|",
     ]
     every = [
         "",
         "## Every shape",
         "",
-        "| hidden | tokens | scheme | rows | warps | us |",
-        "|---:|---:|---|---:|---:|---:|",
+        "| hidden | tokens | scheme | rows | warps | columns | us |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for hidden in args.hidden:
         for tokens in args.tokens:
             for scheme in args.schemes:
-                results = sweep(args.op, hidden, tokens, scheme, g, args.rows, args.warps)
+                results = sweep(args.op, hidden, tokens, scheme, g, args.rows, args.warps, args.columns)
                 shapes = [
-                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {us:.2f} |" for r, w, us in results
+                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {c or '-'} | {us:.2f} |"
+                    for r, w, c, us in results
                 ]
                 print("\n".join(shapes), flush=True)  # kept in the log if a time limit cuts the run
                 every += shapes
-                default = _default(args.op, hidden, scheme)
-                default_us = next(us for rows, warps, us in results if (rows, warps) == default)
-                rows, warps, best_us = min(results, key=lambda r: r[2])
+                default = _default(args.op, hidden, tokens, scheme)
+                default_us = next(us for *shape, us in results if tuple(shape) == default)
+                *best, best_us = min(results, key=lambda r: r[-1])
                 lines.append(
-                    f"| {hidden} | {tokens} | {scheme} | {default} | {default_us:.2f} | ({rows}, {warps}) "
+                    f"| {hidden} | {tokens} | {scheme} | {default} | {default_us:.2f} | {tuple(best)} "
                     f"| {best_us:.2f} | {default_us / best_us:.2f}x |"
                 )
                 print(lines[-1], flush=True)

@@ -39,7 +39,10 @@ from fusion_passes.lowering.silu_mul_quant_fp8_reference import (  # noqa: E402
     silu_mul_quant_fp8_reference,
     silu_mul_reference,
 )
-from fusion_passes.lowering.silu_mul_quant_fp8_triton import silu_mul_quant_fp8_triton  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
+    launch_layout,
+    silu_mul_quant_fp8_triton,
+)
 
 # rtol of the dynamic scales: y's error (the scale is amax(|y|) / 448, rounded alike in both).
 # bf16/fp16: one ulp of y. fp32: the kernel's silu is up to 3.3e-7 (4 ulps) off torch's CPU silu
@@ -75,6 +78,9 @@ def _cases(draw):
         scale=draw(st.sampled_from([1.0, 2.0**-3, 0.01])) if scheme == "static" else None,
         group_size=draw(st.sampled_from([g for g in (64, 96, 128) if hidden % g == 0])) if per_group else 128,
         scale_ue8m0=draw(st.booleans()) if per_group else False,
+        # {}: launch_layout's for the token count (at these counts one row a program, narrow
+        # programs); the others force several rows a program and wider ones, as at >= 4096 tokens.
+        launch=draw(st.sampled_from([{}, {"rows": 4, "columns": 1024}, {"rows": 2, "columns": 256}])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -111,7 +117,7 @@ def _run(case, gate, up):
     """(kernel outputs, reference outputs), each (codes, scales)."""
     scale = None if case["scale"] is None else torch.tensor(case["scale"], device=DEVICE)
     args = (case["scheme"], scale, case["group_size"], case["scale_ue8m0"])
-    q, scales = silu_mul_quant_fp8_triton(gate, up, *args)
+    q, scales = silu_mul_quant_fp8_triton(gate, up, *args, **case.get("launch", {}))
     assert q.dtype == FP8_DTYPE and q.shape == gate.shape and q.is_contiguous()
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     return (q, scales), silu_mul_quant_fp8_reference(gate, up, *args)
@@ -224,6 +230,51 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
         assert torch.all(s[[1, 3]] == expected) and torch.all(s[[0, 2, 4]] > expected)
     assert torch.all(q[[1, 3]].float() == 0) and not q.float().isnan().any()
     assert fp8_codes_apart(q, ref_q) <= 1
+
+
+def test_launch_layout():
+    """A per_token row of 2^k + t columns is a 2^k block and a tail block; a static token count
+    whose grid is small (decode) takes one row a program and narrower ones; a dynamic count, or
+    one whose grid is large, takes the 1024-column programs of 4 rows."""
+    per_token = launch_layout(18432, "per_token")
+    assert (per_token.block_group, per_token.block_tail, per_token.rows, per_token.num_warps) == (
+        16384,
+        2048,
+        1,
+        32,
+    )
+    assert launch_layout(18432, "per_token", tokens=1) == per_token
+    assert launch_layout(2048, "per_token").block_tail == 0
+    assert launch_layout(1100, "per_token")[3:5] == (1024, 128)
+    for scheme in ("per_group", "static"):
+        wide = launch_layout(18432, scheme)
+        assert wide.block_groups * wide.block_group == 1024 and wide.rows == 4
+        assert launch_layout(18432, scheme, tokens=4096) == wide
+        decode = launch_layout(18432, scheme, tokens=1)
+        assert decode.block_groups * decode.block_group == 128 and decode.rows == 1
+        assert decode.num_groups // decode.block_groups == 144 and decode.num_warps == 1
+        # 64 tokens of 2048 columns: 1024-column programs of 4 rows make 32 programs; one row of
+        # 512 columns a program makes 256.
+        mid = launch_layout(2048, scheme, tokens=64)
+        assert mid.block_groups * mid.block_group == 512 and mid.rows == 1
+    assert launch_layout(18432, "per_group", columns=256).block_groups == 2
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("where", ["block", "tail"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_token_amax_in_either_block(where, dtype):
+    """A 1100-column per_token row is a 1024-column block and a 128-lane tail (76 columns): the
+    row's amax, placed in one or the other, sets the scale of the whole row (bit-exact inputs)."""
+    case = dict(shape=(3, 1100), dtype=dtype, chunked=False, scheme="per_token", scale=None,
+                group_size=128, scale_ue8m0=False)  # fmt: skip
+    gate, up = _exact_silu_inputs(case, torch.Generator().manual_seed(2))
+    column = 1090 if where == "tail" else 5
+    gate[:, column], up[:, column] = 40.0, 64.0  # y = 2560, above any other |y| (<= 256)
+    (q, scales), (ref_q, ref_scales) = _run(case, gate, up)
+    torch.testing.assert_close(ref_scales.cpu(), torch.full((3, 1), 2560 / 448), rtol=1e-6, atol=0)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
 
 
 @pytest.mark.parametrize(

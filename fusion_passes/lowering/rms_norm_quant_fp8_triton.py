@@ -73,7 +73,7 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
 
 
 @triton.jit
-def _max_keeping_nan(a, b):
+def max_keeping_nan(a, b):
     """max.NaN: a NaN operand gives NaN (tl.reduce's combine for an amax that keeps NaN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -154,6 +154,7 @@ def store_quantized(
     num_groups,  # groups per row (1 unless per_group)
     group_mask,  # [ROWS, BLOCK_GROUPS]: real rows and groups
     mask,  # [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: real elements
+    more_amax,  # fp32 [ROWS, BLOCK_GROUPS] or 0.0: the amax of the groups' columns not in y
     ROWS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     STATIC: tl.constexpr,
@@ -162,14 +163,16 @@ def store_quantized(
     HW_CONVERT: tl.constexpr,
 ):
     """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
-    then codes = fp8(clamp(y / scale, -448, 448)). Shared by every "... + FP8 quantization" kernel.
-    NaN propagates as in torch: a NaN in a group makes its amax, its scale and so all its codes
-    NaN (tl.max and tl.maximum would drop it: PTX max.f32 returns the operand that is not NaN)."""
+    then codes = fp8(clamp(y / scale, -448, 448)); returns the scales [ROWS, BLOCK_GROUPS] so a
+    caller holding a group in two blocks quantizes the other with store_codes. Shared by every
+    "... + FP8 quantization" kernel. NaN propagates as in torch: a NaN in a group makes its amax,
+    its scale and so all its codes NaN (tl.max and tl.maximum would drop it: PTX max.f32 returns
+    the operand that is not NaN)."""
     if STATIC:
         scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
     else:
         # Masked elements hold 0: nothing to the amax.
-        amax = tl.reduce(tl.abs(y), 2, _max_keeping_nan)
+        amax = max_keeping_nan(tl.reduce(tl.abs(y), 2, max_keeping_nan), more_amax)
         # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
         # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
         # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
@@ -186,6 +189,16 @@ def store_quantized(
             scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
         scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
         tl.store(scale_ptrs, scale, mask=group_mask)
+    store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT)
+    return scale
+
+
+@triton.jit
+def store_codes(
+    y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC: tl.constexpr, HW_CONVERT: tl.constexpr
+):
+    """codes = fp8(clamp(y / scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
+    (store_quantized's second half, arguments as there)."""
     if not HW_CONVERT:
         q = tl.div_rn(y, scale[:, :, None])
     elif not STATIC:
@@ -223,7 +236,7 @@ def rms_norm_quantize_block(
     # The model quantizes the activation it produced in its dtype: round there, then back to fp32.
     y = y.to(dtype).to(tl.float32)
     store_quantized(
-        y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask, 0.0,
         ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
 

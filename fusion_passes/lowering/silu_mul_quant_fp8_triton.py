@@ -25,8 +25,10 @@ needs every column), so one reduction over the last axis gives the amax of a gro
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,7 +36,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, check_quant_args
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import load_static_scale, store_quantized
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
+    load_static_scale,
+    max_keeping_nan,
+    store_codes,
+    store_quantized,
+)
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
 
@@ -42,6 +49,11 @@ from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_a
 # DeepSeek V3's intermediate 18432 that is 18 programs, each reading 4 KB of bf16 gate + up.
 # Not tuned yet: the GPU benchmark (benchmarks/bench_silu_mul_quant_fp8.py) decides.
 _COLUMNS_PER_PROGRAM = 1024
+# A static token count whose grid has fewer programs than this (about two per H200 SM, 132 SMs)
+# takes narrower programs, down to _MIN_COLUMNS (or one group), each thread holding fewer elements.
+_MIN_PROGRAMS = 256
+_MIN_COLUMNS = 128
+_DECODE_ELEMENTS_PER_THREAD = 4
 
 
 @triton.jit
@@ -62,6 +74,27 @@ def _round_to(v, dtype: tl.constexpr, HW_CONVERT: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul_rounded(
+    gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT: tl.constexpr
+):
+    """fp32 y = to_dtype(to_dtype(silu(gate)) * up) of a block (masked elements 0), rounded where
+    eager rounds."""
+    dtype = gate_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + rows_3d * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + rows_3d * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    if HW_CONVERT:
+        e = libdevice.exp(-gate)  # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp)
+    else:
+        e = tl.exp(-gate)
+    # div_rn, not '/': Triton's '/' is an approximate division on NVIDIA GPUs (div.full.f32, 2 ulp).
+    # Masked columns: gate 0 gives silu 0 and y 0, nothing to the amax.
+    silu = _round_to(tl.div_rn(gate, 1.0 + e), dtype, HW_CONVERT)
+    # The product of two bf16/fp16 values is exact in fp32 (8 + 8 or 11 + 11 significant bits):
+    # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
+    return _round_to(silu * up, dtype, HW_CONVERT)
+
+
+@triton.jit
 def _silu_mul_quant_fp8_kernel(
     gate_ptr,  # *dtype [M, N]: silu's input; column stride 1, row stride stride_gate
     up_ptr,  # *dtype [M, N]: the other factor; column stride 1, row stride stride_up
@@ -78,7 +111,8 @@ def _silu_mul_quant_fp8_kernel(
     AMAX_TIMES_RECIPROCAL: tl.constexpr,  # scale = amax * fp32(1/448) (CUDA torch), else amax / 448
     HW_CONVERT: tl.constexpr,  # compiled for a GPU: libdevice exp, hardware bf16 / fp8 conversions
     BLOCK_GROUPS: tl.constexpr,  # groups each program covers (a power of two)
-    BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size)
+    BLOCK_GROUP: tl.constexpr,  # power of two >= group_size, or per_token with a tail: <= N
+    BLOCK_TAIL: tl.constexpr,  # per_token: a second block for columns BLOCK_GROUP..N (0: none)
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
 ):
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
@@ -91,44 +125,80 @@ def _silu_mul_quant_fp8_kernel(
     # int64 row offsets: M * N passes 2^31 elements at 116k tokens of intermediate 18432.
     rows = rows.to(tl.int64)
     rows_3d = rows[:, None, None]
-    dtype = gate_ptr.dtype.element_ty
     given = load_static_scale(scale_ptr, STATIC)
 
-    gate = tl.load(gate_ptr + rows_3d * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + rows_3d * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    if HW_CONVERT:
-        e = libdevice.exp(-gate)  # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp)
+    y = _silu_mul_rounded(gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT)
+    if BLOCK_TAIL > 0:
+        # A per_token row of N = 2^k + t columns as two blocks, 2^k and next_power_of_2(t), not one
+        # of next_power_of_2(N): 18432 = 16384 + 2048 holds 18 values a thread at 32 warps where
+        # 32768 lanes held 32 and spilled (sm_90 SASS: 56 local loads, 62 local stores).
+        tail_cols = BLOCK_GROUP + tl.arange(0, BLOCK_TAIL)[None, None, :]
+        tail_mask = group_mask[:, :, None] & (tail_cols < N)
+        y_tail = _silu_mul_rounded(
+            gate_ptr, up_ptr, rows_3d, tail_cols, tail_mask, stride_gate, stride_up, HW_CONVERT
+        )
+        tail_amax = tl.reduce(tl.abs(y_tail), 2, max_keeping_nan)
     else:
-        e = tl.exp(-gate)
-    # div_rn, not '/': Triton's '/' is an approximate division on NVIDIA GPUs (div.full.f32, 2 ulp).
-    # Masked columns: gate 0 gives silu 0 and y 0, nothing to the amax.
-    silu = _round_to(tl.div_rn(gate, 1.0 + e), dtype, HW_CONVERT)
-    # The product of two bf16/fp16 values is exact in fp32 (8 + 8 or 11 + 11 significant bits):
-    # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
-    y = _round_to(silu * up, dtype, HW_CONVERT)
+        tail_amax = 0.0
 
-    store_quantized(
+    scale = store_quantized(
         y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
-        ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+        tail_amax, ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
+    if BLOCK_TAIL > 0:
+        store_codes(y_tail, scale, given, q_ptr, rows_3d, tail_cols, N, tail_mask, STATIC, HW_CONVERT)
 
 
-def launch_layout(n: int, scheme: str, group_size: int = 128) -> tuple[int, int, int, int, int, int]:
-    """(num_groups, group, BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, num_warps) of rows of n
-    columns: per_group rows in groups of group_size, BLOCK_GROUPS of them a program; a per_token
-    row whole; a static row in tiles of _COLUMNS_PER_PROGRAM columns. Independent of the row count."""
+class LaunchLayout(NamedTuple):
+    """How silu_mul_quant_fp8_triton covers rows of n columns (see launch_layout)."""
+
+    num_groups: int  # groups (per_group), 1 (per_token) or tiles (static) a row is cut in
+    group: int  # columns of one: G, n, or the tile
+    block_groups: int  # of them a program covers (grid axis 1: cdiv(num_groups, block_groups))
+    block_group: int  # lanes of one: next_power_of_2(group), or per_token 2^k <= n with a tail
+    block_tail: int  # per_token: lanes of the tail block for columns block_group..n (0: none)
+    rows: int  # rows per program (grid axis 0: cdiv(tokens, rows))
+    num_warps: int
+
+
+def launch_layout(
+    n: int, scheme: str, group_size: int = 128, tokens: int | None = None, columns: int | None = None
+) -> LaunchLayout:
+    """The launch of rows of n columns: per_group rows in groups of group_size, a program covering
+    _COLUMNS_PER_PROGRAM columns (BLOCK_GROUPS groups); a static row in tiles of as many; a
+    per_token row whole, as a power-of-two block plus a tail block. Warps: 16 to 32 real elements
+    a thread (rms_norm_triton.launch_config).
+
+    tokens: a static token count (None: dynamic, and the launch never depends on it). A grid of
+    fewer than _MIN_PROGRAMS programs (a static or per_group row at decode: 18 programs of 4 rows
+    at 1 token of 18432, 3 of them masked) takes one row a program, then narrower programs, down
+    to one group or _MIN_COLUMNS, with _DECODE_ELEMENTS_PER_THREAD elements a thread.
+    columns: the columns a static or per_group program covers (a power of two), for sweeps."""
+    if scheme == "per_token":
+        block_group, block_tail = triton.next_power_of_2(n), 0
+        if block_group != n:  # 2^k + a tail block, not one block of next_power_of_2(n)
+            block_group //= 2
+            block_tail = triton.next_power_of_2(n - block_group)
+        _, rows, num_warps = launch_config(n)
+        return LaunchLayout(1, n, 1, block_group, block_tail, rows, num_warps)
+    width = min(triton.next_power_of_2(n), columns or _COLUMNS_PER_PROGRAM)
+    _, rows, num_warps = launch_config(width)
+    narrowest = group_size if scheme == "per_group" else min(width, _MIN_COLUMNS)
+    if columns is None and tokens is not None:
+        programs = lambda rows, width: triton.cdiv(tokens, rows) * triton.cdiv(n, width)  # noqa: E731
+        if programs(rows, width) < _MIN_PROGRAMS:
+            rows = 1
+            while width > narrowest and programs(rows, width) < _MIN_PROGRAMS:
+                width //= 2
+            elements = rows * width // _DECODE_ELEMENTS_PER_THREAD
+            num_warps = max(1, min(num_warps, elements // 32))
     if scheme == "per_group":
         num_groups, group = n // group_size, group_size
-    elif scheme == "per_token":
-        num_groups, group = 1, n
-    else:  # static: tiles of up to _COLUMNS_PER_PROGRAM columns, the last one masked at n
-        group = min(triton.next_power_of_2(n), _COLUMNS_PER_PROGRAM)
-        num_groups = triton.cdiv(n, group)
-    block_group = triton.next_power_of_2(group)
-    block_groups = 1 if scheme != "per_group" else max(1, _COLUMNS_PER_PROGRAM // block_group)
-    block_groups = min(block_groups, triton.next_power_of_2(num_groups))
-    _, rows_per_program, num_warps = launch_config(block_groups * block_group)
-    return num_groups, group, block_groups, block_group, rows_per_program, num_warps
+        block_group = triton.next_power_of_2(group)
+        block_groups = min(max(1, width // block_group), triton.next_power_of_2(num_groups))
+        return LaunchLayout(num_groups, group, block_groups, block_group, 0, rows, num_warps)
+    # static: tiles of width columns, the last one masked at n
+    return LaunchLayout(triton.cdiv(n, width), width, 1, width, 0, rows, num_warps)
 
 
 def silu_mul_quant_fp8_triton(
@@ -142,48 +212,49 @@ def silu_mul_quant_fp8_triton(
     wrap: Callable | None = None,
     rows: int | None = None,
     num_warps: int | None = None,
+    columns: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up quantized to float8_e4m3fn over the last dim, as
     silu_mul_quant_fp8_reference computes it. Returns (codes, scales): codes a new contiguous fp8
     tensor of gate's shape; scales the given scale (static), else new fp32 [..., 1] (per_token) or
     [..., N / group_size] (per_group). gate and up may be row-strided views (the two halves of one
     gate_up projection) and are read in place. `wrap` (e.g. torch.library.wrap_triton) is applied
-    to the kernel before launch so make_fx can trace it. ``rows`` / ``num_warps`` override the
-    launch shape for sweeps (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul); default:
-    launch_layout's."""
+    to the kernel before launch so make_fx can trace it. ``rows`` / ``num_warps`` / ``columns``
+    override the launch shape for sweeps (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul);
+    default: launch_layout's for the token count when it is static (an int, not a SymInt)."""
     check_silu_mul_args(gate, up)
     check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
     n = gate.shape[-1]
-    num_groups, group, block_groups, block_group, default_rows, default_warps = launch_layout(
-        n, scheme, group_size
-    )
-    rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
+    tokens = math.prod(gate.shape[:-1])
+    layout = launch_layout(n, scheme, group_size, tokens if isinstance(tokens, int) else None, columns)
+    rows_per_program, num_warps = rows or layout.rows, num_warps or layout.num_warps
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
     # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
     codes = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     if scale is None:
-        scales = torch.empty((*gate.shape[:-1], num_groups), dtype=torch.float32, device=gate.device)
+        scales = torch.empty((*gate.shape[:-1], layout.num_groups), dtype=torch.float32, device=gate.device)
     else:
         scales = scale
     kernel = (wrap or (lambda k: k))(_silu_mul_quant_fp8_kernel)
-    kernel[(triton.cdiv(m, rows_per_program), triton.cdiv(num_groups, block_groups))](
+    kernel[(triton.cdiv(m, rows_per_program), triton.cdiv(layout.num_groups, layout.block_groups))](
         gate_rows,
         up_rows,
         codes,
         scales,
         m,
         n,
-        num_groups,
-        group,
+        layout.num_groups,
+        layout.group,
         gate_rows.stride(0),
         up_rows.stride(0),
         STATIC=scheme == "static",
         SCALE_UE8M0=scale_ue8m0,
         AMAX_TIMES_RECIPROCAL=gate.is_cuda,
         HW_CONVERT=gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        BLOCK_GROUPS=block_groups,
-        BLOCK_GROUP=block_group,
+        BLOCK_GROUPS=layout.block_groups,
+        BLOCK_GROUP=layout.block_group,
+        BLOCK_TAIL=layout.block_tail,
         ROWS_PER_PROGRAM=rows_per_program,
         num_warps=num_warps,
     )
