@@ -1,8 +1,8 @@
 """Launch-shape sweep of the FP8 quantization kernels (bf16, one GPU): (add +) RMSNorm + quant
 (Llama form) or SiLU-and-mul + quant, the kernel alone inside a CUDA graph of GRAPH_CALLS calls,
 for every (rows per program, warps[, columns a program]) shape, per hidden (or intermediate)
-size, token count and scheme, against the default launch (rms_norm_triton.launch_config of the
-padded row; silu_mul_quant_fp8_triton.launch_layout for the token count).
+size, token count and scheme, against the default launch for the token count
+(rms_norm_quant_fp8_triton.launch_shape; silu_mul_quant_fp8_triton.launch_layout).
 
     python benchmarks/tune_rms_norm_quant_fp8.py [--op add_rms_norm | rms_norm | silu_mul]
         [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton  # noqa: E402
-from fusion_passes.lowering.rms_norm_triton import launch_config  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
+    launch_shape,
+    rms_norm_quant_fp8_triton,
+)
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
     launch_layout,
     silu_mul_quant_fp8_triton,
@@ -54,7 +55,7 @@ def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
         columns = None if scheme == "per_token" else layout.block_groups * layout.block_group
         return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
-    _, rows, warps = launch_config(triton.next_power_of_2(groups) * triton.next_power_of_2(group))
+    _, _, rows, warps = launch_shape(groups, group, tokens, has_residual=op == "add_rms_norm")
     return rows, warps, None
 
 

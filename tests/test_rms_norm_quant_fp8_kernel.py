@@ -44,7 +44,9 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
     rms_norm_quant_fp8_reference,
 )
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
+    NORM_ONLY_WIDE_MIN_TOKENS,
     exact_quotient,
+    launch_shape,
     rms_norm_quant_fp8_triton,
 )
 from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
@@ -177,6 +179,42 @@ def test_random_inputs_within_one_code(case):
         assert fp8_codes_apart(q, ref_q) <= 1
     if residual is not None:
         torch.testing.assert_close(new_residual.double(), ref_residual.double(), rtol=rtol, atol=1e-5)
+
+
+def test_launch_shape():
+    """The norm-only form at a static token count >= NORM_ONLY_WIDE_MIN_TOKENS takes 4 warps;
+    with the residual, at fewer tokens or a dynamic count the padded block's launch_config; the
+    one-shot allreduce kernel, which must take this kernel's warps, never sees such counts."""
+    from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import MAX_ROWS
+
+    assert NORM_ONLY_WIDE_MIN_TOKENS > MAX_ROWS
+    for num_groups, group in ((1, 7168), (56, 128), (1, 4096), (1, 3072)):
+        default = launch_shape(num_groups, group)
+        assert default[3] >= 8  # 16 warps at 7168, 8 at 4096 and 3072
+        for tokens in (None, 1, NORM_ONLY_WIDE_MIN_TOKENS - 1):
+            assert launch_shape(num_groups, group, tokens, has_residual=False) == default
+        assert launch_shape(num_groups, group, NORM_ONLY_WIDE_MIN_TOKENS, has_residual=True) == default
+        assert launch_shape(num_groups, group, NORM_ONLY_WIDE_MIN_TOKENS, has_residual=False) == (
+            *default[:3],
+            4,
+        )
+
+
+# The interpreter ignores num_warps, so on CPU this only checks the launch; it runs the cheap
+# static scheme there (the amax's custom reduction takes ~18 s per scheme at this size).
+@pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"] if DEVICE == "cuda" else ["static"])
+def test_norm_only_at_many_tokens(scheme):
+    """NORM_ONLY_WIDE_MIN_TOKENS rows without a residual (the 4-warp launch): codes within one of
+    the reference's, scales within bf16's tolerance."""
+    case = dict(shape=(NORM_ONLY_WIDE_MIN_TOKENS, 128), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+                eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
+                scale=0.01 if scheme == "static" else None, group_size=64, scale_ue8m0=False,
+                with_residual=False)  # fmt: skip
+    (q, scales, _), (ref_q, ref_scales, _) = _run(
+        case, *_random_inputs(case, torch.Generator().manual_seed(4))
+    )
+    torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
+    assert fp8_codes_apart(q, ref_q) <= 1
 
 
 def _fp8_boundaries():

@@ -234,17 +234,14 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
 
 def test_launch_layout():
     """A per_token row of 2^k + t columns is a 2^k block and a tail block; a static token count
-    whose grid is small (decode) takes one row a program and narrower ones; a dynamic count, or
-    one whose grid is large, takes the 1024-column programs of 4 rows."""
+    whose grid is small (decode) takes one row a program (static, per_group: narrower programs);
+    a dynamic count, or one whose grid is large, takes the 1024-column programs of 4 rows."""
     per_token = launch_layout(18432, "per_token")
-    assert (per_token.block_group, per_token.block_tail, per_token.rows, per_token.num_warps) == (
-        16384,
-        2048,
-        1,
-        32,
-    )
+    assert per_token[3:] == (16384, 2048, 1, 16)  # (block_group, block_tail, rows, num_warps)
     assert launch_layout(18432, "per_token", tokens=1) == per_token
-    assert launch_layout(2048, "per_token").block_tail == 0
+    assert launch_layout(2048, "per_token")[3:] == (2048, 0, 2, 8)
+    assert launch_layout(2048, "per_token", tokens=4096)[3:] == (2048, 0, 2, 8)
+    assert launch_layout(2048, "per_token", tokens=1)[3:] == (2048, 0, 1, 16)
     assert launch_layout(1100, "per_token")[3:5] == (1024, 128)
     for scheme in ("per_group", "static"):
         wide = launch_layout(18432, scheme)

@@ -39,8 +39,8 @@ needs every buffer region to belong to one program index for any mix of calls. R
 non-quantizing kernel's, the workspace's ``launch`` (``launch_config(N)``), whatever the quant
 layout: for a group size that is not a power of two the padded [GROUPS, GROUP] block is up to ~2x
 wider than next_power_of_2(N), the same rows, only more registers. The number of warps is
-rms_norm_quant_fp8_triton's (``launch_config`` of the padded block), so the norm's reduction tree
-is the fallback kernel's.
+rms_norm_quant_fp8_triton's (``launch_shape``: ``launch_config`` of the padded block at every row
+count this kernel takes), so the norm's reduction tree is the fallback kernel's.
 
 Liveness, CUDA-graph safety and the barrier are as allreduce_add_rms_norm_symm_mem's docstring
 states them: same helpers, same grid (min(blocks, max_programs), grid-stride loop). Rows beyond
@@ -75,8 +75,11 @@ from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import (
 )
 from fusion_passes.lowering.fast_launch import FastLauncher, specialization_key
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import load_static_scale, rms_norm_quantize_block
-from fusion_passes.lowering.rms_norm_triton import launch_config
+from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
+    launch_shape,
+    load_static_scale,
+    rms_norm_quantize_block,
+)
 
 
 # M and rank are not specialised (Triton would make a value of 1 a constant): every rank then runs
@@ -166,9 +169,10 @@ _HW_FP8_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
 @functools.lru_cache(maxsize=None)
 def _quant_layout(num_groups: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_GROUPS, BLOCK_GROUP, num_warps) of rows quantized in num_groups groups of group
-    columns: rms_norm_quant_fp8_triton's layout and warps, so the norm's reduction is its tree."""
-    block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
-    return block_groups, block_group, launch_config(block_groups * block_group)[2]
+    columns: rms_norm_quant_fp8_triton's layout and warps, so the norm's reduction is its tree (at
+    every row count this kernel takes: <= MAX_ROWS, below NORM_ONLY_WIDE_MIN_TOKENS)."""
+    block_groups, block_group, _, num_warps = launch_shape(num_groups, group)
+    return block_groups, block_group, num_warps
 
 
 def launch_on_workspace(
