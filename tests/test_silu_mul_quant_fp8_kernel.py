@@ -253,7 +253,10 @@ def test_launch_layout():
         # 64 tokens of 2048 columns: 1024-column programs of 4 rows make 32 programs; one row of
         # 512 columns a program makes 256.
         mid = launch_layout(2048, scheme, tokens=64)
-        assert mid.block_groups * mid.block_group == 512 and mid.rows == 1
+        assert mid.block_groups * mid.block_group == 512 and (mid.rows, mid.num_warps) == (1, 4)
+        # 64 tokens of 18432: 288 programs of 4 rows, 1152 of one row and 1024 columns.
+        mid = launch_layout(18432, scheme, tokens=64)
+        assert mid.block_groups * mid.block_group == 1024 and (mid.rows, mid.num_warps) == (1, 4)
     assert launch_layout(18432, "per_group", columns=256).block_groups == 2
 
 

@@ -45,15 +45,21 @@ from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
 
-# Columns a static or per_group program covers (the per_token row is whole): at one token of
-# DeepSeek V3's intermediate 18432 that is 18 programs, each reading 4 KB of bf16 gate + up.
-# Not tuned yet: the GPU benchmark (benchmarks/bench_silu_mul_quant_fp8.py) decides.
+# Columns a static or per_group program covers (the per_token row is whole), at 4 rows a program
+# (launch_config) unless the token count is static and small (launch_layout).
 _COLUMNS_PER_PROGRAM = 1024
-# A static token count whose grid has fewer programs than this (about two per H200 SM, 132 SMs)
-# takes narrower programs, down to _MIN_COLUMNS (or one group), each thread holding fewer elements.
+# Small static token counts (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul, one H200, bf16,
+# us): a grid of 4-row programs under _ONE_ROW_PROGRAMS takes one row a program (18432 columns at
+# 64 tokens: 4.09 static / 4.26 per_group at 1 row x 4 warps, against 4.67 / 4.96 at 4 rows x 8);
+# one still under _MIN_PROGRAMS (about two per SM) takes narrower programs, down to one group or
+# _MIN_COLUMNS (1 token of 18432: 144 programs of 128 columns, 1 warp: 1.87 / 2.28 us, where
+# before 18 programs of 4 rows, 3 of them masked, took 4.4 / 5.0), at 4 elements a thread and at
+# most _DECODE_MAX_WARPS (2048 at 64 tokens: 512 columns, 4 warps 2.46 / 2.54; 2 warps 2.80 / 2.65).
+_ONE_ROW_PROGRAMS = 1024
 _MIN_PROGRAMS = 256
 _MIN_COLUMNS = 128
 _DECODE_ELEMENTS_PER_THREAD = 4
+_DECODE_MAX_WARPS = 4
 # A per_token program holds a whole row: at intermediate 18432 (one H200, bf16) 16 warps took 6.10
 # / 7.11 / 172.2 us at 1 / 64 / 4096 tokens, 32 warps (16 elements a thread) 6.45 / 7.25 / 185.4.
 _PER_TOKEN_MAX_WARPS = 16
@@ -177,11 +183,10 @@ def launch_layout(
     per_token row whole, as a power-of-two block plus a tail block. Warps: 16 to 32 real elements
     a thread (rms_norm_triton.launch_config).
 
-    tokens: a static token count (None: dynamic, and the launch never depends on it). A grid of
-    fewer than _MIN_PROGRAMS programs (a static or per_group row at decode: 18 programs of 4 rows
-    at 1 token of 18432, 3 of them masked) takes one row a program, then narrower programs, down
-    to one group or _MIN_COLUMNS, with _DECODE_ELEMENTS_PER_THREAD elements a thread; a per_token
-    one takes one row a program, with as many elements a thread (at most _PER_TOKEN_MAX_WARPS).
+    tokens: a static token count (None: dynamic, and the launch never depends on it). A static or
+    per_group grid of fewer than _ONE_ROW_PROGRAMS programs takes one row a program, then, under
+    _MIN_PROGRAMS, narrower programs (see the constants); a per_token grid under _MIN_PROGRAMS
+    takes one row a program, 4 elements a thread (at most _PER_TOKEN_MAX_WARPS warps).
     columns: the columns a static or per_group program covers (a power of two), for sweeps."""
     if scheme == "per_token":
         block_group, block_tail = triton.next_power_of_2(n), 0
@@ -197,11 +202,11 @@ def launch_layout(
     narrowest = group_size if scheme == "per_group" else min(width, _MIN_COLUMNS)
     if columns is None and tokens is not None:
         programs = lambda rows, width: triton.cdiv(tokens, rows) * triton.cdiv(n, width)  # noqa: E731
-        if programs(rows, width) < _MIN_PROGRAMS:
+        if programs(rows, width) < _ONE_ROW_PROGRAMS:
             rows = 1
             while width > narrowest and programs(rows, width) < _MIN_PROGRAMS:
                 width //= 2
-            num_warps = min(num_warps, _pow2_floor(width // (32 * _DECODE_ELEMENTS_PER_THREAD)))
+            num_warps = min(_DECODE_MAX_WARPS, _pow2_floor(width // (32 * _DECODE_ELEMENTS_PER_THREAD)))
     if scheme == "per_group":
         num_groups, group = n // group_size, group_size
         block_group = triton.next_power_of_2(group)
