@@ -235,7 +235,7 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
 def test_launch_layout():
     """A per_token row of 2^k + t columns is a 2^k block and a tail block; a static token count
     whose grid is small (decode) takes one row a program (static, per_group: narrower programs);
-    a dynamic count, or one whose grid is large, takes the 1024-column programs of 4 rows."""
+    a dynamic count, or one whose grid is large, takes the 1024-column programs of 2 rows."""
     per_token = launch_layout(18432, "per_token")
     assert per_token[3:] == (16384, 2048, 1, 16)  # (block_group, block_tail, rows, num_warps)
     assert launch_layout(18432, "per_token", tokens=1) == per_token
@@ -245,16 +245,16 @@ def test_launch_layout():
     assert launch_layout(1100, "per_token")[3:5] == (1024, 128)
     for scheme in ("per_group", "static"):
         wide = launch_layout(18432, scheme)
-        assert wide.block_groups * wide.block_group == 1024 and wide.rows == 4
+        assert wide.block_groups * wide.block_group == 1024 and (wide.rows, wide.num_warps) == (2, 4)
         assert launch_layout(18432, scheme, tokens=4096) == wide
         decode = launch_layout(18432, scheme, tokens=1)
         assert decode.block_groups * decode.block_group == 128 and decode.rows == 1
         assert decode.num_groups // decode.block_groups == 144 and decode.num_warps == 1
-        # 64 tokens of 2048 columns: 1024-column programs of 4 rows make 32 programs; one row of
+        # 64 tokens of 2048 columns: 1024-column programs of 2 rows make 64 programs; one row of
         # 512 columns a program makes 256.
         mid = launch_layout(2048, scheme, tokens=64)
         assert mid.block_groups * mid.block_group == 512 and (mid.rows, mid.num_warps) == (1, 4)
-        # 64 tokens of 18432: 288 programs of 4 rows, 1152 of one row and 1024 columns.
+        # 64 tokens of 18432: 576 programs of 2 rows, 1152 of one row and 1024 columns.
         mid = launch_layout(18432, scheme, tokens=64)
         assert mid.block_groups * mid.block_group == 1024 and (mid.rows, mid.num_warps) == (1, 4)
     assert launch_layout(18432, "per_group", columns=256).block_groups == 2

@@ -45,11 +45,16 @@ from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
 
-# Columns a static or per_group program covers (the per_token row is whole), at 4 rows a program
-# (launch_config) unless the token count is static and small (launch_layout).
+# A static or per_group program: _ELEMENTS_PER_PROGRAM elements, rows of _COLUMNS_PER_PROGRAM
+# columns (2 rows of 1024), 16 a thread (4 warps), unless the token count is static and small
+# (launch_layout). At 4096 tokens (one H200, bf16, us) 2 rows x 4 warps took 105.4 / 106.4
+# (18432 columns, static / per_group) and 13.9 / 14.1 (2048), against 111.0 / 108.6 and 14.7 /
+# 14.6 at 4 rows x 8 warps (rms_norm_triton.launch_config's 4096 elements a program).
 _COLUMNS_PER_PROGRAM = 1024
+_ELEMENTS_PER_PROGRAM = 2048
+_ELEMENTS_PER_THREAD = 16
 # Small static token counts (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul, one H200, bf16,
-# us): a grid of 4-row programs under _ONE_ROW_PROGRAMS takes one row a program (18432 columns at
+# us): a grid of default programs under _ONE_ROW_PROGRAMS takes one row a program (18432 columns at
 # 64 tokens: 4.09 static / 4.26 per_group at 1 row x 4 warps, against 4.67 / 4.96 at 4 rows x 8);
 # one still under _MIN_PROGRAMS (about two per SM) takes narrower programs, down to one group or
 # _MIN_COLUMNS (1 token of 18432: 144 programs of 128 columns, 1 warp: 1.87 / 2.28 us, where
@@ -179,9 +184,9 @@ def launch_layout(
     n: int, scheme: str, group_size: int = 128, tokens: int | None = None, columns: int | None = None
 ) -> LaunchLayout:
     """The launch of rows of n columns: per_group rows in groups of group_size, a program covering
-    _COLUMNS_PER_PROGRAM columns (BLOCK_GROUPS groups); a static row in tiles of as many; a
-    per_token row whole, as a power-of-two block plus a tail block. Warps: 16 to 32 real elements
-    a thread (rms_norm_triton.launch_config).
+    _COLUMNS_PER_PROGRAM columns (BLOCK_GROUPS groups) of _ELEMENTS_PER_PROGRAM / that rows; a
+    static row in tiles of as many; a per_token row whole, as a power-of-two block plus a tail
+    block, its warps rms_norm_triton.launch_config's (16 to 32 real elements a thread).
 
     tokens: a static token count (None: dynamic, and the launch never depends on it). A static or
     per_group grid of fewer than _ONE_ROW_PROGRAMS programs takes one row a program, then, under
@@ -198,7 +203,8 @@ def launch_layout(
             rows, num_warps = 1, _pow2_floor(n // (32 * _DECODE_ELEMENTS_PER_THREAD))
         return LaunchLayout(1, n, 1, block_group, block_tail, rows, min(num_warps, _PER_TOKEN_MAX_WARPS))
     width = min(triton.next_power_of_2(n), columns or _COLUMNS_PER_PROGRAM)
-    _, rows, num_warps = launch_config(width)
+    rows = max(1, _ELEMENTS_PER_PROGRAM // width)
+    num_warps = _pow2_floor(rows * width // (32 * _ELEMENTS_PER_THREAD))
     narrowest = group_size if scheme == "per_group" else min(width, _MIN_COLUMNS)
     if columns is None and tokens is not None:
         programs = lambda rows, width: triton.cdiv(tokens, rows) * triton.cdiv(n, width)  # noqa: E731
