@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, bench_qk_norm_rope.py
@@ -21,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, bench_qk_
 from bench_qk_norm_rope import EPS, MODELS, inputs  # noqa: E402
 from timing import time_graph_us  # noqa: E402
 
-from fusion_passes.lowering.qk_norm_rope_triton import qk_norm_rope_triton  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope_triton import SPLIT_MAX_STEPS, qk_norm_rope_triton  # noqa: E402
 
 GRAPH_CALLS = 20
-# Head rows per program (per-head norm) or per step over a token's heads (whole-row norm, whole-head
-# tile); the split tiles' whole-row norm takes all of a token's heads at once.
+# Head rows per program (per-head norm) or per step over a token's heads (whole-row norm: the
+# whole-head tile's steps, or the split tiles' at most SPLIT_MAX_STEPS steps held at once).
 ROWS = (2, 4, 8, 16)
 WARPS = (2, 4, 8, 16)
 
@@ -45,7 +46,9 @@ def sweep(model, tokens, bodies=("split", "tile"), rows_list=ROWS, warps_list=WA
     per_head = model[4]
     results = [("default", None, None, time_graph_us([lambda a=a: qk_norm_rope_triton(*a) for a in sets]))]
     for tile in (body == "tile" for body in bodies):
-        for rows in rows_list if per_head or tile else (None,):
+        for rows in rows_list:
+            if not (per_head or tile) and triton.cdiv(max(model[0], model[1]), rows) > SPLIT_MAX_STEPS:
+                continue  # the split tiles' whole-row norm takes at most SPLIT_MAX_STEPS steps
             for warps in warps_list:
                 calls = [
                     lambda a=a: qk_norm_rope_triton(*a, whole_head_tile=tile, rows=rows, num_warps=warps)

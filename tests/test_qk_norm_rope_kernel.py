@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fusion_passes.lowering.qk_norm_rope import qk_norm_rope  # noqa: E402
 from fusion_passes.lowering.qk_norm_rope_reference import qk_norm_rope_reference  # noqa: E402
-from fusion_passes.lowering.qk_norm_rope_triton import qk_norm_rope_triton  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope_triton import SPLIT_MAX_STEPS, qk_norm_rope_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
@@ -89,16 +89,23 @@ def test_kernel_matches_reference(config, dtype, tile):
         _check(args, [1e-6, 1e-5, 0.1][i], form, per_head, dtype, tile)
 
 
+@pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", ["minimax_m2", "odd_whole_row"])
-def test_whole_row_norm_in_steps(config, dtype, rows):
-    """The whole-head tile takes a whole-row norm's heads `rows` at a time (6 heads of q in 6, 3 or
-    2 steps, the last one part-masked where rows does not divide the heads; 2 of k, 1 of odd's):
-    the sum of squares over every step, then the outputs of each."""
+def test_whole_row_norm_in_steps(config, dtype, rows, tile):
+    """Both row bodies take a whole-row norm's heads `rows` at a time (6 heads of q in 6, 3 or 2
+    steps, the last one part-masked where rows does not divide the heads; 2 of k, 3 or 1 of
+    odd's): the sum of squares over every step, then the outputs of each. The split tiles hold
+    every step at once, at most SPLIT_MAX_STEPS of them: more is refused."""
+    hq = CONFIGS[config][0]  # more heads than k in both configs
     for i, form in enumerate(FORMS):
         args = _inputs(CONFIGS[config], dtype, form, seed=10 + i, q_chunk=i == 2)
-        _check(args, [1e-6, 1e-5, 0.1][i], form, False, dtype, True, rows)
+        if not tile and -(-hq // rows) > SPLIT_MAX_STEPS:
+            with pytest.raises(ValueError, match="at most 4 steps"):
+                _check(args, 1e-6, form, False, dtype, tile, rows)
+            return
+        _check(args, [1e-6, 1e-5, 0.1][i], form, False, dtype, tile, rows)
 
 
 @pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
@@ -119,21 +126,20 @@ def _shapes(draw):
     scope, each body and launch override, a strided q, cos per sequence or broadcast."""
     d = draw(st.integers(1, 24)) * 2
     per_head = draw(st.booleans())
+    hq, hk = draw(st.integers(1, 9)), draw(st.integers(1, 5))
+    tile = draw(st.sampled_from([None, False, True]))  # None: the split tiles at these token counts
+    # The split tiles' whole-row norm takes at most SPLIT_MAX_STEPS steps of `rows` heads.
+    split_steps_ok = [r for r in (1, 2, 4, 8) if -(-max(hq, hk) // r) <= SPLIT_MAX_STEPS]
+    rows_options = (1, 2, 4, 8) if per_head or tile else split_steps_ok
     return dict(
-        config=(
-            draw(st.integers(1, 9)),
-            draw(st.integers(1, 5)),
-            d,
-            2 * draw(st.integers(1, d // 2)),
-            per_head,
-        ),
+        config=(hq, hk, d, 2 * draw(st.integers(1, d // 2)), per_head),
         dtype=draw(st.sampled_from(DTYPES)),
         form=draw(st.sampled_from(list(FORMS))),
         tokens=(draw(st.integers(1, 3)), draw(st.integers(1, 5))),
         q_chunk=draw(st.booleans()),
         per_sequence_cos=draw(st.booleans()),
-        tile=draw(st.sampled_from([None, False, True])),
-        rows=draw(st.sampled_from([None, 1, 2, 4, 8])),
+        tile=tile,
+        rows=draw(st.sampled_from([None, *rows_options])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 

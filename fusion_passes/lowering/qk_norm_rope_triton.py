@@ -46,6 +46,8 @@ _MAX_WARPS = 16
 #   tile         5.7   5.4   6.1   8.1   11.5   22.0   39.6
 # A symbolic count takes the tile.
 WHOLE_ROW_SPLIT_MAX_TOKENS = 1024
+# Steps a whole-row norm of the split tiles may take (_whole_row_split_steps writes them out).
+SPLIT_MAX_STEPS = 4
 WHOLE_ROW_WIDE_MAX_TOKENS = 64
 _WHOLE_ROW_SPLIT_WARPS = 4
 
@@ -104,7 +106,6 @@ def _norm_rope_rows(
     ONE_SEQ: tl.constexpr,  # B == 1 (see _token_offset)
 ):
     D: tl.constexpr = 2 * HALF + PASS
-    dtype = out_ptr.dtype.element_ty
     lanes = tl.arange(0, ROWS)
     if NORM_PER_HEAD:
         rows = local_pid * ROWS + lanes
@@ -156,22 +157,142 @@ def _norm_rope_rows(
             wp = tl.load(wp_ptrs, mask=pass_mask, other=0.0).to(tl.float32)
         squares += tl.sum(xp * xp, axis=1)
 
+    else:
+        xp, wp = x1, w1  # unused (PASS == 0)
+
     # Masked lanes hold 0: they add nothing to the sums; divide by the true widths.
     if NORM_PER_HEAD:
         rstd = tl.rsqrt(squares / D + eps)[:, None]
     else:
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
+    _rope_store(
+        x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_ptr + rows[:, None] * D,
+        cols[None, :], pcols[None, :], half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rope_store(
+    x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_row, cols, pcols, half_mask,
+    pass_mask, HALF: tl.constexpr, PASS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """The split tiles' outputs: x1, x2 (the rotary halves) and xp (pass-through, used when PASS)
+    normalised by rstd, scaled by their weights, rotated and stored at out_row ([ROWS, 1])."""
+    dtype = out_row.dtype.element_ty
     y1 = _rounded(scale_by_weight(x1 * rstd, w1, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
     y2 = _rounded(scale_by_weight(x2 * rstd, w2, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
     # transformers' RoPE runs in x.dtype: every product and the sum are rounded.
     o1 = _rounded(y1 * c1, dtype) - _rounded(y2 * s1, dtype)
     o2 = _rounded(y2 * c2, dtype) + _rounded(y1 * s2, dtype)
-    out_row = out_ptr + rows[:, None] * D
-    tl.store(out_row + cols[None, :], o1.to(dtype), mask=half_mask)
-    tl.store(out_row + HALF + cols[None, :], o2.to(dtype), mask=half_mask)
+    tl.store(out_row + cols, o1.to(dtype), mask=half_mask)
+    tl.store(out_row + HALF + cols, o2.to(dtype), mask=half_mask)
     if PASS > 0:
         yp = scale_by_weight(xp * rstd, wp, weight_offset, dtype, CAST_BEFORE_WEIGHT)
-        tl.store(out_row + 2 * HALF + pcols[None, :], yp.to(dtype), mask=pass_mask)
+        tl.store(out_row + 2 * HALF + pcols, yp.to(dtype), mask=pass_mask)
+
+
+@triton.jit
+def _load_split_heads(x_token, heads, stride_h, H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):  # fmt: skip
+    """One step of a token's heads as the split tiles hold them: (x1, x2, xp) fp32 [ROWS, *] of
+    heads `heads` (masked at H, masked elements 0) and their sum of squares [ROWS]."""
+    x_row = (x_token + heads * stride_h)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    half_mask = (heads < H)[:, None] & (cols < HALF)
+    x1 = tl.load(x_row + cols, mask=half_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF + cols, mask=half_mask, other=0.0).to(tl.float32)
+    pcols = tl.arange(0, BLOCK_PASS)[None, :]
+    xp = tl.load(x_row + 2 * HALF + pcols, mask=(heads < H)[:, None] & (pcols < PASS), other=0.0)
+    xp = xp.to(tl.float32)
+    return x1, x2, xp, tl.sum(x1 * x1 + x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
+
+
+@triton.jit
+def _store_split_heads(
+    x1, x2, xp, heads, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H: tl.constexpr,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """_load_split_heads' step normalised by the token's rstd with its heads' weights (loaded
+    here, each head its slice of the [H * D] weight), rotated and stored."""
+    D: tl.constexpr = 2 * HALF + PASS
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    pcols = tl.arange(0, BLOCK_PASS)[None, :]
+    half_mask = (heads < H)[:, None] & (cols < HALF)
+    pass_mask = (heads < H)[:, None] & (pcols < PASS)
+    w_row = (w_ptr + heads * D)[:, None]
+    w1 = tl.load(w_row + cols, mask=half_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_row + HALF + cols, mask=half_mask, other=0.0).to(tl.float32)
+    wp = tl.load(w_row + 2 * HALF + pcols, mask=pass_mask, other=0.0).to(tl.float32)
+    _rope_store(
+        x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, (out_token + heads * D)[:, None],
+        cols, pcols, half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _whole_row_split_steps(
+    x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, token, S, H: tl.constexpr,
+    stride_b, stride_s, stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s,
+    eps, weight_offset,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    ROWS: tl.constexpr, STEPS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, ONE_SEQ: tl.constexpr,
+):  # fmt: skip
+    """A whole-row norm (one token a program) in the split tiles' registers, its heads taken ROWS
+    at a time in STEPS <= 4 steps (48 heads: 3 steps of 16, where one tile pads them to 64):
+    every step's x loaded and held, the sum of squares over all of them, then each step's
+    outputs. DRAM and L1 see x once (the whole-head tile reads it twice, the second time from L1
+    or L2). Steps are written out, not a loop: a loop cannot carry a step's tiles to the second
+    pass."""
+    D: tl.constexpr = 2 * HALF + PASS
+    lanes = tl.arange(0, ROWS)
+    x_token = x_ptr + _token_offset(token, S, stride_b, stride_s, ONE_SEQ)
+    cos_row = cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ)
+    sin_row = sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ)
+    cols = tl.arange(0, BLOCK_HALF)
+    c1 = tl.load(cos_row + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    x1a, x2a, xpa, squares = _load_split_heads(
+        x_token, lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+    )
+    if STEPS > 1:
+        x1b, x2b, xpb, more = _load_split_heads(
+            x_token, ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+        )
+        squares += more
+    if STEPS > 2:
+        x1c, x2c, xpc, more = _load_split_heads(
+            x_token, 2 * ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+        )
+        squares += more
+    if STEPS > 3:
+        x1d, x2d, xpd, more = _load_split_heads(
+            x_token, 3 * ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+        )
+        squares += more
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
+    out_token = out_ptr + token.to(tl.int64) * (H * D)
+    _store_split_heads(
+        x1a, x2a, xpa, lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H, HALF, PASS,
+        BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
+    )  # fmt: skip
+    if STEPS > 1:
+        _store_split_heads(
+            x1b, x2b, xpb, ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H,
+            HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
+        )  # fmt: skip
+    if STEPS > 2:
+        _store_split_heads(
+            x1c, x2c, xpc, 2 * ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset,
+            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
+        )  # fmt: skip
+    if STEPS > 3:
+        _store_split_heads(
+            x1d, x2d, xpd, 3 * ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset,
+            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -318,7 +439,7 @@ def _qk_norm_rope_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     WHOLE_HEAD_TILE: tl.constexpr,  # _norm_rope_rows_tile (BLOCK_PASS is then next_power_of_2(D))
     BLOCK_R: tl.constexpr,  # next_power_of_2(R): _norm_rope_rows_tile's rotary tile
-    Q_STEPS: tl.constexpr,  # whole-row tile: cdiv(HQ, ROWS) steps over a token's q heads (else 1)
+    Q_STEPS: tl.constexpr,  # whole-row norm: cdiv(HQ, ROWS) steps over a token's q heads (else 1)
     K_STEPS: tl.constexpr,  # the same for k
     ONE_SEQ: tl.constexpr,  # B == 1: token offsets without a division by S
 ):
@@ -341,6 +462,19 @@ def _qk_norm_rope_kernel(
                 sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, BLOCK_R, ROWS_K,
                 NORM_PER_HEAD, CAST_BEFORE_WEIGHT, K_STEPS, ONE_SEQ,
             )  # fmt: skip
+    elif not NORM_PER_HEAD and Q_STEPS > 1 and pid < q_programs:
+        _whole_row_split_steps(
+            q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, S, HQ, q_stride_b, q_stride_s,
+            q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps, weight_offset,
+            HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS, Q_STEPS, CAST_BEFORE_WEIGHT, ONE_SEQ,
+        )  # fmt: skip
+    elif not NORM_PER_HEAD and K_STEPS > 1 and pid >= q_programs:
+        _whole_row_split_steps(
+            k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, S, HK, k_stride_b,
+            k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps,
+            weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K, K_STEPS, CAST_BEFORE_WEIGHT,
+            ONE_SEQ,
+        )  # fmt: skip
     elif pid < q_programs:
         _norm_rope_rows(
             q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
@@ -430,12 +564,15 @@ def qk_norm_rope_triton(
     )
     if not (norm_per_head or whole_head_tile) and (static_tokens or 0) > WHOLE_ROW_WIDE_MAX_TOKENS:
         default_warps = _WHOLE_ROW_SPLIT_WARPS
-    # Overrides (benchmarks/tune_qk_norm_rope.py); a whole-row norm of the split tiles needs every
-    # head in one tile.
-    rows = rows if rows and (norm_per_head or whole_head_tile) else default_rows
-    rows_k = rows if norm_per_head else triton.next_power_of_2(hk)
-    if whole_head_tile and not norm_per_head:
-        rows_k = min(rows, rows_k)
+    # Overrides (benchmarks/tune_qk_norm_rope.py). A whole-row norm of the split tiles takes its
+    # heads in at most SPLIT_MAX_STEPS steps of `rows` (default: all in one).
+    rows = rows or default_rows
+    rows_k = rows if norm_per_head else min(rows, triton.next_power_of_2(hk))
+    steps = max(triton.cdiv(hq, rows), triton.cdiv(hk, rows_k))
+    if not (norm_per_head or whole_head_tile) and steps > SPLIT_MAX_STEPS:
+        raise ValueError(
+            f"qk_norm_rope: split tiles take {max(hq, hk)} heads in at most {SPLIT_MAX_STEPS} steps, not of {rows}"
+        )
     num_warps = num_warps or default_warps
     n_q, n_k = b * s * hq, b * s * hk
     if norm_per_head:
@@ -462,7 +599,7 @@ def qk_norm_rope_triton(
         CAST_BEFORE_WEIGHT=cast_before_weight,
         WHOLE_HEAD_TILE=whole_head_tile,
         BLOCK_R=triton.next_power_of_2(rotary_dim),
-        Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),
+        Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),  # split tiles: _whole_row_split_steps
         K_STEPS=1 if norm_per_head else triton.cdiv(hk, rows_k),
         ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
         num_warps=num_warps,
