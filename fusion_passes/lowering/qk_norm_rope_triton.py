@@ -35,20 +35,21 @@ from fusion_passes.lowering.rms_norm_triton import scale_by_weight
 _ELEMENTS_PER_PROGRAM = 2048
 _ELEMENTS_PER_THREAD = 16
 _MAX_WARPS = 16
-# A whole-row norm (MiniMax-M2) of at most this many tokens, known when the launch is traced or
-# called, takes the split tiles: one token per program, its heads read once and held in registers;
-# in 16 warps up to WHOLE_ROW_WIDE_MAX_TOKENS tokens (a decode step: few programs, each spread
-# wide), in 4 above (more programs per SM). Measured on an H200 (bf16, CUDA graph, 48 + 8 heads
-# of 128), split tiles against the whole-head tile (16 heads a step, 4 warps), us:
-#   tokens        1     64    256   512   1024   2048   4096
-#   split 16 w   2.9   3.4                                         (4 warps: 3.2 / 3.7)
-#   split 4 w                4.3   6.5   10.8   22.3   42.1
-#   tile         5.7   5.4   6.1   8.1   11.5   22.0   39.6
-# A symbolic count takes the tile.
-WHOLE_ROW_SPLIT_MAX_TOKENS = 1024
+# A whole-row norm (MiniMax-M2) takes the split tiles, one token per program, its heads read once
+# and held in registers: all in one step in 16 warps at a static count of up to
+# WHOLE_ROW_WIDE_MAX_TOKENS tokens (a decode step: few programs, each spread wide); otherwise
+# (a dynamic count too) in steps of WHOLE_ROW_STEP_HEADS heads (at most SPLIT_MAX_STEPS of them)
+# in 4 warps. Measured on an H200 (bf16, CUDA graph, 48 + 8 heads of 128,
+# benchmarks/tune_qk_norm_rope.py --models minimax-m2), us:
+#   tokens                       1     64    512   1024   4096   16384
+#   split, 1 step, 16 warps     2.9   3.0
+#   split, 1 step, 4 warps                  6.47  10.74  41.46  156.84
+#   split, 3 steps of 16, 4 w         3.83  5.94   9.66  33.26  124.73
+#   whole-head tile, 16 x 4 w   5.7   5.33  8.09  11.39  39.38  142.06
+WHOLE_ROW_WIDE_MAX_TOKENS = 64
+WHOLE_ROW_STEP_HEADS = 16
 # Steps a whole-row norm of the split tiles may take (_whole_row_split_steps writes them out).
 SPLIT_MAX_STEPS = 4
-WHOLE_ROW_WIDE_MAX_TOKENS = 64
 _WHOLE_ROW_SPLIT_WARPS = 4
 
 
@@ -501,7 +502,7 @@ def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: boo
     24.8 / 90.6 (the best of 4-16 rows x 2-8 warps within 6%); MiniMax-M2 (whole-row norm, 48
     heads of 128, rotary 64) whole-head tile 16 heads a step x 4 warps 5.7 / 5.4 / 39.6 / 142.4,
     the split tiles (all 64 padded heads at once) 2.9 / 3.4 (16 warps) / 42.1 / 159.3 (4 warps):
-    see WHOLE_ROW_SPLIT_MAX_TOKENS."""
+    see WHOLE_ROW_STEP_HEADS."""
     half, pass_ = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     if whole_head_tile:
@@ -557,15 +558,19 @@ def qk_norm_rope_triton(
     if whole_head_tile is None:  # see launch_config's timings
         if norm_per_head:  # the split tiles for full RoPE
             whole_head_tile = rotary_dim < d
-        else:  # the whole-head tile, but the split tiles up to a static token count
-            whole_head_tile = static_tokens is None or static_tokens > WHOLE_ROW_SPLIT_MAX_TOKENS
+        else:
+            whole_head_tile = False
     block_half, block_pass, default_rows, default_warps = launch_config(
         d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
-    if not (norm_per_head or whole_head_tile) and (static_tokens or 0) > WHOLE_ROW_WIDE_MAX_TOKENS:
+    wide = static_tokens is not None and static_tokens <= WHOLE_ROW_WIDE_MAX_TOKENS
+    if not (norm_per_head or whole_head_tile or wide):  # steps of WHOLE_ROW_STEP_HEADS heads
+        heads = max(hq, hk)
+        step = triton.next_power_of_2(triton.cdiv(heads, SPLIT_MAX_STEPS))
+        default_rows = max(min(WHOLE_ROW_STEP_HEADS, triton.next_power_of_2(heads)), step)
         default_warps = _WHOLE_ROW_SPLIT_WARPS
     # Overrides (benchmarks/tune_qk_norm_rope.py). A whole-row norm of the split tiles takes its
-    # heads in at most SPLIT_MAX_STEPS steps of `rows` (default: all in one).
+    # heads in at most SPLIT_MAX_STEPS steps of `rows`.
     rows = rows or default_rows
     rows_k = rows if norm_per_head else min(rows, triton.next_power_of_2(hk))
     steps = max(triton.cdiv(hq, rows), triton.cdiv(hk, rows_k))
