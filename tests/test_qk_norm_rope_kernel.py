@@ -20,7 +20,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fusion_passes.lowering.qk_norm_rope import qk_norm_rope  # noqa: E402
 from fusion_passes.lowering.qk_norm_rope_reference import qk_norm_rope_reference  # noqa: E402
-from fusion_passes.lowering.qk_norm_rope_triton import SPLIT_MAX_STEPS, qk_norm_rope_triton  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope_triton import (  # noqa: E402
+    SPLIT_MAX_STEPS,
+    WHOLE_ROW_WIDE_MAX_TOKENS,
+    qk_norm_rope_triton,
+    whole_row_step_rows,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
@@ -106,6 +111,18 @@ def test_whole_row_norm_in_steps(config, dtype, rows, tile):
                 _check(args, 1e-6, form, False, dtype, tile, rows)
             return
         _check(args, [1e-6, 1e-5, 0.1][i], form, False, dtype, tile, rows)
+
+
+def test_whole_row_default_launch_in_steps():
+    """Above WHOLE_ROW_WIDE_MAX_TOKENS static tokens (and for a dynamic count) a whole-row norm
+    takes the split tiles in steps of whole_row_step_rows heads: 20 q heads in 2 steps of 16 (k's
+    4 in one), and one step of 32, against the reference."""
+    assert [whole_row_step_rows(h) for h in (48, 96, 8, 20, 200)] == [16, 32, 8, 16, 64]
+    config = (20, 4, 8, 4, False)
+    for tokens in ((1, WHOLE_ROW_WIDE_MAX_TOKENS + 1), (2, 3)):
+        args = _inputs(config, torch.bfloat16, "llama", tokens, seed=3, q_chunk=True)
+        _check(args, 1e-6, "llama", False, torch.bfloat16)
+        _check(args, 1e-6, "llama", False, torch.bfloat16, rows=32)
 
 
 @pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])

@@ -6,10 +6,11 @@ Unfused (stock Inductor): a norm kernel per tensor (or a reduction and a pointwi
     read back once more between them.
 Fused:   one grid; programs [0, q_programs) take q rows, the rest k rows. Each program loads its rows
     once from DRAM, as three column tiles of every head (the first and second halves of the rotary
-    dims and the pass-through dims, so rotate_half needs no data movement: full RoPE), or as a
-    whole-head tile and a rotary tile with shifted partner loads that L1 serves (partial RoPE, and
-    the whole-row norm, a step of heads at a time); it reduces the squares in fp32 and writes each
-    output element once, rounding exactly where qk_norm_rope_reference.py does:
+    dims and the pass-through dims, so rotate_half needs no data movement: full RoPE, and the
+    whole-row norm, whose steps of heads are all held at once), or as a whole-head tile and a
+    rotary tile with shifted partner loads that L1 serves (partial RoPE); it reduces the squares
+    in fp32 and writes each output element once, rounding exactly where qk_norm_rope_reference.py
+    does:
         y        = to_x_dtype(scaled norm)                      (rms_norm's two rounding forms)
         out[:R/2]  = to_x_dtype(to_x_dtype(y1 * c1) - to_x_dtype(y2 * s1))
         out[R/2:R] = to_x_dtype(to_x_dtype(y2 * c2) + to_x_dtype(y1 * s2))
@@ -500,9 +501,8 @@ def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: boo
     Measured on an H200 (benchmarks/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096 /
     16384 tokens): Qwen 3.5 (head 256, rotary 64) whole-head tile at 8 rows x 4 warps 2.1 / 3.0 /
     24.8 / 90.6 (the best of 4-16 rows x 2-8 warps within 6%); MiniMax-M2 (whole-row norm, 48
-    heads of 128, rotary 64) whole-head tile 16 heads a step x 4 warps 5.7 / 5.4 / 39.6 / 142.4,
-    the split tiles (all 64 padded heads at once) 2.9 / 3.4 (16 warps) / 42.1 / 159.3 (4 warps):
-    see WHOLE_ROW_STEP_HEADS."""
+    heads of 128, rotary 64): the split tiles, see WHOLE_ROW_STEP_HEADS (the launcher sets their
+    rows and warps beyond the decode sizes)."""
     half, pass_ = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     if whole_head_tile:
@@ -517,6 +517,14 @@ def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: boo
     warps = max(1, rows * padded // (_ELEMENTS_PER_THREAD * 32))
     num_warps = min(_MAX_WARPS, 1 << (warps.bit_length() - 1))
     return block_half, block_pass, rows, num_warps
+
+
+def whole_row_step_rows(heads: int) -> int:
+    """Heads a step of the split tiles' whole-row norm takes beyond the decode sizes:
+    WHOLE_ROW_STEP_HEADS (fewer when a token has fewer heads), more when that would need more
+    than SPLIT_MAX_STEPS steps (48 heads: 3 steps of 16; 96: 3 of 32; 8: 1 of 8)."""
+    fewest = triton.next_power_of_2(triton.cdiv(heads, SPLIT_MAX_STEPS))
+    return max(min(WHOLE_ROW_STEP_HEADS, triton.next_power_of_2(heads)), fewest)
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
@@ -564,11 +572,8 @@ def qk_norm_rope_triton(
         d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
     wide = static_tokens is not None and static_tokens <= WHOLE_ROW_WIDE_MAX_TOKENS
-    if not (norm_per_head or whole_head_tile or wide):  # steps of WHOLE_ROW_STEP_HEADS heads
-        heads = max(hq, hk)
-        step = triton.next_power_of_2(triton.cdiv(heads, SPLIT_MAX_STEPS))
-        default_rows = max(min(WHOLE_ROW_STEP_HEADS, triton.next_power_of_2(heads)), step)
-        default_warps = _WHOLE_ROW_SPLIT_WARPS
+    if not (norm_per_head or whole_head_tile or wide):
+        default_rows, default_warps = whole_row_step_rows(max(hq, hk)), _WHOLE_ROW_SPLIT_WARPS
     # Overrides (benchmarks/tune_qk_norm_rope.py). A whole-row norm of the split tiles takes its
     # heads in at most SPLIT_MAX_STEPS steps of `rows`.
     rows = rows or default_rows
