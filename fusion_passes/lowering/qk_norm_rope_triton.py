@@ -609,7 +609,7 @@ def qk_norm_rope_triton(
         CAST_BEFORE_WEIGHT=cast_before_weight,
         WHOLE_HEAD_TILE=whole_head_tile,
         BLOCK_R=triton.next_power_of_2(rotary_dim),
-        Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),  # split tiles: _whole_row_split_steps
+        Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),  # a whole-row norm's steps, either body
         K_STEPS=1 if norm_per_head else triton.cdiv(hk, rows_k),
         ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
         num_warps=num_warps,
