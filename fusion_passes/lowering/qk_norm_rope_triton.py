@@ -158,7 +158,6 @@ def _norm_rope_rows(
             wp_ptrs = (w_ptr + head * D)[:, None] + 2 * HALF + pcols[None, :]
             wp = tl.load(wp_ptrs, mask=pass_mask, other=0.0).to(tl.float32)
         squares += tl.sum(xp * xp, axis=1)
-
     else:
         xp, wp = x1, w1  # unused (PASS == 0)
 
