@@ -40,6 +40,7 @@ from fusion_passes.lowering.silu_mul_quant_fp8_reference import (  # noqa: E402
     silu_mul_reference,
 )
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
+    divides_without_slow_path,
     launch_layout,
     silu_mul_quant_fp8_triton,
 )
@@ -172,14 +173,17 @@ def test_random_bf16_fp16_nearly_all_bit_exact(dtype, max_codes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("div_no_slow_path", [False, True], ids=["div_rn", "silu_quotient"])
 @pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_bit_exact_on_cuda(dtype, scheme):
-    """On CUDA the kernel's exp is the expf torch's silu calls, its divisions correctly rounded:
-    y, and so the codes and scales, equal eager's bit for bit on random inputs (fp32 included)."""
+def test_bit_exact_on_cuda(dtype, scheme, div_no_slow_path):
+    """On CUDA the kernel's exp is the expf torch's silu calls, its divisions correctly rounded
+    (by div.rn or silu_quotient): y, and so the codes and scales, equal eager's bit for bit on
+    random inputs (fp32 included)."""
     case = dict(
         shape=(257, 4096), dtype=dtype, chunked=True, scheme=scheme, scale_ue8m0=False,
         scale=0.01 if scheme == "static" else None, group_size=128,
+        launch={"div_no_slow_path": div_no_slow_path},
     )  # fmt: skip
     (q, scales), (ref_q, ref_scales) = _run(case, *_random_inputs(case, torch.Generator().manual_seed(5)))
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
@@ -230,6 +234,20 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
         assert torch.all(s[[1, 3]] == expected) and torch.all(s[[0, 2, 4]] > expected)
     assert torch.all(q[[1, 3]].float() == 0) and not q.float().isnan().any()
     assert fp8_codes_apart(q, ref_q) <= 1
+
+
+def test_division_without_slow_path_where_registers_bind():
+    """silu_quotient from 32 lanes a thread (per_token rows of >= 16384 columns at 16 warps) when
+    the grid can fill the SMs; div.rn for narrower programs and for decode grids."""
+    for n in (14336, 18432, 25600):
+        assert divides_without_slow_path(launch_layout(n, "per_token"))
+        assert divides_without_slow_path(launch_layout(n, "per_token", tokens=256), tokens=256)
+        assert not divides_without_slow_path(launch_layout(n, "per_token", tokens=64), tokens=64)
+    for n in (2048, 8192, 12288):
+        assert not divides_without_slow_path(launch_layout(n, "per_token"))
+    for scheme in ("static", "per_group"):
+        assert not divides_without_slow_path(launch_layout(18432, scheme))
+        assert not divides_without_slow_path(launch_layout(18432, scheme, tokens=4096), tokens=4096)
 
 
 def test_launch_layout():

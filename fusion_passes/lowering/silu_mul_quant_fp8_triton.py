@@ -11,8 +11,9 @@ Fused:   gate and up read once, codes and scales written once; all math in fp32,
     q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448)), stored with the computed scales
 
 The exp: on a GPU the kernel calls libdevice's expf (__nv_expf), the function torch's CUDA silu
-calls (``x / (1 + ::expf(-x))`` in opmath fp32), and divides correctly rounded (div_rn) as nvcc
-does by default, so y is meant to equal eager's bit for bit there (the GPU test checks it). Under
+calls (``x / (1 + ::expf(-x))`` in opmath fp32), and divides correctly rounded as nvcc does by
+default (silu_quotient: div.rn's result without its per-element slow-path branch), so y equals
+eager's bit for bit there (the GPU tests check it, silu on every fp32 input). Under
 the CPU interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu
 differs for 17% of N(0, 9) inputs, by up to 4 ulps (3.3e-7 relative; 4M measured); rounded to
 bf16 none of 65536 differed, so an fp32 y is a few ulps off, a bf16/fp16 y rarely one.
@@ -69,6 +70,15 @@ _DECODE_MAX_WARPS = 4
 # A per_token program holds a whole row: at intermediate 18432 (one H200, bf16) 16 warps took 6.10
 # / 7.11 / 172.2 us at 1 / 64 / 4096 tokens, 32 warps (16 elements a thread) 6.45 / 7.25 / 185.4.
 _PER_TOKEN_MAX_WARPS = 16
+# From this many lanes a thread (a per_token row of >= 32 * 512 columns at 16 warps), silu's
+# division takes silu_quotient, not div.rn: at 18432 columns (36 lanes) div.rn's slow-path call
+# held 115 registers, one program an SM, and silu_quotient 62, two (one H200, bf16, us at 4096 /
+# 16384 tokens: 174.2 / 677.0 against 134.4 / 526.3). Below, registers do not bind and div.rn's
+# shorter fast path wins (2048 columns, 8 lanes: 14.9 / 56.6 against 15.4 / 61.3; static and
+# per_group programs, 16 lanes: 0.90-0.96x at >= 4096 tokens with silu_quotient), and so do
+# grids of fewer than _MIN_PROGRAMS, which never fill an SM (18432 columns at 1 / 64 tokens:
+# 6.14 / 7.18 against 6.44 / 7.41; at 256 tokens 13.74 against 11.25).
+_NO_SLOW_PATH_MIN_LANES = 32
 
 
 @triton.jit
@@ -88,22 +98,80 @@ def _round_to(v, dtype: tl.constexpr, HW_CONVERT: tl.constexpr):
     return v.to(dtype).to(tl.float32)
 
 
+# silu_quotient's range: d = 1 + expf(-x) up to 2^100 (x >= -69.3) divides as it is; beyond, x
+# and d are scaled by 2^-64 first (exact: |x| >= 69 and d > 2^100 stay normal).
+_TWO_POW_100 = tl.constexpr(2.0**100)
+_TWO_POW_MINUS_64 = tl.constexpr(2.0**-64)
+
+
+@triton.jit
+def _rcp_approx(d):
+    """rcp.approx.ftz.f32: one MUFU.RCP, within an ulp of 1 / d, +0 for +inf (Triton's 1.0 / d
+    would be div.full.f32, which adds range scaling)."""
+    return tl.inline_asm_elementwise(
+        "rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def silu_quotient(x, d):
+    """RN(x / d) for d = 1 + expf(-x) (silu's division), bit for bit as div.rn gives it, with no
+    branch: the kernel's choice where registers bind (see DIV_NO_SLOW_PATH).
+
+    div.rn compiles to MUFU.RCP, two FFMA refining the reciprocal, three FFMA for the quotient and
+    its correction, guarded per element by FCHK and a branch to a called slow path; that call
+    pins registers: the per_token kernel at intermediate 18432 (16 warps) took 115 registers, one
+    program an SM, 61 with this (sm_90 SASS). The same FFMA sequence is the correctly rounded
+    quotient whenever nothing leaves fp32's normal range, which silu's operands give:
+    - d in [1, 2^100] (x >= -69.3): 1 / d is normal; x / d is normal or, for |x| < 2^-25, where
+      expf(-x) = 1 and d = 2, x * 0.5, which the fma computes exactly and rounds once;
+    - d in (2^100, inf) (x in (-88.7, -69.3)): x and d scaled by 2^-64 first (exact; the same
+      quotient);
+    - the sequence's NaNs are its special cases: d = inf (x < -88.7: x / inf is -0, NaN for
+      -inf) and x = +inf (inf / 1: the correction's inf - inf), each x * (1 / d) with the MUFU's
+      reciprocal (+0 for inf), as a NaN x is.
+    The residual is carried negated (as exact_quotient does) so a zero x keeps its sign. Checked
+    against torch's CUDA silu on all 2^32 fp32 inputs (tests/test_gpu_silu_exact.py). Compiled
+    for a GPU only: the interpreter's fma rounds the product first."""
+    factor = tl.where(d > _TWO_POW_100, _TWO_POW_MINUS_64, 1.0)
+    x_s = x * factor
+    d_s = d * factor
+    r0 = _rcp_approx(d_s)
+    rcp = tl.fma(tl.fma(d_s * -1.0, r0, 1.0), r0, r0)  # 1 / d_s to about half an ulp
+    q0 = x_s * rcp
+    neg_residual = tl.fma(q0, d_s, x_s * -1.0)  # exact: q0 is within an ulp of x_s / d_s
+    q = tl.fma(neg_residual * -1.0, rcp, q0)
+    return tl.where(q != q, x_s * r0, q)
+
+
+@triton.jit
+def silu_rounded(gate, dtype: tl.constexpr, HW_CONVERT: tl.constexpr, NO_SLOW_PATH: tl.constexpr):
+    """fp32 to_dtype(f32(gate) / (1 + exp(-f32(gate)))): F.silu, rounded where eager rounds.
+    NO_SLOW_PATH: divide by silu_quotient rather than div.rn (the same quotient, bit for bit)."""
+    if HW_CONVERT:
+        # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp); correctly rounded
+        # division, as nvcc's default (Triton's '/' is div.full.f32, 2 ulp).
+        d = 1.0 + libdevice.exp(-gate)
+        if NO_SLOW_PATH:
+            q = silu_quotient(gate, d)
+        else:
+            q = tl.div_rn(gate, d)
+    else:
+        q = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+    return _round_to(q, dtype, HW_CONVERT)
+
+
 @triton.jit
 def _silu_mul_rounded(
-    gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT: tl.constexpr
+    gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT: tl.constexpr,
+    NO_SLOW_PATH: tl.constexpr,
 ):
     """fp32 y = to_dtype(to_dtype(silu(gate)) * up) of a block (masked elements 0), rounded where
     eager rounds."""
     dtype = gate_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + rows_3d * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows_3d * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    if HW_CONVERT:
-        e = libdevice.exp(-gate)  # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp)
-    else:
-        e = tl.exp(-gate)
-    # div_rn, not '/': Triton's '/' is an approximate division on NVIDIA GPUs (div.full.f32, 2 ulp).
-    # Masked columns: gate 0 gives silu 0 and y 0, nothing to the amax.
-    silu = _round_to(tl.div_rn(gate, 1.0 + e), dtype, HW_CONVERT)
+    silu = silu_rounded(gate, dtype, HW_CONVERT, NO_SLOW_PATH)  # masked columns: gate 0 gives silu 0, y 0
     # The product of two bf16/fp16 values is exact in fp32 (8 + 8 or 11 + 11 significant bits):
     # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
     return _round_to(silu * up, dtype, HW_CONVERT)
@@ -125,6 +193,7 @@ def _silu_mul_quant_fp8_kernel(
     SCALE_UE8M0: tl.constexpr,  # round computed scales up to powers of two
     AMAX_TIMES_RECIPROCAL: tl.constexpr,  # scale = amax * fp32(1/448) (CUDA torch), else amax / 448
     HW_CONVERT: tl.constexpr,  # compiled for a GPU: libdevice exp, hardware bf16 / fp8 conversions
+    DIV_NO_SLOW_PATH: tl.constexpr,  # silu's division by silu_quotient, not div.rn (with HW_CONVERT)
     BLOCK_GROUPS: tl.constexpr,  # groups each program covers (a power of two)
     BLOCK_GROUP: tl.constexpr,  # power of two >= group_size, or per_token with a tail: <= N
     BLOCK_TAIL: tl.constexpr,  # per_token: a second block for columns BLOCK_GROUP..N (0: none)
@@ -142,7 +211,9 @@ def _silu_mul_quant_fp8_kernel(
     rows_3d = rows[:, None, None]
     given = load_static_scale(scale_ptr, STATIC)
 
-    y = _silu_mul_rounded(gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT)
+    y = _silu_mul_rounded(
+        gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT, DIV_NO_SLOW_PATH
+    )
     if BLOCK_TAIL > 0:
         # A per_token row of N = 2^k + t columns as two blocks, 2^k and next_power_of_2(t), not one
         # of next_power_of_2(N): 18432 = 16384 + 2048 holds 18 values a thread at 32 warps where
@@ -150,7 +221,8 @@ def _silu_mul_quant_fp8_kernel(
         tail_cols = BLOCK_GROUP + tl.arange(0, BLOCK_TAIL)[None, None, :]
         tail_mask = group_mask[:, :, None] & (tail_cols < N)
         y_tail = _silu_mul_rounded(
-            gate_ptr, up_ptr, rows_3d, tail_cols, tail_mask, stride_gate, stride_up, HW_CONVERT
+            gate_ptr, up_ptr, rows_3d, tail_cols, tail_mask, stride_gate, stride_up, HW_CONVERT,
+            DIV_NO_SLOW_PATH,
         )
         tail_amax = tl.reduce(tl.abs(y_tail), 2, max_keeping_nan)
     else:
@@ -179,6 +251,18 @@ class LaunchLayout(NamedTuple):
     block_tail: int  # per_token: lanes of the tail block for columns block_group..n (0: none)
     rows: int  # rows per program (grid axis 0: cdiv(tokens, rows))
     num_warps: int
+
+
+def divides_without_slow_path(layout: LaunchLayout, tokens: int | None = None) -> bool:
+    """Whether the launch's silu divides by silu_quotient: at >= _NO_SLOW_PATH_MIN_LANES lanes a
+    thread, where div.rn's registers would cost programs an SM, unless a static token count
+    (tokens; None: dynamic) gives a grid of fewer than _MIN_PROGRAMS."""
+    lanes = (layout.block_group + layout.block_tail) * layout.block_groups * layout.rows
+    if tokens is not None:
+        programs = triton.cdiv(tokens, layout.rows) * triton.cdiv(layout.num_groups, layout.block_groups)
+        if programs < _MIN_PROGRAMS:
+            return False
+    return lanes >= _NO_SLOW_PATH_MIN_LANES * 32 * layout.num_warps
 
 
 def launch_layout(
@@ -235,6 +319,7 @@ def silu_mul_quant_fp8_triton(
     rows: int | None = None,
     num_warps: int | None = None,
     columns: int | None = None,
+    div_no_slow_path: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up quantized to float8_e4m3fn over the last dim, as
     silu_mul_quant_fp8_reference computes it. Returns (codes, scales): codes a new contiguous fp8
@@ -243,13 +328,19 @@ def silu_mul_quant_fp8_triton(
     gate_up projection) and are read in place. `wrap` (e.g. torch.library.wrap_triton) is applied
     to the kernel before launch so make_fx can trace it. ``rows`` / ``num_warps`` / ``columns``
     override the launch shape for sweeps (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul);
-    default: launch_layout's for the token count when it is static (an int, not a SymInt)."""
+    default: launch_layout's for the token count when it is static (an int, not a SymInt).
+    ``div_no_slow_path`` picks silu's division (the same bits either way; default:
+    divides_without_slow_path of the launch)."""
     check_silu_mul_args(gate, up)
     check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
     n = gate.shape[-1]
     tokens = math.prod(gate.shape[:-1])
-    layout = launch_layout(n, scheme, group_size, tokens if isinstance(tokens, int) else None, columns)
-    rows_per_program, num_warps = rows or layout.rows, num_warps or layout.num_warps
+    tokens = tokens if isinstance(tokens, int) else None  # a SymInt: dynamic
+    layout = launch_layout(n, scheme, group_size, tokens, columns)
+    layout = layout._replace(rows=rows or layout.rows, num_warps=num_warps or layout.num_warps)
+    rows_per_program, num_warps = layout.rows, layout.num_warps
+    if div_no_slow_path is None:
+        div_no_slow_path = divides_without_slow_path(layout, tokens)
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
     # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
@@ -274,6 +365,7 @@ def silu_mul_quant_fp8_triton(
         SCALE_UE8M0=scale_ue8m0,
         AMAX_TIMES_RECIPROCAL=gate.is_cuda,
         HW_CONVERT=gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        DIV_NO_SLOW_PATH=div_no_slow_path,
         BLOCK_GROUPS=layout.block_groups,
         BLOCK_GROUP=layout.block_group,
         BLOCK_TAIL=layout.block_tail,
