@@ -26,6 +26,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
     launch_layout,
     silu_mul_quant_fp8_triton,
+    takes_mufu_silu,
 )
 
 from timing import time_graph_us  # noqa: E402
@@ -51,7 +52,8 @@ def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
     """(rows, warps, columns) of the default launch; columns: a silu_mul static / per_group
     program's (None for per_token and the norm kernels, whose programs hold whole rows)."""
     if op == "silu_mul":
-        layout = launch_layout(hidden, scheme, GROUP, tokens)
+        mufu = takes_mufu_silu(DTYPE, torch.cuda.get_device_capability())
+        layout = launch_layout(hidden, scheme, GROUP, tokens, mufu_silu=mufu)
         columns = None if scheme == "per_token" else layout.block_groups * layout.block_group
         return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)

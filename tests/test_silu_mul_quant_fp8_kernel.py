@@ -40,8 +40,10 @@ from fusion_passes.lowering.silu_mul_quant_fp8_reference import (  # noqa: E402
     silu_mul_reference,
 )
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
+    SILU_FORMS,
     divides_without_slow_path,
     launch_layout,
+    silu_form,
     silu_mul_quant_fp8_triton,
 )
 
@@ -173,17 +175,17 @@ def test_random_bf16_fp16_nearly_all_bit_exact(dtype, max_codes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("div_no_slow_path", [False, True], ids=["div_rn", "silu_quotient"])
+@pytest.mark.parametrize("form", [None, *SILU_FORMS])
 @pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_bit_exact_on_cuda(dtype, scheme, div_no_slow_path):
-    """On CUDA the kernel's exp is the expf torch's silu calls, its divisions correctly rounded
-    (by div.rn or silu_quotient): y, and so the codes and scales, equal eager's bit for bit on
-    random inputs (fp32 included)."""
+def test_bit_exact_on_cuda(dtype, scheme, form):
+    """On CUDA the kernel's silu is eager's, in each form (None: the launch's own): y, and so the
+    codes and scales, equal eager's bit for bit on random inputs (fp32 included)."""
+    if form == "bf16_mufu" and dtype != torch.bfloat16:
+        pytest.skip("the bf16_mufu silu is for bf16 inputs")
     case = dict(
         shape=(257, 4096), dtype=dtype, chunked=True, scheme=scheme, scale_ue8m0=False,
-        scale=0.01 if scheme == "static" else None, group_size=128,
-        launch={"div_no_slow_path": div_no_slow_path},
+        scale=0.01 if scheme == "static" else None, group_size=128, launch={"form": form},
     )  # fmt: skip
     (q, scales), (ref_q, ref_scales) = _run(case, *_random_inputs(case, torch.Generator().manual_seed(5)))
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
@@ -250,6 +252,24 @@ def test_division_without_slow_path_where_registers_bind():
         assert not divides_without_slow_path(launch_layout(18432, scheme, tokens=4096), tokens=4096)
 
 
+def test_silu_form():
+    """bf16 on an sm_90 GPU takes the bf16_mufu silu at every size; fp32 / fp16, other GPUs and
+    the CPU (capability None) take expf, divided by silu_quotient where registers bind."""
+    wide, decode = launch_layout(18432, "per_token"), launch_layout(2048, "static", tokens=1)
+    for layout, tokens in ((wide, None), (decode, 1)):
+        assert silu_form(layout, tokens, torch.bfloat16, (9, 0)) == "bf16_mufu"
+    for dtype, capability in ((torch.float32, (9, 0)), (torch.float16, (9, 0)), (torch.bfloat16, (8, 0)),
+                              (torch.bfloat16, (10, 0)), (torch.bfloat16, None)):  # fmt: skip
+        assert silu_form(wide, None, dtype, capability) == "silu_quotient"
+        assert silu_form(decode, 1, dtype, capability) == "div_rn"
+
+
+def test_bf16_mufu_form_is_for_bf16_only():
+    gate = torch.randn(4, 256, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="bf16_mufu silu is for bf16 inputs"):
+        silu_mul_quant_fp8_triton(gate, gate.clone(), "per_token", form="bf16_mufu")
+
+
 def test_launch_layout():
     """A per_token row of 2^k + t columns is a 2^k block and a tail block; a static token count
     whose grid is small (decode) takes one row a program (static, per_group: narrower programs);
@@ -260,6 +280,13 @@ def test_launch_layout():
     assert launch_layout(2048, "per_token")[3:] == (2048, 0, 2, 8)
     assert launch_layout(2048, "per_token", tokens=4096)[3:] == (2048, 0, 2, 8)
     assert launch_layout(2048, "per_token", tokens=1)[3:] == (2048, 0, 1, 16)
+    # The bf16_mufu silu: 16 elements a thread at decode from 16 tokens, 4 warps for 2048, 16 for
+    # 18432; a single row keeps 4 elements a thread.
+    assert launch_layout(2048, "per_token", tokens=64, mufu_silu=True)[3:] == (2048, 0, 1, 4)
+    assert launch_layout(2048, "per_token", tokens=16, mufu_silu=True)[3:] == (2048, 0, 1, 4)
+    assert launch_layout(2048, "per_token", tokens=1, mufu_silu=True)[3:] == (2048, 0, 1, 16)
+    assert launch_layout(2048, "per_token", tokens=4096, mufu_silu=True)[3:] == (2048, 0, 2, 8)
+    assert launch_layout(18432, "per_token", tokens=64, mufu_silu=True) == per_token
     assert launch_layout(1100, "per_token")[3:5] == (1024, 128)
     for scheme in ("per_group", "static"):
         wide = launch_layout(18432, scheme)
@@ -275,6 +302,9 @@ def test_launch_layout():
         # 64 tokens of 18432: 576 programs of 2 rows, 1152 of one row and 1024 columns.
         mid = launch_layout(18432, scheme, tokens=64)
         assert mid.block_groups * mid.block_group == 1024 and (mid.rows, mid.num_warps) == (1, 4)
+        # 256 tokens of 18432: 2304 programs of 2 rows, under _ONE_ROW_PROGRAMS: one row each.
+        assert launch_layout(18432, scheme, tokens=256).rows == 1
+        assert launch_layout(2048, scheme, tokens=4096).rows == 2  # 4096 programs of 2 rows
     assert launch_layout(18432, "per_group", columns=256).block_groups == 2
 
 

@@ -10,10 +10,13 @@ Fused:   gate and up read once, codes and scales written once; all math in fp32,
             per group of G columns (per_group), rounded up to a power of two under scale_ue8m0
     q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448)), stored with the computed scales
 
-The exp: on a GPU the kernel calls libdevice's expf (__nv_expf), the function torch's CUDA silu
-calls (``x / (1 + ::expf(-x))`` in opmath fp32), and divides correctly rounded as nvcc does by
-default (silu_quotient: div.rn's result without its per-element slow-path branch), so y equals
-eager's bit for bit there (the GPU tests check it, silu on every fp32 input). Under
+The silu (silu_rounded): on a GPU, y equals eager's bit for bit, by one of three forms. bf16 on
+sm_90 takes _silu_bf16_mufu, ex2.approx and rcp.approx (8 instructions), which is not eager's
+fp32 silu but rounds to its bf16 silu on every bf16 input (checked exhaustively on an H200);
+otherwise the kernel calls libdevice's expf (__nv_expf), the function torch's CUDA silu calls
+(``x / (1 + ::expf(-x))`` in opmath fp32), and divides correctly rounded as nvcc does by default:
+div.rn, or silu_quotient (div.rn's result without its per-element slow-path branch) where
+registers bind. The GPU tests check each form on every fp32 / bf16 / fp16 input. Under
 the CPU interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu
 differs for 17% of N(0, 9) inputs, by up to 4 ulps (3.3e-7 relative; 4M measured); rounded to
 bf16 none of 65536 differed, so an fp32 y is a few ulps off, a bf16/fp16 y rarely one.
@@ -62,10 +65,20 @@ _ELEMENTS_PER_THREAD = 16
 # _MIN_COLUMNS (1 token of 18432: 144 programs of 128 columns, 1 warp: 1.87 / 2.28 us, where
 # before 18 programs of 4 rows, 3 of them masked, took 4.4 / 5.0), at 4 elements a thread and at
 # most _DECODE_MAX_WARPS (2048 at 64 tokens: 512 columns, 4 warps 2.46 / 2.54; 2 warps 2.80 / 2.65).
-_ONE_ROW_PROGRAMS = 1024
+# With the bf16_mufu silu, 256 tokens of 18432 (2304 programs of 2 rows) took 7.71 / 7.68 at one
+# row a program against 8.01 / 8.09; 4096 tokens (36864 programs) keep 2 rows.
+_ONE_ROW_PROGRAMS = 4096
 _MIN_PROGRAMS = 256
 _MIN_COLUMNS = 128
 _DECODE_ELEMENTS_PER_THREAD = 4
+# A per_token decode program whose silu is the cheap bf16_mufu form holds 16 elements a thread,
+# not 4 (one H200, bf16, us): 2048 columns at 16 / 64 / 256 tokens took 2.53 / 2.70 / 3.37 at 4
+# warps (16 a thread) against 2.72 / 2.91 / 3.51 at 16 warps (4 a thread; div.rn there: 2.54 /
+# 2.70 / 3.39); 4096 at 64 tokens 2.97 at 8 warps against 3.24 at 16. Under
+# _DECODE_MUFU_MIN_TOKENS it keeps 4: one row alone spreads better over more warps (2048 at 1
+# token: 2.6 at 4 warps, 2.2 at 16).
+_DECODE_MUFU_ELEMENTS_PER_THREAD = 16
+_DECODE_MUFU_MIN_TOKENS = 16
 _DECODE_MAX_WARPS = 4
 # A per_token program holds a whole row: at intermediate 18432 (one H200, bf16) 16 warps took 6.10
 # / 7.11 / 172.2 us at 1 / 64 / 4096 tokens, 32 warps (16 elements a thread) 6.45 / 7.25 / 185.4.
@@ -79,6 +92,16 @@ _PER_TOKEN_MAX_WARPS = 16
 # grids of fewer than _MIN_PROGRAMS, which never fill an SM (18432 columns at 1 / 64 tokens:
 # 6.14 / 7.18 against 6.44 / 7.41; at 256 tokens 13.74 against 11.25).
 _NO_SLOW_PATH_MIN_LANES = 32
+# silu_rounded's forms (SILU_FORM); SILU_FORMS names them for the launcher's `form` argument.
+FORM_DIV_RN = tl.constexpr(0)
+FORM_SILU_QUOTIENT = tl.constexpr(1)
+FORM_BF16_MUFU = tl.constexpr(2)
+SILU_FORMS = {"div_rn": 0, "silu_quotient": 1, "bf16_mufu": 2}
+# Devices (compute capability) where _silu_bf16_mufu rounds to eager's bf16 silu on every input,
+# checked exhaustively on an H200 (tests/test_gpu_silu_exact.py); elsewhere bf16 takes expf.
+# At 18432 columns and 4096 tokens (one H200, us), static / per_group / per_token took 90.4 /
+# 91.3 / 117.5 with it against 106.1 / 107.8 / 175.2 with expf and div.rn.
+_BF16_MUFU_CAPABILITIES = frozenset({(9, 0)})
 
 
 @triton.jit
@@ -116,12 +139,12 @@ def _rcp_approx(d):
 @triton.jit
 def silu_quotient(x, d):
     """RN(x / d) for d = 1 + expf(-x) (silu's division), bit for bit as div.rn gives it, with no
-    branch: the kernel's choice where registers bind (see DIV_NO_SLOW_PATH).
+    branch: the kernel's choice where registers bind (see _NO_SLOW_PATH_MIN_LANES).
 
     div.rn compiles to MUFU.RCP, two FFMA refining the reciprocal, three FFMA for the quotient and
     its correction, guarded per element by FCHK and a branch to a called slow path; that call
     pins registers: the per_token kernel at intermediate 18432 (16 warps) took 115 registers, one
-    program an SM, 61 with this (sm_90 SASS). The same FFMA sequence is the correctly rounded
+    program an SM, 62 with this (sm_90 SASS). The same FFMA sequence is the correctly rounded
     quotient whenever nothing leaves fp32's normal range, which silu's operands give:
     - d in [1, 2^100] (x >= -69.3): 1 / d is normal; x / d is normal or, for |x| < 2^-25, where
       expf(-x) = 1 and d = 2, x * 0.5, which the fma computes exactly and rounds once;
@@ -145,33 +168,69 @@ def silu_quotient(x, d):
 
 
 @triton.jit
-def silu_rounded(gate, dtype: tl.constexpr, HW_CONVERT: tl.constexpr, NO_SLOW_PATH: tl.constexpr):
+def _silu_bf16_mufu(x):
+    """silu of a bf16 x (in fp32) from the multi-function unit's approximations: x * -log2(e),
+    ex2.approx, 1 + e, and a division as div.full.f32 does it (rcp.approx, operands scaled by 1/4
+    when d > 2^126, where the reciprocal would flush): 8 instructions where expf and div.rn take
+    about 20. Not eager's fp32 silu (a few ulps apart, more where x * log2(e) rounds at large |x|),
+    but rounded to bf16 it is eager's on every one of the 65536 bf16 inputs on sm_90 (an H200;
+    tests/test_gpu_silu_exact.py): the kernel takes it only there, for bf16 (fp16 missed on 2
+    inputs), as _BF16_MUFU_CAPABILITIES says. Inline PTX with .rn arithmetic: the exact
+    instructions that were checked, no contraction into an fma, no lowering choice left to the
+    compiler."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .f32 e, d, x;
+        .reg .pred big;
+        mul.rn.f32 e, $1, 0fBFB8AA3B;
+        ex2.approx.ftz.f32 e, e;
+        add.rn.f32 d, e, 0f3F800000;
+        mov.f32 x, $1;
+        setp.gt.f32 big, d, 0f7E800000;
+        @big mul.rn.f32 d, d, 0f3E800000;
+        @big mul.rn.f32 x, x, 0f3E800000;
+        rcp.approx.ftz.f32 d, d;
+        mul.rn.f32 $0, d, x;
+        }""",
+        "=f,f",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def silu_rounded(gate, dtype: tl.constexpr, HW_CONVERT: tl.constexpr, SILU_FORM: tl.constexpr):
     """fp32 to_dtype(f32(gate) / (1 + exp(-f32(gate)))): F.silu, rounded where eager rounds.
-    NO_SLOW_PATH: divide by silu_quotient rather than div.rn (the same quotient, bit for bit)."""
-    if HW_CONVERT:
-        # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp); correctly rounded
-        # division, as nvcc's default (Triton's '/' is div.full.f32, 2 ulp).
-        d = 1.0 + libdevice.exp(-gate)
-        if NO_SLOW_PATH:
-            q = silu_quotient(gate, d)
-        else:
-            q = tl.div_rn(gate, d)
+    SILU_FORM (with HW_CONVERT; all three give eager's bits): FORM_DIV_RN, libdevice's expf and
+    div.rn; FORM_SILU_QUOTIENT, expf and silu_quotient; FORM_BF16_MUFU, _silu_bf16_mufu (bf16)."""
+    if not HW_CONVERT:
+        return _round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, HW_CONVERT)
+    if SILU_FORM == FORM_BF16_MUFU:
+        return _round_to(_silu_bf16_mufu(gate), dtype, HW_CONVERT)
+    # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp); correctly rounded
+    # division, as nvcc's default (Triton's '/' is div.full.f32, 2 ulp). gate * -1.0, not -gate
+    # (Triton's 0 - x): the negation folds into expf's first fma (the same e: expf(+-0) = 1).
+    d = 1.0 + libdevice.exp(gate * -1.0)
+    if SILU_FORM == FORM_SILU_QUOTIENT:
+        q = silu_quotient(gate, d)
     else:
-        q = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+        q = tl.div_rn(gate, d)
     return _round_to(q, dtype, HW_CONVERT)
 
 
 @triton.jit
 def _silu_mul_rounded(
     gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT: tl.constexpr,
-    NO_SLOW_PATH: tl.constexpr,
+    SILU_FORM: tl.constexpr,
 ):
     """fp32 y = to_dtype(to_dtype(silu(gate)) * up) of a block (masked elements 0), rounded where
     eager rounds."""
     dtype = gate_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + rows_3d * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows_3d * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = silu_rounded(gate, dtype, HW_CONVERT, NO_SLOW_PATH)  # masked columns: gate 0 gives silu 0, y 0
+    silu = silu_rounded(gate, dtype, HW_CONVERT, SILU_FORM)  # masked columns: gate 0 gives silu 0, y 0
     # The product of two bf16/fp16 values is exact in fp32 (8 + 8 or 11 + 11 significant bits):
     # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
     return _round_to(silu * up, dtype, HW_CONVERT)
@@ -193,7 +252,7 @@ def _silu_mul_quant_fp8_kernel(
     SCALE_UE8M0: tl.constexpr,  # round computed scales up to powers of two
     AMAX_TIMES_RECIPROCAL: tl.constexpr,  # scale = amax * fp32(1/448) (CUDA torch), else amax / 448
     HW_CONVERT: tl.constexpr,  # compiled for a GPU: libdevice exp, hardware bf16 / fp8 conversions
-    DIV_NO_SLOW_PATH: tl.constexpr,  # silu's division by silu_quotient, not div.rn (with HW_CONVERT)
+    SILU_FORM: tl.constexpr,  # how silu is computed with HW_CONVERT (silu_form; the same bits)
     BLOCK_GROUPS: tl.constexpr,  # groups each program covers (a power of two)
     BLOCK_GROUP: tl.constexpr,  # power of two >= group_size, or per_token with a tail: <= N
     BLOCK_TAIL: tl.constexpr,  # per_token: a second block for columns BLOCK_GROUP..N (0: none)
@@ -212,7 +271,7 @@ def _silu_mul_quant_fp8_kernel(
     given = load_static_scale(scale_ptr, STATIC)
 
     y = _silu_mul_rounded(
-        gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT, DIV_NO_SLOW_PATH
+        gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT, SILU_FORM
     )
     if BLOCK_TAIL > 0:
         # A per_token row of N = 2^k + t columns as two blocks, 2^k and next_power_of_2(t), not one
@@ -222,7 +281,7 @@ def _silu_mul_quant_fp8_kernel(
         tail_mask = group_mask[:, :, None] & (tail_cols < N)
         y_tail = _silu_mul_rounded(
             gate_ptr, up_ptr, rows_3d, tail_cols, tail_mask, stride_gate, stride_up, HW_CONVERT,
-            DIV_NO_SLOW_PATH,
+            SILU_FORM,
         )
         tail_amax = tl.reduce(tl.abs(y_tail), 2, max_keeping_nan)
     else:
@@ -253,6 +312,23 @@ class LaunchLayout(NamedTuple):
     num_warps: int
 
 
+def takes_mufu_silu(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether silu is the bf16_mufu form: bf16 on a device of _BF16_MUFU_CAPABILITIES
+    (capability None: not a GPU)."""
+    return dtype == torch.bfloat16 and capability in _BF16_MUFU_CAPABILITIES
+
+
+def silu_form(
+    layout: LaunchLayout, tokens: int | None, dtype: torch.dtype, capability: tuple[int, int] | None
+) -> str:
+    """How the launch computes silu (SILU_FORMS; every form gives eager's bits): "bf16_mufu"
+    where takes_mufu_silu; otherwise "silu_quotient" where divides_without_slow_path, else
+    "div_rn"."""
+    if takes_mufu_silu(dtype, capability):
+        return "bf16_mufu"
+    return "silu_quotient" if divides_without_slow_path(layout, tokens) else "div_rn"
+
+
 def divides_without_slow_path(layout: LaunchLayout, tokens: int | None = None) -> bool:
     """Whether the launch's silu divides by silu_quotient: at >= _NO_SLOW_PATH_MIN_LANES lanes a
     thread, where div.rn's registers would cost programs an SM, unless a static token count
@@ -266,7 +342,12 @@ def divides_without_slow_path(layout: LaunchLayout, tokens: int | None = None) -
 
 
 def launch_layout(
-    n: int, scheme: str, group_size: int = 128, tokens: int | None = None, columns: int | None = None
+    n: int,
+    scheme: str,
+    group_size: int = 128,
+    tokens: int | None = None,
+    columns: int | None = None,
+    mufu_silu: bool = False,
 ) -> LaunchLayout:
     """The launch of rows of n columns: per_group rows in groups of group_size, a program covering
     _COLUMNS_PER_PROGRAM columns (BLOCK_GROUPS groups) of _ELEMENTS_PER_PROGRAM / that rows; a
@@ -276,7 +357,8 @@ def launch_layout(
     tokens: a static token count (None: dynamic, and the launch never depends on it). A static or
     per_group grid of fewer than _ONE_ROW_PROGRAMS programs takes one row a program, then, under
     _MIN_PROGRAMS, narrower programs (see the constants); a per_token grid under _MIN_PROGRAMS
-    takes one row a program, 4 elements a thread (at most _PER_TOKEN_MAX_WARPS warps).
+    takes one row a program, 4 elements a thread (16 with mufu_silu, the bf16_mufu form's cheaper
+    silu, from _DECODE_MUFU_MIN_TOKENS; at most _PER_TOKEN_MAX_WARPS warps).
     columns: the columns a static or per_group program covers (a power of two), for sweeps."""
     if scheme == "per_token":
         block_group, block_tail = triton.next_power_of_2(n), 0
@@ -285,7 +367,9 @@ def launch_layout(
             block_tail = triton.next_power_of_2(n - block_group)
         _, rows, num_warps = launch_config(n)
         if tokens is not None and triton.cdiv(tokens, rows) < _MIN_PROGRAMS:
-            rows, num_warps = 1, _pow2_floor(n // (32 * _DECODE_ELEMENTS_PER_THREAD))
+            wide = mufu_silu and tokens >= _DECODE_MUFU_MIN_TOKENS
+            per_thread = _DECODE_MUFU_ELEMENTS_PER_THREAD if wide else _DECODE_ELEMENTS_PER_THREAD
+            rows, num_warps = 1, _pow2_floor(n // (32 * per_thread))
         return LaunchLayout(1, n, 1, block_group, block_tail, rows, min(num_warps, _PER_TOKEN_MAX_WARPS))
     width = min(triton.next_power_of_2(n), columns or _COLUMNS_PER_PROGRAM)
     rows = max(1, _ELEMENTS_PER_PROGRAM // width)
@@ -319,7 +403,7 @@ def silu_mul_quant_fp8_triton(
     rows: int | None = None,
     num_warps: int | None = None,
     columns: int | None = None,
-    div_no_slow_path: bool | None = None,
+    form: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up quantized to float8_e4m3fn over the last dim, as
     silu_mul_quant_fp8_reference computes it. Returns (codes, scales): codes a new contiguous fp8
@@ -329,18 +413,23 @@ def silu_mul_quant_fp8_triton(
     to the kernel before launch so make_fx can trace it. ``rows`` / ``num_warps`` / ``columns``
     override the launch shape for sweeps (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul);
     default: launch_layout's for the token count when it is static (an int, not a SymInt).
-    ``div_no_slow_path`` picks silu's division (the same bits either way; default:
-    divides_without_slow_path of the launch)."""
+    ``form`` picks how silu is computed (SILU_FORMS, the same bits each; default: silu_form's
+    for the launch and device)."""
     check_silu_mul_args(gate, up)
     check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
     n = gate.shape[-1]
     tokens = math.prod(gate.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # a SymInt: dynamic
-    layout = launch_layout(n, scheme, group_size, tokens, columns)
+    hw_convert = gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    capability = torch.cuda.get_device_capability(gate.device) if hw_convert else None
+    mufu = form == "bf16_mufu" if form is not None else takes_mufu_silu(gate.dtype, capability)
+    layout = launch_layout(n, scheme, group_size, tokens, columns, mufu)
     layout = layout._replace(rows=rows or layout.rows, num_warps=num_warps or layout.num_warps)
     rows_per_program, num_warps = layout.rows, layout.num_warps
-    if div_no_slow_path is None:
-        div_no_slow_path = divides_without_slow_path(layout, tokens)
+    if form is None:
+        form = silu_form(layout, tokens, gate.dtype, capability)
+    if form == "bf16_mufu" and gate.dtype != torch.bfloat16:
+        raise ValueError(f"silu_mul_quant_fp8: the bf16_mufu silu is for bf16 inputs, got {gate.dtype}")
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
     # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
@@ -364,8 +453,8 @@ def silu_mul_quant_fp8_triton(
         STATIC=scheme == "static",
         SCALE_UE8M0=scale_ue8m0,
         AMAX_TIMES_RECIPROCAL=gate.is_cuda,
-        HW_CONVERT=gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        DIV_NO_SLOW_PATH=div_no_slow_path,
+        HW_CONVERT=hw_convert,
+        SILU_FORM=SILU_FORMS[form],
         BLOCK_GROUPS=layout.block_groups,
         BLOCK_GROUP=layout.block_group,
         BLOCK_TAIL=layout.block_tail,

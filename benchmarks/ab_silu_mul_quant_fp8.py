@@ -1,0 +1,97 @@
+"""The SiLU + FP8 kernel of a git revision against the working tree's, side by side on one GPU
+(bf16, gate and up the halves of one gate_up tensor): the kernel alone inside a CUDA graph
+(timing.time_graph_us), the revision timed twice (their spread is the noise), codes and scales
+compared bit for bit. --sweep times the working tree's kernel for each silu form and warp count.
+
+    python benchmarks/ab_silu_mul_quant_fp8.py --rev 47ff024 [--intermediate 18432 2048]
+        [--tokens 1 64 256 4096 16384] [--schemes static per_token per_group]
+    python benchmarks/ab_silu_mul_quant_fp8.py --sweep --schemes per_token --intermediate 2048
+        --tokens 16 64 256 --warps 4 8 16 --forms div_rn bf16_mufu
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fusion_passes.lowering.silu_mul_quant_fp8_triton as current  # noqa: E402
+from timing import time_graph_us  # noqa: E402
+
+KERNEL = "fusion_passes/lowering/silu_mul_quant_fp8_triton.py"
+STATIC_SCALE = 0.02
+INPUT_BYTES = 16e9  # input sets per shape: as many as fit in this (2 to 20)
+
+
+def _load_revision(rev: str):
+    """The kernel module as it was at rev (its imports resolve in the working tree)."""
+    source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=ROOT, check=True, capture_output=True, text=True)
+    path = Path(tempfile.mkdtemp()) / f"silu_mul_quant_fp8_triton_{rev}.py"
+    path.write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inputs(tokens: int, n: int, g: torch.Generator) -> list:
+    sets = max(2, min(20, int(INPUT_BYTES // (tokens * n * 5))))
+    return [
+        torch.randn(tokens, 2 * n, device="cuda", generator=g).mul_(3).to(torch.bfloat16).chunk(2, -1)
+        for _ in range(sets)
+    ]
+
+
+def _time(module, xs, scheme, scale, **kw) -> float:
+    return time_graph_us([lambda a=a: module.silu_mul_quant_fp8_triton(*a, scheme, scale, **kw) for a in xs])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", help="git revision to compare against")
+    parser.add_argument("--sweep", action="store_true", help="forms x warps of the working tree")
+    parser.add_argument("--intermediate", type=int, nargs="+", default=[18432, 2048])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096, 16384])
+    parser.add_argument("--schemes", nargs="+", default=["static", "per_token", "per_group"])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--forms", nargs="+", choices=list(current.SILU_FORMS), default=["div_rn", "bf16_mufu"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not (args.rev or args.sweep):
+        parser.error("needs a CUDA device, and --rev or --sweep")
+    old = _load_revision(args.rev) if args.rev else None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in args.intermediate:
+        for tokens in args.tokens:
+            xs = _inputs(tokens, n, g)
+            for scheme in args.schemes:
+                scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
+                if old is not None:
+                    q0, s0 = old.silu_mul_quant_fp8_triton(*xs[0], scheme, scale)
+                    q1, s1 = current.silu_mul_quant_fp8_triton(*xs[0], scheme, scale)
+                    equal = torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+                    before, after, again = (_time(m, xs, scheme, scale) for m in (old, current, old))
+                    print(f"{n:6d} {tokens:6d} {scheme:10s} {args.rev} {before:8.2f} (again {again:8.2f}) "
+                          f"now {after:8.2f}  {before / after:5.2f}x  equal={equal}", flush=True)  # fmt: skip
+                if args.sweep:
+                    times = [
+                        f"{w} warps {form} {_time(current, xs, scheme, scale, num_warps=w, form=form):.2f}"
+                        for w in args.warps
+                        for form in args.forms
+                    ]
+                    print(f"{n:6d} {tokens:6d} {scheme:10s} " + " | ".join(times), flush=True)
+            del xs
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
