@@ -23,7 +23,7 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fusion_passes.numerics import fp8_codes_apart, fp8_codes_equal, fp8_nan_codes  # noqa: E402
@@ -48,11 +48,16 @@ from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
 )
 
 # rtol of the dynamic scales: y's error (the scale is amax(|y|) / 448, rounded alike in both).
-# bf16/fp16: one ulp of y. fp32: the kernel's silu is up to 3.3e-7 (4 ulps) off torch's CPU silu
-# (4M N(0, 9) inputs), the product's rounding adds up to an ulp (1.2e-7): 6 eps = 7.2e-7.
+# bf16: one ulp of y (under the interpreter the silu differs from torch's CPU silu on 250 of the
+# 65536 bf16 inputs, all subnormals, which these draws never make). fp16: two ulps: the silu
+# differs on 3 of the 65536 fp16 inputs (-0.00069, -0.7139, -2.7246, one ulp each), and the
+# product can carry one ulp of silu to two of y (gate -2.7246, up -0.2761: 0.046326 against
+# 0.046265). fp32: the kernel's silu is up to 3.3e-7 (4 ulps) off torch's CPU silu (4M N(0, 9)
+# inputs), the product's rounding adds up to an ulp (1.2e-7): 6 eps = 7.2e-7. On CUDA silu is
+# eager's in every dtype (test_bit_exact_on_cuda, tests/test_gpu_silu_exact.py).
 RTOL = {
     torch.float32: 6 * torch.finfo(torch.float32).eps,
-    torch.float16: torch.finfo(torch.float16).eps,
+    torch.float16: 2 * torch.finfo(torch.float16).eps,
     torch.bfloat16: torch.finfo(torch.bfloat16).eps,
 }
 DTYPES = list(RTOL)
@@ -140,6 +145,10 @@ def test_bit_exact_where_silu_is_exact(case):
 
 @settings(max_examples=150, deadline=None)
 @given(case=_cases())
+@example(  # fp16 gate -2.7246 at row 34: silu one ulp off torch's CPU silu, y two ulps
+    case=dict(shape=(2, 39, 1), dtype=torch.float16, chunked=False, scheme="per_token", scale=None,
+              group_size=128, scale_ue8m0=False, launch={}, seed=17949)  # fmt: skip
+)
 def test_random_inputs_within_one_code(case):
     """Codes at most one fp8 code from the reference's, scales within one ulp of y."""
     gate, up = _random_inputs(case, torch.Generator().manual_seed(case["seed"]))
