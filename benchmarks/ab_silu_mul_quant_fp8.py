@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fusion_passes.lowering.silu_mul_quant_fp8_triton as current  # noqa: E402
+from fusion_passes.lowering.silu_triton import SILU_FORMS  # noqa: E402
 from timing import time_graph_us  # noqa: E402
 
 KERNEL = "fusion_passes/lowering/silu_mul_quant_fp8_triton.py"
@@ -63,7 +64,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096, 16384])
     parser.add_argument("--schemes", nargs="+", default=["static", "per_token", "per_group"])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--forms", nargs="+", choices=list(current.SILU_FORMS), default=["div_rn", "bf16_mufu"])
+    parser.add_argument("--forms", nargs="+", choices=list(SILU_FORMS), default=["div_rn", "bf16_mufu"])
     args = parser.parse_args()
     if not torch.cuda.is_available() or not (args.rev or args.sweep):
         parser.error("needs a CUDA device, and --rev or --sweep")

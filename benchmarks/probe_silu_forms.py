@@ -2,7 +2,7 @@
 
 Each formula runs on all 65536 values of the dtype (NaN, inf and subnormals included), its fp32
 result rounded to the dtype, against torch's F.silu on the same GPU; prints the mismatches and
-the first inputs that differ. silu_mul_quant_fp8_triton's bf16_mufu form is formula 5 of this
+the first inputs that differ. silu_triton's bf16_mufu form is formula 5 of this
 list, as inline PTX; the others are why it is that one (see BENCHMARKS.md).
 
     python benchmarks/probe_silu_forms.py [--json PATH]
@@ -23,7 +23,7 @@ from triton.language.extra import libdevice
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion_passes.lowering.silu_mul_quant_fp8_triton import FORM_DIV_RN, silu_rounded  # noqa: E402
+from fusion_passes.lowering.silu_triton import FORM_DIV_RN, silu_rounded  # noqa: E402
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FORMULAS = {

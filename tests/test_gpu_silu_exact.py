@@ -1,5 +1,5 @@
 """The SiLU + FP8 kernel's silu against torch's CUDA silu on every input, in each of its forms
-(silu_mul_quant_fp8_triton.SILU_FORMS): all 2^32 fp32 bit patterns, and every bf16 and fp16
+(silu_triton.SILU_FORMS): all 2^32 fp32 bit patterns, and every bf16 and fp16
 value, bit for bit (NaN as any NaN).
 
 silu_quotient divides without div.rn's per-element range check and slow path; its docstring
@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fusion_passes.lowering.silu_mul_quant_fp8_triton import SILU_FORMS, silu_rounded  # noqa: E402
+from fusion_passes.lowering.silu_triton import SILU_FORMS, silu_rounded  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CHUNK = 1 << 28  # inputs per launch: 1 GiB of fp32 in, 1 GiB out

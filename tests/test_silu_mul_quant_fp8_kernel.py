@@ -35,12 +35,12 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
     MIN_SCALE,
 )
 from fusion_passes.lowering.silu_mul_quant_fp8 import silu_mul_quant_fp8  # noqa: E402
+from fusion_passes.lowering.silu_triton import SILU_FORMS  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import (  # noqa: E402
     silu_mul_quant_fp8_reference,
     silu_mul_reference,
 )
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
-    SILU_FORMS,
     divides_without_slow_path,
     launch_layout,
     silu_form,
@@ -273,10 +273,12 @@ def test_silu_form():
         assert silu_form(decode, 1, dtype, capability) == "div_rn"
 
 
-def test_bf16_mufu_form_is_for_bf16_only():
+def test_bad_forms_raise():
     gate = torch.randn(4, 256, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="bf16_mufu silu is for bf16 inputs"):
         silu_mul_quant_fp8_triton(gate, gate.clone(), "per_token", form="bf16_mufu")
+    with pytest.raises(ValueError, match="form must be one of"):
+        silu_mul_quant_fp8_triton(gate, gate.clone(), "per_token", form="fast")
 
 
 def test_launch_layout():

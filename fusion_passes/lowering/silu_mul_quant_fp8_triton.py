@@ -10,14 +10,9 @@ Fused:   gate and up read once, codes and scales written once; all math in fp32,
             per group of G columns (per_group), rounded up to a power of two under scale_ue8m0
     q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448)), stored with the computed scales
 
-The silu (silu_rounded): on a GPU, y equals eager's bit for bit, by one of three forms. bf16 on
-sm_90 takes _silu_bf16_mufu, ex2.approx and rcp.approx (8 instructions), which is not eager's
-fp32 silu but rounds to its bf16 silu on every bf16 input (checked exhaustively on an H200);
-otherwise the kernel calls libdevice's expf (__nv_expf), the function torch's CUDA silu calls
-(``x / (1 + ::expf(-x))`` in opmath fp32), and divides correctly rounded as nvcc does by default:
-div.rn, or silu_quotient (div.rn's result without its per-element slow-path branch) where
-registers bind. The GPU tests check each form on every fp32 / bf16 / fp16 input. Under
-the CPU interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu
+The silu is silu_triton.silu_rounded: on a GPU eager's bit for bit, in one of three forms
+(silu_form picks it: bf16_mufu for bf16 on sm_90, else expf with div.rn, or with silu_quotient
+where registers bind), each checked on every fp32 / bf16 / fp16 input. Under the CPU interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu
 differs for 17% of N(0, 9) inputs, by up to 4 ulps (3.3e-7 relative; 4M measured); rounded to
 bf16 none of 65536 differed, so an fp32 y is a few ulps off, a bf16/fp16 y rarely one.
 
@@ -38,7 +33,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, check_quant_args
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
@@ -49,6 +43,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_triton import (
 )
 from fusion_passes.lowering.rms_norm_triton import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
+from fusion_passes.lowering.silu_triton import SILU_FORMS, round_to, silu_rounded, takes_mufu_silu
 
 # A static or per_group program: _ELEMENTS_PER_PROGRAM elements, rows of _COLUMNS_PER_PROGRAM
 # columns (2 rows of 1024), 16 a thread (4 warps), unless the token count is static and small
@@ -92,134 +87,6 @@ _PER_TOKEN_MAX_WARPS = 16
 # grids of fewer than _MIN_PROGRAMS, which never fill an SM (18432 columns at 1 / 64 tokens:
 # 6.14 / 7.18 against 6.44 / 7.41; at 256 tokens 13.74 against 11.25).
 _NO_SLOW_PATH_MIN_LANES = 32
-# silu_rounded's forms (SILU_FORM); SILU_FORMS names them for the launcher's `form` argument.
-FORM_DIV_RN = tl.constexpr(0)
-FORM_SILU_QUOTIENT = tl.constexpr(1)
-FORM_BF16_MUFU = tl.constexpr(2)
-SILU_FORMS = {"div_rn": 0, "silu_quotient": 1, "bf16_mufu": 2}
-# Devices (compute capability) where _silu_bf16_mufu rounds to eager's bf16 silu on every input,
-# checked exhaustively on an H200 (tests/test_gpu_silu_exact.py); elsewhere bf16 takes expf.
-# At 18432 columns and 4096 tokens (one H200, us), static / per_group / per_token took 90.4 /
-# 91.3 / 117.5 with it against 106.1 / 107.8 / 175.2 with expf and div.rn.
-_BF16_MUFU_CAPABILITIES = frozenset({(9, 0)})
-
-
-@triton.jit
-def _round_to(v, dtype: tl.constexpr, HW_CONVERT: tl.constexpr):
-    """fp32 v rounded to dtype (to nearest, ties to even), returned as fp32: where eager rounds.
-
-    Under the interpreter Triton 3.6 truncates fp32 -> bf16 (probed: 50% of N(0, 16) values came
-    out one bf16 ulp low), so bf16 is rounded there by integer steps: add 0x7FFF plus the lowest
-    kept bit (ties to even), drop the 16 low bits; an overflow carries into inf as the cast does.
-    fp16 casts round correctly in the interpreter (numpy's). HW_CONVERT: the GPU's cvt.rn."""
-    if dtype == tl.float32:
-        return v
-    if dtype == tl.bfloat16 and not HW_CONVERT:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000 as int32
-        return bits.to(tl.float32, bitcast=True)
-    return v.to(dtype).to(tl.float32)
-
-
-# silu_quotient's range: d = 1 + expf(-x) up to 2^100 (x >= -69.3) divides as it is; beyond, x
-# and d are scaled by 2^-64 first (exact: |x| >= 69 and d > 2^100 stay normal).
-_TWO_POW_100 = tl.constexpr(2.0**100)
-_TWO_POW_MINUS_64 = tl.constexpr(2.0**-64)
-
-
-@triton.jit
-def _rcp_approx(d):
-    """rcp.approx.ftz.f32: one MUFU.RCP, within an ulp of 1 / d, +0 for +inf (Triton's 1.0 / d
-    would be div.full.f32, which adds range scaling)."""
-    return tl.inline_asm_elementwise(
-        "rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def silu_quotient(x, d):
-    """RN(x / d) for d = 1 + expf(-x) (silu's division), bit for bit as div.rn gives it, with no
-    branch: the kernel's choice where registers bind (see _NO_SLOW_PATH_MIN_LANES).
-
-    div.rn compiles to MUFU.RCP, two FFMA refining the reciprocal, three FFMA for the quotient and
-    its correction, guarded per element by FCHK and a branch to a called slow path; that call
-    pins registers: the per_token kernel at intermediate 18432 (16 warps) took 115 registers, one
-    program an SM, 62 with this (sm_90 SASS). The same FFMA sequence is the correctly rounded
-    quotient whenever nothing leaves fp32's normal range, which silu's operands give:
-    - d in [1, 2^100] (x >= -69.3): 1 / d is normal; x / d is normal or, for |x| < 2^-25, where
-      expf(-x) = 1 and d = 2, x * 0.5, which the fma computes exactly and rounds once;
-    - d in (2^100, inf) (x in (-88.7, -69.3)): x and d scaled by 2^-64 first (exact; the same
-      quotient);
-    - the sequence's NaNs are its special cases: d = inf (x < -88.7: x / inf is -0, NaN for
-      -inf) and x = +inf (inf / 1: the correction's inf - inf), each x * (1 / d) with the MUFU's
-      reciprocal (+0 for inf), as a NaN x is.
-    The residual is carried negated (as exact_quotient does) so a zero x keeps its sign. Checked
-    against torch's CUDA silu on all 2^32 fp32 inputs (tests/test_gpu_silu_exact.py). Compiled
-    for a GPU only: the interpreter's fma rounds the product first."""
-    factor = tl.where(d > _TWO_POW_100, _TWO_POW_MINUS_64, 1.0)
-    x_s = x * factor
-    d_s = d * factor
-    r0 = _rcp_approx(d_s)
-    rcp = tl.fma(tl.fma(d_s * -1.0, r0, 1.0), r0, r0)  # 1 / d_s to about half an ulp
-    q0 = x_s * rcp
-    neg_residual = tl.fma(q0, d_s, x_s * -1.0)  # exact: q0 is within an ulp of x_s / d_s
-    q = tl.fma(neg_residual * -1.0, rcp, q0)
-    return tl.where(q != q, x_s * r0, q)
-
-
-@triton.jit
-def _silu_bf16_mufu(x):
-    """silu of a bf16 x (in fp32) from the multi-function unit's approximations: x * -log2(e),
-    ex2.approx, 1 + e, and a division as div.full.f32 does it (rcp.approx, operands scaled by 1/4
-    when d > 2^126, where the reciprocal would flush): 8 instructions where expf and div.rn take
-    about 20. Not eager's fp32 silu (a few ulps apart, more where x * log2(e) rounds at large |x|),
-    but rounded to bf16 it is eager's on every one of the 65536 bf16 inputs on sm_90 (an H200;
-    tests/test_gpu_silu_exact.py): the kernel takes it only there, for bf16 (fp16 missed on 2
-    inputs), as _BF16_MUFU_CAPABILITIES says. Inline PTX with .rn arithmetic: the exact
-    instructions that were checked, no contraction into an fma, no lowering choice left to the
-    compiler."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .f32 e, d, x;
-        .reg .pred big;
-        mul.rn.f32 e, $1, 0fBFB8AA3B;
-        ex2.approx.ftz.f32 e, e;
-        add.rn.f32 d, e, 0f3F800000;
-        mov.f32 x, $1;
-        setp.gt.f32 big, d, 0f7E800000;
-        @big mul.rn.f32 d, d, 0f3E800000;
-        @big mul.rn.f32 x, x, 0f3E800000;
-        rcp.approx.ftz.f32 d, d;
-        mul.rn.f32 $0, d, x;
-        }""",
-        "=f,f",
-        [x],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def silu_rounded(gate, dtype: tl.constexpr, HW_CONVERT: tl.constexpr, SILU_FORM: tl.constexpr):
-    """fp32 to_dtype(f32(gate) / (1 + exp(-f32(gate)))): F.silu, rounded where eager rounds.
-    SILU_FORM (with HW_CONVERT; all three give eager's bits): FORM_DIV_RN, libdevice's expf and
-    div.rn; FORM_SILU_QUOTIENT, expf and silu_quotient; FORM_BF16_MUFU, _silu_bf16_mufu (bf16)."""
-    if not HW_CONVERT:
-        return _round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, HW_CONVERT)
-    if SILU_FORM == FORM_BF16_MUFU:
-        return _round_to(_silu_bf16_mufu(gate), dtype, HW_CONVERT)
-    # __nv_expf, as torch's CUDA silu (tl.exp is ex2.approx: ~2 ulp); correctly rounded
-    # division, as nvcc's default (Triton's '/' is div.full.f32, 2 ulp). gate * -1.0, not -gate
-    # (Triton's 0 - x): the negation folds into expf's first fma (the same e: expf(+-0) = 1).
-    d = 1.0 + libdevice.exp(gate * -1.0)
-    if SILU_FORM == FORM_SILU_QUOTIENT:
-        q = silu_quotient(gate, d)
-    else:
-        q = tl.div_rn(gate, d)
-    return _round_to(q, dtype, HW_CONVERT)
-
-
 @triton.jit
 def _silu_mul_rounded(
     gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT: tl.constexpr,
@@ -233,7 +100,7 @@ def _silu_mul_rounded(
     silu = silu_rounded(gate, dtype, HW_CONVERT, SILU_FORM)  # masked columns: gate 0 gives silu 0, y 0
     # The product of two bf16/fp16 values is exact in fp32 (8 + 8 or 11 + 11 significant bits):
     # one rounding to the dtype, as eager's multiply in opmath fp32 then rounds it.
-    return _round_to(silu * up, dtype, HW_CONVERT)
+    return round_to(silu * up, dtype, HW_CONVERT)
 
 
 @triton.jit
@@ -310,12 +177,6 @@ class LaunchLayout(NamedTuple):
     block_tail: int  # per_token: lanes of the tail block for columns block_group..n (0: none)
     rows: int  # rows per program (grid axis 0: cdiv(tokens, rows))
     num_warps: int
-
-
-def takes_mufu_silu(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
-    """Whether silu is the bf16_mufu form: bf16 on a device of _BF16_MUFU_CAPABILITIES
-    (capability None: not a GPU)."""
-    return dtype == torch.bfloat16 and capability in _BF16_MUFU_CAPABILITIES
 
 
 def silu_form(
@@ -428,6 +289,8 @@ def silu_mul_quant_fp8_triton(
     rows_per_program, num_warps = layout.rows, layout.num_warps
     if form is None:
         form = silu_form(layout, tokens, gate.dtype, capability)
+    if form not in SILU_FORMS:
+        raise ValueError(f"silu_mul_quant_fp8: form must be one of {list(SILU_FORMS)}, got {form!r}")
     if form == "bf16_mufu" and gate.dtype != torch.bfloat16:
         raise ValueError(f"silu_mul_quant_fp8: the bf16_mufu silu is for bf16 inputs, got {gate.dtype}")
     gate_rows, up_rows = as_rows(gate), as_rows(up)
