@@ -179,13 +179,11 @@ class LaunchLayout(NamedTuple):
     num_warps: int
 
 
-def silu_form(
-    layout: LaunchLayout, tokens: int | None, dtype: torch.dtype, capability: tuple[int, int] | None
-) -> str:
-    """How the launch computes silu (SILU_FORMS; every form gives eager's bits): "bf16_mufu"
-    where takes_mufu_silu; otherwise "silu_quotient" where divides_without_slow_path, else
-    "div_rn"."""
-    if takes_mufu_silu(dtype, capability):
+def silu_form(layout: LaunchLayout, tokens: int | None, mufu_silu: bool) -> str:
+    """How the launch computes silu (SILU_FORMS; every form gives eager's bits): "bf16_mufu" with
+    mufu_silu (silu_triton.takes_mufu_silu); otherwise "silu_quotient" where
+    divides_without_slow_path, else "div_rn"."""
+    if mufu_silu:
         return "bf16_mufu"
     return "silu_quotient" if divides_without_slow_path(layout, tokens) else "div_rn"
 
@@ -281,18 +279,20 @@ def silu_mul_quant_fp8_triton(
     n = gate.shape[-1]
     tokens = math.prod(gate.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # a SymInt: dynamic
-    hw_convert = gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    capability = torch.cuda.get_device_capability(gate.device) if hw_convert else None
-    mufu = form == "bf16_mufu" if form is not None else takes_mufu_silu(gate.dtype, capability)
-    layout = launch_layout(n, scheme, group_size, tokens, columns, mufu)
-    layout = layout._replace(rows=rows or layout.rows, num_warps=num_warps or layout.num_warps)
-    rows_per_program, num_warps = layout.rows, layout.num_warps
-    if form is None:
-        form = silu_form(layout, tokens, gate.dtype, capability)
-    if form not in SILU_FORMS:
+    if form is not None and form not in SILU_FORMS:
         raise ValueError(f"silu_mul_quant_fp8: form must be one of {list(SILU_FORMS)}, got {form!r}")
     if form == "bf16_mufu" and gate.dtype != torch.bfloat16:
         raise ValueError(f"silu_mul_quant_fp8: the bf16_mufu silu is for bf16 inputs, got {gate.dtype}")
+    hw_convert = gate.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    if form is None:
+        capability = torch.cuda.get_device_capability(gate.device) if hw_convert else None
+        mufu = takes_mufu_silu(gate.dtype, capability)
+    else:
+        mufu = form == "bf16_mufu"
+    layout = launch_layout(n, scheme, group_size, tokens, columns, mufu)
+    layout = layout._replace(rows=rows or layout.rows, num_warps=num_warps or layout.num_warps)
+    rows_per_program, num_warps = layout.rows, layout.num_warps
+    form = form or silu_form(layout, tokens, mufu)
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
     # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
