@@ -11,7 +11,10 @@ Implementations:
 - inductor: torch.compile of that with stock Inductor (static shapes, one compile per shape);
 - fusion_passes: torch.compile of that with the fusion_passes backend, the norm+quant fusions
   enabled (the rewritten graph, our kernel launched from Inductor's code) -- checked to match once;
-- kernel: our Triton kernel called from Python (its launcher's host cost included).
+- kernel: our Triton kernel called from Python (its launcher's host cost included);
+- same_traffic: stock Inductor's one kernel for the same bytes with no norm and no amax: the cast
+  x.to(float8_e4m3fn) (add+norm: r = x + residual, then r and r's cast written). What a
+  bandwidth-bound elementwise kernel of this traffic reaches here, beside the copy bandwidth.
 
 Times as in benchmarks/timing.py (plain: do_bench median, L2 flushed; graph: GRAPH_CALLS calls on
 their own input sets in one CUDA graph, per call). Kernels per call from the CUDA profiler. The
@@ -65,7 +68,7 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 SMOKE_HIDDEN, SMOKE_TOKENS = (256,), (1, 64)
 SCHEMES = ("static", "per_token", "per_group")
 OPS = ("rms_norm", "add_rms_norm")
-IMPLS = ("eager", "inductor", "fusion_passes", "kernel")
+IMPLS = ("eager", "inductor", "fusion_passes", "kernel", "same_traffic")
 BANDWIDTH_MIN_TOKENS = 4096
 DTYPE, EPS = torch.bfloat16, 1e-6
 GRAPH_CALLS = 20  # calls per captured graph (see bench_rms_norm.py: >= 4096 tokens come from HBM)
@@ -88,6 +91,18 @@ def eager_fn(op: str, scheme: str):
         return (*quant(llama_rms_norm(r, weight, EPS), scale), r)
 
     return add_norm_quant
+
+
+def same_traffic_fn(op: str):
+    """The bytes of op without its math: (x, [residual,] weight, scale) -> fp8 cast (and r)."""
+    if op == "rms_norm":
+        return lambda x, weight, scale: x.to(FP8_DTYPE)
+
+    def add_cast(x, residual, weight, scale):
+        r = residual + x
+        return r.to(FP8_DTYPE), r
+
+    return add_cast
 
 
 def kernel_fn(op: str, scheme: str):
@@ -170,6 +185,7 @@ def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str) -> 
             ),
         ),
         "kernel": kernel_fn(op, scheme),
+        "same_traffic": torch.compile(same_traffic_fn(op), dynamic=False),
     }
     record["plain_us"], record["graph_us"], record["kernels"] = {}, {}, {}
     for impl, fn in fns.items():
@@ -197,12 +213,13 @@ def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
     lines = [
         "| hidden | tokens | kernels (inductor / ours) | "
         + " | ".join(IMPLS)
-        + " | inductor / fusion_passes | fusion_passes % of copy |",
-        "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 2),
+        + " | inductor / fusion_passes | same_traffic / fusion_passes | fusion_passes % of copy |",
+        "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 3),
     ]
     for r in records:
         t = r[f"{mode}_us"]
         ratio = "—" if t["fusion_passes"] is None else f"{t['inductor'] / t['fusion_passes']:.2f}x"
+        traffic = "—" if t["fusion_passes"] is None else f"{t['same_traffic'] / t['fusion_passes']:.2f}x"
         bw = "—"
         if r["tokens"] >= BANDWIDTH_MIN_TOKENS and t["fusion_passes"] is not None:
             bw = f"{100 * r['bytes'] / t['fusion_passes'] / 1e3 / copy_gbps:.0f}%"
@@ -210,7 +227,7 @@ def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
         lines.append(
             f"| {r['hidden']} | {r['tokens']} | {k['inductor']} / {k['fusion_passes']} | "
             + " | ".join(_us(t[i]) for i in IMPLS)
-            + f" | {ratio} | {bw} |"
+            + f" | {ratio} | {traffic} | {bw} |"
         )
     return lines
 
