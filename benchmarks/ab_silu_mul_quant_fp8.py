@@ -12,7 +12,7 @@ compared bit for bit. --sweep times the working tree's kernel for each silu form
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import subprocess
 import sys
 import tempfile
@@ -33,15 +33,34 @@ STATIC_SCALE = 0.02
 INPUT_BYTES = 16e9  # input sets per shape: as many as fit in this (2 to 20)
 
 
+def _revision_files(rev: str) -> dict[str, str]:
+    """fusion_passes/lowering/*.py at rev: a git revision, or a directory holding that
+    revision's fusion_passes (e.g. from git archive REV fusion_passes | tar -x -C DIR, for a
+    machine without the repository's history)."""
+    if Path(rev).is_dir():
+        return {p.name: p.read_text() for p in sorted((Path(rev) / "fusion_passes" / "lowering").glob("*.py"))}
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "fusion_passes/lowering/"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    show = [subprocess.run(["git", "show", f"{rev}:{n}"], cwd=ROOT, check=True, capture_output=True, text=True) for n in names]
+    return {Path(n).name: r.stdout for n, r in zip(names, show, strict=True) if n.endswith(".py")}
+
+
 def _load_revision(rev: str):
-    """The kernel module as it was at rev (its imports resolve in the working tree)."""
-    source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=ROOT, check=True, capture_output=True, text=True)
-    path = Path(tempfile.mkdtemp()) / f"silu_mul_quant_fp8_triton_{rev}.py"
-    path.write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The kernel module as it was at rev, with the kernel helpers it imports (the norm kernel's
+    quantization, the silu forms) as they were at rev too: the revision's fusion_passes/lowering
+    under the package name fusion_passes_at_rev, its __init__ files empty (they register the
+    custom ops, which the working tree has registered already)."""
+    root = Path(tempfile.mkdtemp())
+    package = root / "fusion_passes_at_rev" / "lowering"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    for name, text in _revision_files(rev).items():
+        body = "" if name == "__init__.py" else text.replace("fusion_passes.", "fusion_passes_at_rev.")
+        (package / name).write_text(body)
+    sys.path.insert(0, str(root))
+    return importlib.import_module("fusion_passes_at_rev.lowering." + Path(KERNEL).stem)
 
 
 def _inputs(tokens: int, n: int, g: torch.Generator) -> list:
@@ -58,7 +77,7 @@ def _time(module, xs, scheme, scale, **kw) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rev", help="git revision to compare against")
+    parser.add_argument("--rev", help="git revision to compare against, or a directory holding its fusion_passes")
     parser.add_argument("--sweep", action="store_true", help="forms x warps of the working tree")
     parser.add_argument("--intermediate", type=int, nargs="+", default=[18432, 2048])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096, 16384])
