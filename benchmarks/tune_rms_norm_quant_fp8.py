@@ -1,9 +1,8 @@
 """Launch-shape sweep of the FP8 quantization kernels (bf16, one GPU): (add +) RMSNorm + quant
 (Llama form) or SiLU-and-mul + quant, the kernel alone inside a CUDA graph of GRAPH_CALLS calls,
-for every (rows per program, warps[, columns a program][, row-loop programs an SM]) shape, per
-hidden (or intermediate) size, token count and scheme, against the default launch for the token
-count (rms_norm_quant_fp8_triton.launch_shape and row_loop_programs;
-silu_mul_quant_fp8_triton.launch_layout). Row-loop programs an SM: 0 is one program a row block.
+for every (rows per program, warps[, columns a program]) shape, per hidden (or intermediate)
+size, token count and scheme, against the default launch for the token count
+(rms_norm_quant_fp8_triton.launch_shape; silu_mul_quant_fp8_triton.launch_layout).
 
     python benchmarks/tune_rms_norm_quant_fp8.py [--op add_rms_norm | rms_norm | silu_mul]
         [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
@@ -23,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
     launch_shape,
     rms_norm_quant_fp8_triton,
-    row_loop_programs,
 )
 from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
     launch_layout,
@@ -51,26 +49,20 @@ def _inputs(tokens, hidden, g):
     )
 
 
-def _sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
-def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None, int | None]:
-    """(rows, warps, columns, programs an SM) of the default launch; columns: a silu_mul static /
-    per_group program's (None for per_token and the norm kernels, whose programs hold whole
-    rows); programs an SM: the norm kernels' row loop (0: none; None for silu_mul)."""
+def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
+    """(rows, warps, columns) of the default launch; columns: a silu_mul static / per_group
+    program's (None for per_token and the norm kernels, whose programs hold whole rows)."""
     if op == "silu_mul":
         mufu = takes_mufu_silu(DTYPE, torch.cuda.get_device_capability())
         layout = launch_layout(hidden, scheme, GROUP, tokens, mufu_silu=mufu)
         columns = None if scheme == "per_token" else layout.block_groups * layout.block_group
-        return layout.rows, layout.num_warps, columns, None
+        return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
     _, _, rows, warps = launch_shape(groups, group, tokens, has_residual=op == "add_rms_norm")
-    programs = row_loop_programs(-(-tokens // rows), tokens, torch.device("cuda"))
-    return rows, warps, None, -(-programs // _sms())
+    return rows, warps, None
 
 
-def _call(op, x, scheme, scale, rows, warps, columns, programs_per_sm):
+def _call(op, x, scheme, scale, rows, warps, columns):
     """One launch of op's kernel on the inputs x (silu_mul: gate = x, up = residual)."""
     if op == "silu_mul":
         return silu_mul_quant_fp8_triton(
@@ -78,29 +70,23 @@ def _call(op, x, scheme, scale, rows, warps, columns, programs_per_sm):
         )
     residual = x["residual"] if op == "add_rms_norm" else None
     return rms_norm_quant_fp8_triton(
-        x["x"], x["w"], EPS, 0.0, True, scheme, scale, GROUP, False, residual, rows=rows, num_warps=warps,
-        programs=programs_per_sm * _sms(),
+        x["x"], x["w"], EPS, 0.0, True, scheme, scale, GROUP, False, residual, rows=rows, num_warps=warps
     )
 
 
 def sweep(
-    op, hidden: int, tokens: int, scheme: str, g, rows_options, warps_options, columns_options,
-    programs_options,
-) -> list[tuple[int, int, int | None, int | None, float]]:  # fmt: skip
+    op, hidden: int, tokens: int, scheme: str, g, rows_options, warps_options, columns_options
+) -> list[tuple[int, int, int | None, float]]:
     sets = [_inputs(tokens, hidden, g) for _ in range(GRAPH_CALLS)]
     scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
     if op != "silu_mul" or scheme == "per_token":
         columns_options = [None]
-    if op == "silu_mul":
-        programs_options = [None]
     results = []
-    shapes = {
-        (r, w, c, p) for r in rows_options for w in warps_options for c in columns_options for p in programs_options
-    }
+    shapes = {(r, w, c) for r in rows_options for w in warps_options for c in columns_options}
     shapes.add(_default(op, hidden, tokens, scheme))
-    for rows, warps, columns, programs in sorted(shapes, key=lambda s: (s[0], s[1], s[2] or 0, s[3] or 0)):
-        calls = [lambda x=x: _call(op, x, scheme, scale, rows, warps, columns, programs) for x in sets]
-        results.append((rows, warps, columns, programs, time_graph_us(calls)))
+    for rows, warps, columns in sorted(shapes, key=lambda s: (s[0], s[1], s[2] or 0)):
+        calls = [lambda x=x: _call(op, x, scheme, scale, rows, warps, columns) for x in sets]
+        results.append((rows, warps, columns, time_graph_us(calls)))
     return results
 
 
@@ -119,9 +105,6 @@ def main() -> int:
         default=[None],
         help="silu_mul static / per_group: columns a program",
     )
-    parser.add_argument(
-        "--programs", type=int, nargs="+", default=[0], help="norm kernels: row-loop programs an SM (0: none)"
-    )
     parser.add_argument("--out", default="tune_rms_norm_quant_fp8.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -130,8 +113,7 @@ def main() -> int:
     lines = [
         f"# {args.op} + FP8 launch shapes, bf16, {torch.cuda.get_device_name()} (CUDA graph, us per call)",
         "",
-        "| hidden | tokens | scheme | default (rows, warps, columns, programs/SM) | default us "
-        "| best (rows, warps, columns, programs/SM) "
+        "| hidden | tokens | scheme | default (rows, warps, columns) | default us | best (rows, warps, columns) "
         "| best us | default / best |",
         "|---:|---:|---|---|---:|---|---:|---:|",
     ]
@@ -139,19 +121,16 @@ def main() -> int:
         "",
         "## Every shape",
         "",
-        "| hidden | tokens | scheme | rows | warps | columns | programs/SM | us |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| hidden | tokens | scheme | rows | warps | columns | us |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for hidden in args.hidden:
         for tokens in args.tokens:
             for scheme in args.schemes:
-                results = sweep(
-                    args.op, hidden, tokens, scheme, g, args.rows, args.warps, args.columns, args.programs
-                )
+                results = sweep(args.op, hidden, tokens, scheme, g, args.rows, args.warps, args.columns)
                 shapes = [
-                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {c or '-'} | {'-' if p is None else p} "
-                    f"| {us:.2f} |"
-                    for r, w, c, p, us in results
+                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {c or '-'} | {us:.2f} |"
+                    for r, w, c, us in results
                 ]
                 print("\n".join(shapes), flush=True)  # kept in the log if a time limit cuts the run
                 every += shapes

@@ -45,12 +45,10 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
 )
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
     NORM_ONLY_WIDE_MIN_TOKENS,
-    ROW_LOOP_MIN_TOKENS,
     exact_quotient,
     launch_shape,
     reciprocal_in_range,
     rms_norm_quant_fp8_triton,
-    row_loop_programs,
 )
 from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
     add_rms_norm_reference,
@@ -201,47 +199,6 @@ def test_launch_shape():
             *default[:3],
             4,
         )
-
-
-@pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("rows, programs", [(1, 1), (1, 3), (2, 4), (4, 5)])
-def test_row_loop_equals_one_program_a_block(scheme, with_residual, rows, programs):
-    """The row loop (P programs over the row blocks, each loading the next block before it works
-    on its own) writes the same codes, scales and new residual bit for bit as one program a row
-    block, for 37 rows: blocks that do not divide among the programs, a last block part masked,
-    programs beyond the row blocks (capped)."""
-    hidden, group_size = (384, 128) if scheme == "per_group" else (200, 128)
-    g = torch.Generator().manual_seed(rows * 10 + programs)
-    x = torch.randn(37, hidden, generator=g).to(DEVICE, torch.bfloat16)
-    weight = torch.randn(hidden, generator=g).to(DEVICE, torch.bfloat16)
-    residual = torch.randn(37, hidden, generator=g).to(DEVICE, torch.bfloat16) if with_residual else None
-    scale = torch.tensor(0.01, device=DEVICE) if scheme == "static" else None
-    args = (x, weight, 1e-6, 0.0, True, scheme, scale, group_size, False, residual)
-    one, loop = (rms_norm_quant_fp8_triton(*args, rows=rows, programs=p) for p in (0, programs))
-    assert torch.equal(loop[0].view(torch.uint8), one[0].view(torch.uint8))
-    assert torch.equal(loop[1], one[1])
-    assert (loop[2] is None) == (not with_residual)
-    assert loop[2] is None or torch.equal(loop[2], one[2])
-    ref_q = (add_rms_norm_quant_fp8_reference(x, residual, weight, *args[2:8]) if with_residual
-             else rms_norm_quant_fp8_reference(x, weight, *args[2:8]))[0]  # fmt: skip
-    assert fp8_codes_apart(loop[0], ref_q) <= 1
-
-
-def test_row_loop_programs():
-    """The row loop from a static ROW_LOOP_MIN_TOKENS tokens on a GPU, never on the CPU or for a
-    dynamic count; a negative count of programs raises."""
-    cpu = torch.device("cpu")
-    assert row_loop_programs(4096, ROW_LOOP_MIN_TOKENS, cpu) == 0
-    if torch.cuda.is_available():
-        cuda = torch.device("cuda")
-        assert row_loop_programs(4096, None, cuda) == 0
-        assert row_loop_programs(4096, ROW_LOOP_MIN_TOKENS - 1, cuda) == 0
-        assert 0 < row_loop_programs(4096, ROW_LOOP_MIN_TOKENS, cuda) <= 4096
-        assert row_loop_programs(3, ROW_LOOP_MIN_TOKENS, cuda) == 3
-    x = torch.randn(4, 128, device=DEVICE)
-    with pytest.raises(ValueError, match="programs must be >= 0"):
-        rms_norm_quant_fp8_triton(x, torch.ones(128, device=DEVICE), 1e-6, 0.0, True, "per_token", programs=-1)
 
 
 # The interpreter ignores num_warps, so on CPU this only checks the launch; it runs the cheap

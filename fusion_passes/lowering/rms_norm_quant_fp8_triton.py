@@ -15,7 +15,6 @@ reduction over the last axis gives the amax of a group or of a row alike.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -286,58 +285,6 @@ def rms_norm_quantize_block(
 
 
 @triton.jit
-def _row_block(block, M, groups, num_groups, in_group, group_size, ROWS: tl.constexpr):
-    """(rows int64 [ROWS], group_mask [ROWS, GROUPS], mask [ROWS, GROUPS, GROUP]) of row block
-    `block`: rows block * ROWS ... + ROWS - 1, those >= M masked off."""
-    rows = block * ROWS + tl.arange(0, ROWS)
-    group_mask = (rows < M)[:, None] & (groups < num_groups)[None, :]
-    mask = group_mask[:, :, None] & (in_group < group_size)[None, None, :]
-    # int64 row offsets: M * N passes 2^31 elements at e.g. 300k tokens of hidden 7168.
-    return rows.to(tl.int64), group_mask, mask
-
-
-@triton.jit
-def _load_row_block(
-    x_ptr, residual_ptr, block, M, groups, num_groups, in_group, group_size, cols, stride_x,
-    stride_residual, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    """x and residual of row block `block` in their dtype (residual: x again, unused, when not
-    HAS_RESIDUAL); masked elements 0."""
-    rows, _, mask = _row_block(block, M, groups, num_groups, in_group, group_size, ROWS)
-    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + rows[:, None, None] * stride_residual + cols, mask=mask, other=0.0)
-    else:
-        residual = x
-    return x, residual
-
-
-@triton.jit
-def _add_rms_norm_quant_row_block(
-    x, residual, block, w, eps, weight_offset, q_ptr, scale_ptr, residual_out_ptr, given, given_rcp, M, N,
-    num_groups, group_size, groups, in_group, cols,
-    dtype: tl.constexpr, ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, STATIC: tl.constexpr, SCALE_UE8M0: tl.constexpr,
-    AMAX_TIMES_RECIPROCAL: tl.constexpr, HW_CONVERT: tl.constexpr,
-):  # fmt: skip
-    """The kernel's work on one loaded row block (_load_row_block): r = x (+ residual, rounded to
-    x.dtype and stored), then rms_norm_quantize_block."""
-    rows, group_mask, mask = _row_block(block, M, groups, num_groups, in_group, group_size, ROWS)
-    rows_3d = rows[:, None, None]
-    r = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
-        r_rounded = (r + residual.to(tl.float32)).to(dtype)
-        tl.store(residual_out_ptr + rows_3d * N + cols, r_rounded, mask=mask)
-        r = r_rounded.to(tl.float32)
-    rms_norm_quantize_block(
-        r, w, eps, weight_offset, q_ptr, scale_ptr, given, given_rcp, rows, groups, rows_3d, cols, N,
-        num_groups, group_mask, mask, dtype, ROWS, BLOCK_GROUPS, CAST_BEFORE_WEIGHT, STATIC,
-        SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
-    )  # fmt: skip
-
-
-@triton.jit
 def _rms_norm_quant_fp8_kernel(
     x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
     residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
@@ -361,53 +308,39 @@ def _rms_norm_quant_fp8_kernel(
     HW_FP8_CONVERT: tl.constexpr,  # convert with the GPU's fp8 instruction (not in the interpreter)
     BLOCK_GROUPS: tl.constexpr,  # next_power_of_2(num_groups)
     BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size)
-    ROWS_PER_PROGRAM: tl.constexpr,  # rows of a row block, held as one [ROWS, GROUPS, GROUP] block
-    ROW_LOOP: tl.constexpr,  # each program loops over row blocks pid, pid + programs, ...
+    ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
 ):
-    """ROW_LOOP=False: program p works on row block p. ROW_LOOP=True: program p works on row
-    blocks p, p + P, p + 2P, ... (P programs), loading block b + P before it works on block b, so
-    every program has a block's loads in flight while it reduces and quantizes: one program's
-    loads are otherwise idle through its two row reductions and its stores."""
     # Inductor's launches pass Python floats as fp64: pin the scalars to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
     weight_offset = tl.cast(weight_offset, tl.float32)
+    rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     groups = tl.arange(0, BLOCK_GROUPS)
     in_group = tl.arange(0, BLOCK_GROUP)
     cols = (groups[:, None] * group_size + in_group[None, :])[None, :, :]
+    group_mask = (rows < M)[:, None] & (groups < num_groups)[None, :]  # [ROWS, GROUPS]
+    mask = group_mask[:, :, None] & (in_group < group_size)[None, None, :]
+    # int64 row offsets: M * N passes 2^31 elements at e.g. 300k tokens of hidden 7168.
+    rows = rows.to(tl.int64)
+    rows_3d = rows[:, None, None]
     dtype = x_ptr.dtype.element_ty
     w_mask = ((groups < num_groups)[:, None] & (in_group < group_size)[None, :])[None, :, :]
     w = tl.load(weight_ptr + cols, mask=w_mask, other=0.0).to(tl.float32)
     given, given_rcp = load_static_scale(scale_ptr, STATIC, HW_FP8_CONVERT)
-    block = tl.program_id(0)
-    x, residual = _load_row_block(
-        x_ptr, residual_ptr, block, M, groups, num_groups, in_group, group_size, cols, stride_x,
-        stride_residual, ROWS_PER_PROGRAM, HAS_RESIDUAL,
+
+    r = tl.load(x_ptr + rows_3d * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual_ptrs = residual_ptr + rows_3d * stride_residual + cols
+        residual = tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
+        r_rounded = (r + residual).to(dtype)
+        tl.store(residual_out_ptr + rows_3d * N + cols, r_rounded, mask=mask)
+        r = r_rounded.to(tl.float32)
+
+    rms_norm_quantize_block(
+        r, w, eps, weight_offset, q_ptr, scale_ptr, given, given_rcp, rows, groups, rows_3d, cols, N,
+        num_groups, group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, CAST_BEFORE_WEIGHT,
+        STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
     )  # fmt: skip
-    if ROW_LOOP:
-        programs = tl.num_programs(0)
-        row_blocks = tl.cdiv(M, ROWS_PER_PROGRAM)
-        # A while loop, not range(pid, row_blocks, programs): Triton 3.6's interpreter cannot take
-        # a runtime range (its scalars are 1-element arrays, which numpy will not int()).
-        while block < row_blocks:
-            x_now, residual_now = x, residual
-            x, residual = _load_row_block(
-                x_ptr, residual_ptr, block + programs, M, groups, num_groups, in_group, group_size,
-                cols, stride_x, stride_residual, ROWS_PER_PROGRAM, HAS_RESIDUAL,
-            )  # fmt: skip
-            _add_rms_norm_quant_row_block(
-                x_now, residual_now, block, w, eps, weight_offset, q_ptr, scale_ptr,
-                residual_out_ptr, given, given_rcp, M, N, num_groups, group_size, groups, in_group, cols,
-                dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, HAS_RESIDUAL, CAST_BEFORE_WEIGHT, STATIC,
-                SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
-            )  # fmt: skip
-            block += programs
-    else:
-        _add_rms_norm_quant_row_block(
-            x, residual, block, w, eps, weight_offset, q_ptr, scale_ptr, residual_out_ptr, given,
-            given_rcp, M, N, num_groups, group_size, groups, in_group, cols, dtype, ROWS_PER_PROGRAM,
-            BLOCK_GROUPS, HAS_RESIDUAL, CAST_BEFORE_WEIGHT, STATIC, SCALE_UE8M0,
-            AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
-        )  # fmt: skip
 
 
 # Static token counts from which the norm-only form (no residual) takes NORM_ONLY_WIDE_WARPS
@@ -433,26 +366,6 @@ def launch_shape(
     return block_groups, block_group, rows, num_warps
 
 
-# Static token counts from which a CUDA launch takes the row loop (ROW_LOOP), with
-# ROW_LOOP_PROGRAMS_PER_SM programs an SM.
-ROW_LOOP_MIN_TOKENS = 4096
-ROW_LOOP_PROGRAMS_PER_SM = 4
-
-
-@functools.lru_cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def row_loop_programs(row_blocks: int, tokens: int | None, device: torch.device) -> int:
-    """Programs of the row-loop launch (ROW_LOOP) for row_blocks row blocks, or 0 for one
-    program a row block: the row loop from a static token count of ROW_LOOP_MIN_TOKENS on a GPU."""
-    if device.type != "cuda" or tokens is None or tokens < ROW_LOOP_MIN_TOKENS:
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return min(row_blocks, _sm_count(index) * ROW_LOOP_PROGRAMS_PER_SM)
-
-
 def rms_norm_quant_fp8_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -468,7 +381,6 @@ def rms_norm_quant_fp8_triton(
     wrap: Callable | None = None,
     rows: int | None = None,
     num_warps: int | None = None,
-    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x (or of x + residual) over the last dim, quantized to float8_e4m3fn, as
     rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
@@ -476,11 +388,8 @@ def rms_norm_quant_fp8_triton(
     given scale (static), else new fp32 [..., 1] (per_token) or [..., N / group_size] (per_group);
     new_residual = x + residual in x.dtype, or None when residual is None. `wrap` (e.g.
     torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it.
-    ``rows`` / ``num_warps`` / ``programs`` override the launch shape (rows per program, warps;
-    programs of the row loop, 0 for none) for sweeps and tests (benchmarks/tune_rms_norm_quant_fp8.py);
-    default: launch_shape's and row_loop_programs'."""
-    if programs is not None and programs < 0:
-        raise ValueError(f"programs must be >= 0 (0: no row loop), got {programs}")
+    ``rows`` / ``num_warps`` override the launch shape (rows per program, warps) for sweeps
+    (benchmarks/tune_rms_norm_quant_fp8.py); default: rms_norm_triton.launch_config's."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
@@ -505,13 +414,8 @@ def rms_norm_quant_fp8_triton(
         num_groups, group, tokens if isinstance(tokens, int) else None, residual is not None
     )
     rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
-    row_blocks = triton.cdiv(m, rows_per_program)
-    if programs is None:
-        programs = row_loop_programs(row_blocks, tokens if isinstance(tokens, int) else None, x.device)
-    if programs:
-        programs = min(programs, row_blocks)
     kernel = (wrap or (lambda k: k))(_rms_norm_quant_fp8_kernel)
-    kernel[(programs or row_blocks,)](
+    kernel[(triton.cdiv(m, rows_per_program),)](
         x_rows,
         residual_rows,
         weight,
@@ -535,7 +439,6 @@ def rms_norm_quant_fp8_triton(
         BLOCK_GROUPS=block_groups,
         BLOCK_GROUP=block_group,
         ROWS_PER_PROGRAM=rows_per_program,
-        ROW_LOOP=programs > 0,
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales, residual_out
