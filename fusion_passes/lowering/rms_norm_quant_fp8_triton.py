@@ -79,38 +79,6 @@ def max_keeping_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-# Rows from which reductions over a block's last axis first combine within threads in short
-# chains (sum_last_axis, amax_last_axis).
-_SPLIT_MIN = tl.constexpr(512)
-
-
-@triton.jit
-def _split_last_axis(v):
-    """v [R, G, B] viewed as [R, G, B / 4, 4]: for B >= _SPLIT_MIN, reducing the last axis (4 values
-    each thread holds, its loads being 4 or 8 contiguous elements) and then the B / 4 axis takes a
-    thread's values in 4 independent chains. Triton otherwise combines the values a thread holds
-    in one dependent chain: at hidden 7168 on 4 warps, 64 FFMAs for the sum of squares and 64
-    FMNMX for the amax (sm_90 SASS), ~4 cycles each, while the row's loads wait behind them."""
-    return tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2] // 4, 4))
-
-
-@triton.jit
-def sum_last_axis(v):
-    """sum over the last axis of [R, G, B] -> [R, G] (in another order than tl.sum's for large B)."""
-    if v.shape[2] >= _SPLIT_MIN:
-        v = tl.sum(_split_last_axis(v), axis=3)
-    return tl.sum(v, axis=2)
-
-
-@triton.jit
-def amax_last_axis(v):
-    """max.NaN of |v| over the last axis of [R, G, B] -> [R, G] (NaN if any is NaN)."""
-    v = tl.abs(v)
-    if v.shape[2] >= _SPLIT_MIN:
-        v = tl.reduce(_split_last_axis(v), 3, max_keeping_nan)
-    return tl.reduce(v, 2, max_keeping_nan)
-
-
 @triton.jit
 def exact_quotient(y, scale):
     """y / scale[:, :, None] rounded to nearest even, as div_rn gives it, for the computed scales
@@ -246,7 +214,7 @@ def store_quantized(
         scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
     else:
         # Masked elements hold 0: nothing to the amax.
-        amax = max_keeping_nan(amax_last_axis(y), more_amax)
+        amax = max_keeping_nan(tl.reduce(tl.abs(y), 2, max_keeping_nan), more_amax)
         # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
         # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
         # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
@@ -306,7 +274,7 @@ def rms_norm_quantize_block(
     stored (store_quantized). Shared by the norm + quant kernel below and the one-shot allreduce
     one, so the two cannot drift apart."""
     # Masked columns hold 0, so they add nothing to the sum (nor to the amax); divide by the true N.
-    rstd = tl.rsqrt(tl.sum(sum_last_axis(r * r), axis=1) / N + eps)
+    rstd = tl.rsqrt(tl.sum(tl.sum(r * r, axis=2), axis=1) / N + eps)
     y = scale_by_weight(r * rstd[:, None, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
     # The model quantizes the activation it produced in its dtype: round there, then back to fp32.
     y = y.to(dtype).to(tl.float32)
