@@ -14,10 +14,7 @@ Implementations:
 - kernel: our Triton kernel called from Python (its launcher's host cost included);
 - same_traffic: stock Inductor's one kernel for the same bytes with no norm and no amax: the cast
   x.to(float8_e4m3fn) (add+norm: r = x + residual, then r and r's cast written). What a
-  bandwidth-bound elementwise kernel of this traffic reaches here, beside the copy bandwidth;
-- same_bytes_copy (CUDA graph only): a copy of half the fewest bytes into the other half
-  (torch's copy_, one buffer pair per input set): the copy rate at this size, where the device's
-  copy bandwidth is measured on 2 GB.
+  bandwidth-bound elementwise kernel of this traffic reaches here, beside the copy bandwidth.
 
 Times as in benchmarks/timing.py (plain: do_bench median, L2 flushed; graph: GRAPH_CALLS calls on
 their own input sets in one CUDA graph, per call). Kernels per call from the CUDA profiler. The
@@ -205,11 +202,6 @@ def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str) -> 
         record["plain_us"][impl] = time_plain_us(calls[0])
         record["graph_us"][impl] = time_graph_us(calls)
     record["bytes"] = min_bytes(op, scheme, tokens, hidden)
-    half = record["bytes"] // 2
-    pairs = [(torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device))
-             for _ in sets]  # fmt: skip
-    record["graph_us"]["same_bytes_copy"] = time_graph_us([lambda p=p: p[1].copy_(p[0]) for p in pairs])
-    record["plain_us"]["same_bytes_copy"] = None
     return record
 
 
@@ -221,24 +213,21 @@ def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
     lines = [
         "| hidden | tokens | kernels (inductor / ours) | "
         + " | ".join(IMPLS)
-        + " | same_bytes_copy | inductor / fusion_passes | same_traffic / fusion_passes "
-        + "| fusion_passes % of copy | fusion_passes % of same_bytes_copy |",
-        "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 5),
+        + " | inductor / fusion_passes | same_traffic / fusion_passes | fusion_passes % of copy |",
+        "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 3),
     ]
     for r in records:
         t = r[f"{mode}_us"]
         ratio = "—" if t["fusion_passes"] is None else f"{t['inductor'] / t['fusion_passes']:.2f}x"
         traffic = "—" if t["fusion_passes"] is None else f"{t['same_traffic'] / t['fusion_passes']:.2f}x"
-        bw = same_size = "—"
+        bw = "—"
         if r["tokens"] >= BANDWIDTH_MIN_TOKENS and t["fusion_passes"] is not None:
             bw = f"{100 * r['bytes'] / t['fusion_passes'] / 1e3 / copy_gbps:.0f}%"
-            if t.get("same_bytes_copy") is not None:
-                same_size = f"{100 * t['same_bytes_copy'] / t['fusion_passes']:.0f}%"
         k = r["kernels"]
         lines.append(
             f"| {r['hidden']} | {r['tokens']} | {k['inductor']} / {k['fusion_passes']} | "
             + " | ".join(_us(t[i]) for i in IMPLS)
-            + f" | {_us(t.get('same_bytes_copy'))} | {ratio} | {traffic} | {bw} | {same_size} |"
+            + f" | {ratio} | {traffic} | {bw} |"
         )
     return lines
 
