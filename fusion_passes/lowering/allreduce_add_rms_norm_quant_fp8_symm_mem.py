@@ -135,7 +135,7 @@ def _one_shot_allreduce_add_rms_norm_quant_fp8_kernel(
     col_mask = ((groups < num_groups)[:, None] & (in_group < group_size)[None, :])[None, :, :]
     # The weight and a static scale do not depend on the peers: load them before the barrier.
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    given, given_rcp = load_static_scale(scale_ptr, STATIC, HW_FP8_CONVERT)
+    given = load_static_scale(scale_ptr, STATIC)
     one_shot_barrier(peer_signals_ptr, rank, pid, WORLD)
 
     # Reduce in rank order, round, add, normalise, quantize: the same row blocks the copy-in wrote.
@@ -153,8 +153,8 @@ def _one_shot_allreduce_add_rms_norm_quant_fp8_kernel(
             r = (r.to(tl.float32) + residual).to(dtype)
         tl.store(sum_out_ptr + rows_3d * N + cols, r, mask=mask)
         rms_norm_quantize_block(
-            r.to(tl.float32), w, eps, weight_offset, q_ptr, scale_ptr, given, given_rcp, rows, groups,
-            rows_3d, cols, N, num_groups, group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS,
+            r.to(tl.float32), w, eps, weight_offset, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols,
+            N, num_groups, group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS,
             CAST_BEFORE_WEIGHT, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
         )  # fmt: skip
 

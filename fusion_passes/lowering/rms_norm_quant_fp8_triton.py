@@ -102,26 +102,18 @@ def exact_quotient(y, scale):
     not_inf = scale != float("inf")
     rcp = tl.where(not_inf, tl.div_rn(1.0, scale), 0.0)[:, :, None]
     fma_scale = tl.where(not_inf, scale, 0.0)[:, :, None]
-    return _markstein_quotient(y, fma_scale, rcp)
-
-
-@triton.jit
-def _markstein_quotient(y, scale, rcp):
-    """RN(y / scale) from rcp = RN(1 / scale) (exact_quotient's conditions): q0 = RN(y * rcp),
-    then one fma correction by the exact residual."""
     q0 = y * rcp
-    neg_residual = tl.fma(q0, scale, y * -1.0)
+    neg_residual = tl.fma(q0, fma_scale, y * -1.0)
     return tl.fma(neg_residual * -1.0, rcp, q0)
 
 
 @triton.jit
-def _static_quotient(y, given, given_rcp, scale, mask):
+def _static_quotient(y, given, scale, mask):
     """y / scale[:, :, None] for the given (static) scale, as far as the clamp to +-448 can tell:
-    exact_quotient's fma quotient by given_rcp = RN(1 / |given|) (load_static_scale) for a scale
-    of 2^-100 <= |scale| <= 2^100, with |y| first bounded by 449 |scale| (a larger quotient clamps
-    to +-448 either way; the bound keeps the quotient in exact_quotient's range); any other scale
-    (0, subnormal, huge, NaN: a caller's mistake) takes div.rn, with masked lanes dividing 1, not
-    their 0 (a zero numerator is div.rn's slow path)."""
+    exact_quotient for a scale of 2^-100 <= |scale| <= 2^100, with |y| first bounded by
+    449 |scale| (a larger quotient clamps to +-448 either way; the bound keeps the quotient in
+    exact_quotient's range); any other scale (0, subnormal, huge, NaN: a caller's mistake) takes
+    div.rn, with masked lanes dividing 1, not their 0 (a zero numerator is div.rn's slow path)."""
     s = tl.abs(given)
     if (s >= 2.0**-100) & (s <= 2.0**100):
         bound = 449.0 * s
@@ -131,54 +123,22 @@ def _static_quotient(y, given, given_rcp, scale, mask):
         # (y / -3 = -y / 3 exactly, +0 / -3 = -0 included).
         if given < 0:
             y = y * -1.0
-        q = _markstein_quotient(y, s, given_rcp)
+        q = exact_quotient(y, tl.abs(scale))
     else:
         q = tl.div_rn(tl.where(mask, y, 1.0), scale[:, :, None])
     return q
 
 
 @triton.jit
-def reciprocal_in_range(s):
-    """RN(1 / s) for 2^-100 <= s <= 2^100, branch-free: rcp.approx, then one fma Newton step,
-    the fast path of ptxas's rcp.rn.f32 without its range check (s and 1 / s are normal here).
-    Equal to div.rn(1, s) on every fp32 s of several binades across the range
-    (tests/test_rms_norm_quant_fp8_kernel.py). div.rn's own branch (FCHK, slow-path call)
-    keeps the compiler from scheduling the division beside other work. GPU only (inline PTX)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .f32 r, e, n;
-        rcp.approx.ftz.f32 r, $1;
-        neg.f32 n, $1;
-        fma.rn.f32 e, n, r, 0f3F800000;
-        fma.rn.f32 $0, r, e, r;
-        }""",
-        "=f,f",
-        [s],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def load_static_scale(scale_ptr, STATIC: tl.constexpr, HW_CONVERT: tl.constexpr):
-    """(given, given_rcp): the given scale of the static scheme and, compiled for a GPU
-    (HW_CONVERT), reciprocal_in_range(|given|), which _static_quotient uses where |given| is in
-    its range (1.0, 1.0, unused, otherwise). Kernels load the scale first: read where it is
-    used, it sat behind the row reduction's two bar.sync in the norm kernel's SASS, one dependent
-    load latency more on every call (the whole kernel at decode sizes). The reciprocal is taken
-    here, without a branch, for the same reason: divided in _static_quotient with div.rn, it came
-    after the activation's whole dependency chain in the silu kernel's SASS, not beside it."""
+def load_static_scale(scale_ptr, STATIC: tl.constexpr):
+    """The given scale of the static scheme (1.0, unused, otherwise). Kernels load it first: read
+    where it is used, it sat behind the row reduction's two bar.sync in the norm kernel's SASS,
+    one dependent load latency more on every call (the whole kernel at decode sizes)."""
     if STATIC:
         given = tl.load(scale_ptr)
-        if HW_CONVERT:
-            given_rcp = reciprocal_in_range(tl.abs(given))
-        else:
-            given_rcp = 1.0
     else:
         given = 1.0
-        given_rcp = 1.0
-    return given, given_rcp
+    return given
 
 
 @triton.jit
@@ -187,7 +147,6 @@ def store_quantized(
     q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
     scale_ptr,  # *fp32 [M, num_groups]: the computed scales (written; not used when STATIC)
     given,  # fp32: the static scale (load_static_scale), used when STATIC
-    given_rcp,  # fp32: RN(1 / |given|) (load_static_scale), used when STATIC
     rows,  # int64 [ROWS]: this program's rows
     groups,  # [BLOCK_GROUPS]: group indices
     rows_3d,  # rows[:, None, None]
@@ -231,15 +190,14 @@ def store_quantized(
             scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
         scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
         tl.store(scale_ptrs, scale, mask=group_mask)
-    store_codes(y, scale, given, given_rcp, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT)
+    store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT)
     return scale
 
 
 @triton.jit
 def store_codes(
-    y, scale, given, given_rcp, q_ptr, rows_3d, cols, N, mask, STATIC: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-):  # fmt: skip
+    y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC: tl.constexpr, HW_CONVERT: tl.constexpr
+):
     """codes = fp8(clamp(y / scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
     (store_quantized's second half, arguments as there)."""
     if not HW_CONVERT:
@@ -247,7 +205,7 @@ def store_codes(
     elif not STATIC:
         q = exact_quotient(y, scale)
     else:
-        q = _static_quotient(y, given, given_rcp, scale, mask)
+        q = _static_quotient(y, given, scale, mask)
     if not HW_CONVERT:  # cvt.rn.satfinite saturates to +-448 itself (2 instructions an element)
         q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
                        propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
@@ -260,7 +218,7 @@ def rms_norm_quantize_block(
     w,  # fp32 [1, BLOCK_GROUPS, BLOCK_GROUP]: the weight (masked columns 0)
     eps,  # fp32
     weight_offset,  # fp32
-    q_ptr, scale_ptr, given, given_rcp, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+    q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
     dtype: tl.constexpr,  # the model's activation dtype
     ROWS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
@@ -279,8 +237,8 @@ def rms_norm_quantize_block(
     # The model quantizes the activation it produced in its dtype: round there, then back to fp32.
     y = y.to(dtype).to(tl.float32)
     store_quantized(
-        y, q_ptr, scale_ptr, given, given_rcp, rows, groups, rows_3d, cols, N, num_groups, group_mask,
-        mask, 0.0, ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+        y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask, 0.0,
+        ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
 
 
@@ -325,7 +283,7 @@ def _rms_norm_quant_fp8_kernel(
     dtype = x_ptr.dtype.element_ty
     w_mask = ((groups < num_groups)[:, None] & (in_group < group_size)[None, :])[None, :, :]
     w = tl.load(weight_ptr + cols, mask=w_mask, other=0.0).to(tl.float32)
-    given, given_rcp = load_static_scale(scale_ptr, STATIC, HW_FP8_CONVERT)
+    given = load_static_scale(scale_ptr, STATIC)
 
     r = tl.load(x_ptr + rows_3d * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -337,9 +295,9 @@ def _rms_norm_quant_fp8_kernel(
         r = r_rounded.to(tl.float32)
 
     rms_norm_quantize_block(
-        r, w, eps, weight_offset, q_ptr, scale_ptr, given, given_rcp, rows, groups, rows_3d, cols, N,
-        num_groups, group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, CAST_BEFORE_WEIGHT,
-        STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
+        r, w, eps, weight_offset, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups,
+        group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, CAST_BEFORE_WEIGHT, STATIC,
+        SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
     )  # fmt: skip
 
 

@@ -135,7 +135,7 @@ def _silu_mul_quant_fp8_kernel(
     # int64 row offsets: M * N passes 2^31 elements at 116k tokens of intermediate 18432.
     rows = rows.to(tl.int64)
     rows_3d = rows[:, None, None]
-    given, given_rcp = load_static_scale(scale_ptr, STATIC, HW_CONVERT)
+    given = load_static_scale(scale_ptr, STATIC)
 
     y = _silu_mul_rounded(
         gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT, SILU_FORM
@@ -155,13 +155,11 @@ def _silu_mul_quant_fp8_kernel(
         tail_amax = 0.0
 
     scale = store_quantized(
-        y, q_ptr, scale_ptr, given, given_rcp, rows, groups, rows_3d, cols, N, num_groups, group_mask,
-        mask, tail_amax, ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+        y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
+        tail_amax, ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
     if BLOCK_TAIL > 0:
-        store_codes(
-            y_tail, scale, given, given_rcp, q_ptr, rows_3d, tail_cols, N, tail_mask, STATIC, HW_CONVERT
-        )
+        store_codes(y_tail, scale, given, q_ptr, rows_3d, tail_cols, N, tail_mask, STATIC, HW_CONVERT)
 
 
 def _pow2_floor(v: int) -> int:
