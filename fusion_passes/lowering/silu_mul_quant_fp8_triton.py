@@ -12,8 +12,9 @@ Fused:   gate and up read once, codes and scales written once; all math in fp32,
 
 The silu is silu_triton.silu_rounded: on a GPU eager's bit for bit, in one of three forms
 (silu_form picks it: bf16_mufu for bf16 on sm_90, else expf with div.rn, or with silu_quotient
-where registers bind), each checked on every fp32 / bf16 / fp16 input. Under the CPU interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu
-differs for 17% of N(0, 9) inputs, by up to 4 ulps (3.3e-7 relative; 4M measured); rounded to
+where registers bind), each checked on every fp32 / bf16 / fp16 input. Under the CPU
+interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu differs
+for 17% of N(0, 9) inputs, by up to 4 ulps (3.3e-7 relative; 4M measured); rounded to
 bf16 none of 65536 differed, so an fp32 y is a few ulps off, a bf16/fp16 y rarely one.
 
 Each program holds [ROWS, GROUPS, GROUP] blocks: a per_group program GROUPS groups of G columns,
@@ -87,6 +88,8 @@ _PER_TOKEN_MAX_WARPS = 16
 # grids of fewer than _MIN_PROGRAMS, which never fill an SM (18432 columns at 1 / 64 tokens:
 # 6.14 / 7.18 against 6.44 / 7.41; at 256 tokens 13.74 against 11.25).
 _NO_SLOW_PATH_MIN_LANES = 32
+
+
 @triton.jit
 def _silu_mul_rounded(
     gate_ptr, up_ptr, rows_3d, cols, mask, stride_gate, stride_up, HW_CONVERT: tl.constexpr,
