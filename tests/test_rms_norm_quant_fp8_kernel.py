@@ -43,10 +43,13 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
     quant_fp8_reference,
     rms_norm_quant_fp8_reference,
 )
+from fusion_passes.lowering import rms_norm_quant_fp8_triton as rms_norm_quant_fp8_triton_module  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
+    CHUNKS_MAX,
     NORM_ONLY_WIDE_MIN_TOKENS,
     exact_quotient,
     launch_shape,
+    norm_only_chunks,
     rms_norm_quant_fp8_triton,
 )
 from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
@@ -62,7 +65,21 @@ RTOL = {
     torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps,
 }
 DTYPES = list(RTOL)
-HIDDEN = {"static": [1, 7, 100, 129, 256], "per_token": [1, 7, 100, 129, 256], "per_group": [128, 256, 384]}
+HIDDEN = {
+    "static": [1, 7, 100, 129, 256, 384],
+    "per_token": [1, 7, 100, 129, 256, 384],
+    "per_group": [128, 256, 384],
+}
+
+
+def _chunk_options(hidden, scheme, group_size):
+    """The chunks a norm-only row of hidden columns can be held in (the `chunks` override): 1 (one
+    padded block) and every split into at most 8 chunks of a power-of-two width (per_group: of
+    >= 2 whole groups)."""
+    widths = [1 << k for k in range(hidden.bit_length()) if hidden % (1 << k) == 0 and hidden >> k <= 8]
+    if scheme == "per_group":
+        widths = [w for w in widths if w % group_size == 0 and w > group_size]
+    return [1] + [hidden // w for w in widths if w < hidden]
 
 
 @st.composite
@@ -83,6 +100,8 @@ def _cases(draw, exact_norm):
     hidden = draw(st.sampled_from(HIDDEN[scheme]))
     per_group = scheme == "per_group"
     rows = draw(st.integers(1, 40))
+    group_size = draw(st.sampled_from([g for g in (64, 96, 128) if hidden % g == 0])) if per_group else 128
+    with_residual = draw(st.booleans())
     return dict(
         shape=(*draw(st.sampled_from([(rows,), (2, rows)])), hidden),
         dtype=dtype,
@@ -93,9 +112,11 @@ def _cases(draw, exact_norm):
         scheme=scheme,
         # Powers of two divide exactly, so y / scale meets fp8 rounding ties; 0.01 does not.
         scale=draw(st.sampled_from([1.0, 2.0**-6, 0.01])) if scheme == "static" else None,
-        group_size=draw(st.sampled_from([g for g in (64, 96, 128) if hidden % g == 0])) if per_group else 128,
+        group_size=group_size,
         scale_ue8m0=draw(st.booleans()) if per_group else False,
-        with_residual=draw(st.booleans()),
+        with_residual=with_residual,
+        # Norm-only rows also as exact chunks (norm_only_chunks' layout; 1: the padded block).
+        chunks=1 if with_residual else draw(st.sampled_from(_chunk_options(hidden, scheme, group_size))),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -138,7 +159,7 @@ def _run(case, x, weight, residual):
     scale = None if case["scale"] is None else torch.tensor(case["scale"], device=DEVICE)
     args = (case["eps"], case["weight_offset"], case["cast_before_weight"], case["scheme"], scale)
     quant = (case["group_size"], case["scale_ue8m0"])
-    out = rms_norm_quant_fp8_triton(x, weight, *args, *quant, residual)
+    out = rms_norm_quant_fp8_triton(x, weight, *args, *quant, residual, chunks=case.get("chunks"))
     q, scales, new_residual = out
     assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous()
     assert scales.dtype == torch.float32 and scales.is_contiguous()
@@ -198,6 +219,65 @@ def test_launch_shape():
             *default[:3],
             4,
         )
+
+
+def test_norm_only_chunks():
+    """Exact chunks for norm-only rows at >= NORM_ONLY_WIDE_MIN_TOKENS static tokens whose width
+    is not a power of two, in chunks of >= CHUNK_MIN columns; per_group only where the padded
+    block wastes >= 1/4 of its groups."""
+    many = NORM_ONLY_WIDE_MIN_TOKENS
+    assert [norm_only_chunks(7168, s, 128, many) for s in ("static", "per_token", "per_group")] == [7, 7, 1]
+    assert [norm_only_chunks(3072, s, 128, many) for s in ("static", "per_token", "per_group")] == [3, 3, 3]
+    assert norm_only_chunks(5120, "per_group", 128, many) == 5  # 40 of 64 groups
+    assert norm_only_chunks(6144, "per_token", 128, 16384) == 3  # 3 x 2048
+    for n in (4096, 2560, 1536, 2880):  # a power of two; chunks of 512 / 512 / 64 < CHUNK_MIN
+        assert norm_only_chunks(n, "per_token", 128, many) == 1
+    for tokens in (None, 1, many - 1):
+        assert norm_only_chunks(7168, "per_token", 128, tokens) == 1
+    assert norm_only_chunks(3072, "per_group", 1024, many) == 1  # a chunk of one group
+    assert CHUNKS_MAX >= 7
+
+
+@pytest.mark.parametrize(
+    ("scheme", "residual", "expected"),
+    [
+        ("per_token", False, (7, 1, 1024)),
+        ("per_group", False, (1, 64, 128)),
+        ("per_token", True, (1, 1, 8192)),
+    ],
+)
+def test_launch_takes_the_chunks(monkeypatch, scheme, residual, expected):
+    """The launch at 4096 tokens of 7168 (recorded, not run): (CHUNKS, BLOCK_GROUPS, BLOCK_GROUP)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(rms_norm_quant_fp8_triton_module, "_rms_norm_quant_fp8_kernel", Recorder())
+    x = torch.zeros(NORM_ONLY_WIDE_MIN_TOKENS, 7168, dtype=torch.bfloat16)
+    rms_norm_quant_fp8_triton(
+        x, torch.ones(7168, dtype=torch.bfloat16), 1e-6, 0.0, True, scheme, residual=x if residual else None
+    )
+    (kwargs,) = launches
+    assert (kwargs["CHUNKS"], kwargs["BLOCK_GROUPS"], kwargs["BLOCK_GROUP"]) == expected
+    assert kwargs["num_warps"] == (16 if residual else 4)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "chunks", "with_residual"),
+    [("per_token", 3, False), ("per_token", 2, True), ("per_group", 2, False), ("per_group", 3, False)],
+)
+def test_chunks_that_do_not_split_raise(scheme, chunks, with_residual):
+    """256 columns: 3 chunks are not a power-of-two width; 2 chunks of 128 hold one group of 128,
+    not two; a residual takes the padded block only."""
+    x = torch.randn(2, 256).to(DEVICE)
+    with pytest.raises(ValueError) as raised:
+        rms_norm_quant_fp8_triton(
+            x, torch.ones(256, device=DEVICE), 1e-6, 0.0, False, scheme, None, 128, False,
+            x if with_residual else None, chunks=chunks,
+        )  # fmt: skip
+    assert "\n" not in str(raised.value)
 
 
 # The interpreter ignores num_warps, so on CPU this only checks the launch; it runs the cheap
@@ -300,8 +380,8 @@ def test_zero_rows_take_the_min_scale(scheme, group_size, scale_ue8m0, dtype):
     ("scheme", "group_size", "scale_ue8m0"),
     [("static", 128, False), ("per_token", 128, False), ("per_group", 128, False), ("per_group", 64, True)],
 )
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0, with_residual):
+@pytest.mark.parametrize(("with_residual", "chunked"), [(False, False), (False, True), (True, False)])
+def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0, with_residual, chunked):
     """A NaN weight column makes that column of y NaN (rows of +-32: y = +-weight exactly
     elsewhere). As in torch, its code is NaN and, for the computed scales, so are the amax and
     the scale of every row (per_token) or of its group (per_group), and so every code they
@@ -317,6 +397,8 @@ def test_nan_propagates_as_in_torch(scheme, group_size, scale_ue8m0, with_residu
     case = dict(
         eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
         scale=0.5 if scheme == "static" else None, group_size=group_size, scale_ue8m0=scale_ue8m0,
+        # The most chunks (8 of 32; per_group 64: 2 of 128; per_group 128 has none: the padded block).
+        chunks=max(_chunk_options(256, scheme, group_size)) if chunked else None,
     )  # fmt: skip
     (q, scales, _), (ref_q, ref_scales, _) = _run(case, x.to(DEVICE), weight.to(DEVICE), residual)
     expected_nan = {"static": 1, "per_token": 256, "per_group": group_size}[scheme]

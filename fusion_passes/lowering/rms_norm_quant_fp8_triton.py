@@ -142,6 +142,32 @@ def load_static_scale(scale_ptr, STATIC: tl.constexpr):
 
 
 @triton.jit
+def store_scales(
+    amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,
+):  # fmt: skip
+    """scale = max(amax / 448, MIN_SCALE) per group (rounded up to a power of two under
+    SCALE_UE8M0), stored at scale_ptr[rows * num_groups + groups] and returned [ROWS, GROUPS]
+    (store_quantized's computed scales; arguments as there)."""
+    # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
+    # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
+    # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
+    # division on NVIDIA GPUs (div.full.f32, 2 ulp).
+    if AMAX_TIMES_RECIPROCAL:
+        scale = amax * _RECIPROCAL_FP8_MAX
+    else:
+        scale = tl.div_rn(amax, _FP8_MAX)
+    scale = tl.maximum(scale, _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    if SCALE_UE8M0:
+        # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one
+        # (a NaN's would carry out of the exponent: it stays NaN).
+        scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
+    tl.store(scale_ptr + rows[:, None] * num_groups + groups[None, :], scale, mask=group_mask)
+    return scale
+
+
+@triton.jit
 def store_quantized(
     y,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the model's activation (rounded to its dtype)
     q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
@@ -174,22 +200,8 @@ def store_quantized(
     else:
         # Masked elements hold 0: nothing to the amax.
         amax = max_keeping_nan(tl.reduce(tl.abs(y), 2, max_keeping_nan), more_amax)
-        # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
-        # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
-        # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
-        # division on NVIDIA GPUs (div.full.f32, 2 ulp).
-        if AMAX_TIMES_RECIPROCAL:
-            scale = amax * _RECIPROCAL_FP8_MAX
-        else:
-            scale = tl.div_rn(amax, _FP8_MAX)
-        scale = tl.maximum(scale, _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
-        if SCALE_UE8M0:
-            # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one
-            # (a NaN's would carry out of the exponent: it stays NaN).
-            scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-            scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
-        scale_ptrs = scale_ptr + rows[:, None] * num_groups + groups[None, :]
-        tl.store(scale_ptrs, scale, mask=group_mask)
+        scale = store_scales(amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0,
+                             AMAX_TIMES_RECIPROCAL)  # fmt: skip
     store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT)
     return scale
 
@@ -243,6 +255,68 @@ def rms_norm_quantize_block(
 
 
 @triton.jit
+def _rms_norm_quantize_chunks(
+    x_ptr, weight_ptr, q_ptr, scale_ptr, M, N, num_groups, stride_x, eps, weight_offset,
+    CAST_BEFORE_WEIGHT: tl.constexpr, STATIC: tl.constexpr, SCALE_UE8M0: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr, HW_CONVERT: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """The norm-only kernel on rows held as CHUNKS chunks of CHUNK = BLOCK_GROUPS * BLOCK_GROUP
+    columns, N = CHUNKS * CHUNK exactly (arguments as the kernel's): the same math and rounding
+    as rms_norm_quantize_block, on no padded lanes. One padded block of hidden 7168 is 8192 wide
+    and 3072 is 4096: 12.5% / 25% of the lanes compute zeros (instructions, registers) for no
+    bytes; 7 / 3 chunks of 1024 have none. BLOCK_GROUPS == 1: one scale a row (per_token) or the
+    static one; > 1: each chunk holds whole groups of BLOCK_GROUP columns (per_group).
+    The chunks are squared and added (and their |y| maxed) element by element, then reduced once:
+    a reduction per chunk would cost a cross-warp round (two bar.sync) each."""
+    CHUNK: tl.constexpr = BLOCK_GROUPS * BLOCK_GROUP
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    groups = tl.arange(0, BLOCK_GROUPS)
+    in_group = tl.arange(0, BLOCK_GROUP)
+    local = (groups[:, None] * BLOCK_GROUP + in_group[None, :])[None, :, :]  # a chunk's columns
+    group_mask = (rows < M)[:, None] & (groups < BLOCK_GROUPS)[None, :]  # real rows
+    mask = group_mask[:, :, None] & (in_group < BLOCK_GROUP)[None, None, :]
+    rows = rows.to(tl.int64)
+    rows_3d = rows[:, None, None]
+    dtype = x_ptr.dtype.element_ty
+    given = load_static_scale(scale_ptr, STATIC)
+    ws = ()
+    for c in tl.static_range(CHUNKS):
+        ws = ws + (tl.load(weight_ptr + c * CHUNK + local).to(tl.float32),)
+    rs = ()
+    for c in tl.static_range(CHUNKS):
+        x_ptrs = x_ptr + rows_3d * stride_x + c * CHUNK + local
+        rs = rs + (tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32),)
+    squares = rs[0] * rs[0]
+    for c in tl.static_range(1, CHUNKS):
+        squares = squares + rs[c] * rs[c]
+    rstd = tl.rsqrt(tl.sum(tl.sum(squares, axis=2), axis=1) / N + eps)
+    ys = ()
+    for c in tl.static_range(CHUNKS):
+        y = scale_by_weight(rs[c] * rstd[:, None, None], ws[c], weight_offset, dtype, CAST_BEFORE_WEIGHT)
+        ys = ys + (y.to(dtype).to(tl.float32),)
+    if BLOCK_GROUPS > 1 and not STATIC:
+        for c in tl.static_range(CHUNKS):
+            store_quantized(
+                ys[c], q_ptr, scale_ptr, given, rows, c * BLOCK_GROUPS + groups, rows_3d, c * CHUNK + local,
+                N, num_groups, group_mask, mask, 0.0, ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0,
+                AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+            )  # fmt: skip
+    else:
+        if STATIC:
+            scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
+        else:
+            magnitude = tl.abs(ys[0])
+            for c in tl.static_range(1, CHUNKS):
+                magnitude = max_keeping_nan(magnitude, tl.abs(ys[c]))
+            amax = tl.reduce(magnitude, 2, max_keeping_nan)
+            scale = store_scales(amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0,
+                                 AMAX_TIMES_RECIPROCAL)  # fmt: skip
+        for c in tl.static_range(CHUNKS):
+            store_codes(ys[c], scale, given, q_ptr, rows_3d, c * CHUNK + local, N, mask, STATIC, HW_CONVERT)
+
+
+@triton.jit
 def _rms_norm_quant_fp8_kernel(
     x_ptr,  # *x.dtype [M, N]: rows to normalise; column stride 1, row stride stride_x
     residual_ptr,  # *x.dtype [M, N]: residual added to x (read only when HAS_RESIDUAL)
@@ -264,13 +338,22 @@ def _rms_norm_quant_fp8_kernel(
     SCALE_UE8M0: tl.constexpr,  # round computed scales up to powers of two
     AMAX_TIMES_RECIPROCAL: tl.constexpr,  # scale = amax * fp32(1/448) (CUDA torch), else amax / 448
     HW_FP8_CONVERT: tl.constexpr,  # convert with the GPU's fp8 instruction (not in the interpreter)
-    BLOCK_GROUPS: tl.constexpr,  # next_power_of_2(num_groups)
-    BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size)
+    BLOCK_GROUPS: tl.constexpr,  # next_power_of_2(num_groups); CHUNKS > 1: a chunk's groups
+    BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size); CHUNKS > 1: a chunk's group columns
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
+    CHUNKS: tl.constexpr,  # 1: a row is one padded block; more: exact chunks (norm_only_chunks)
 ):
     # Inductor's launches pass Python floats as fp64: pin the scalars to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
     weight_offset = tl.cast(weight_offset, tl.float32)
+    if CHUNKS > 1:
+        tl.static_assert(not HAS_RESIDUAL, "chunked rows are for the norm-only form")
+        _rms_norm_quantize_chunks(
+            x_ptr, weight_ptr, q_ptr, scale_ptr, M, N, num_groups, stride_x, eps, weight_offset,
+            CAST_BEFORE_WEIGHT, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
+            BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, CHUNKS,
+        )  # fmt: skip
+        return
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     groups = tl.arange(0, BLOCK_GROUPS)
     in_group = tl.arange(0, BLOCK_GROUP)
@@ -311,6 +394,34 @@ NORM_ONLY_WIDE_MIN_TOKENS = 4096
 NORM_ONLY_WIDE_WARPS = 4
 
 
+# Norm-only rows at >= NORM_ONLY_WIDE_MIN_TOKENS static tokens are held in N / CHUNK exact chunks
+# of CHUNK = N's largest power-of-two factor (7168 = 7 x 1024, 3072 = 3 x 1024, 5120 = 5 x 1024),
+# not one padded block. Measured on one H200 (bf16, the kernel alone in a CUDA graph), chunks
+# against the padded block: 4096 / 16384 tokens of 7168: per_token 1.05x / 1.06x, static 1.15x /
+# 1.16x, per_group 0.95x / 0.94x; of 3072: 1.09x / 1.09x, 1.25x / 1.29x, 1.13x / 1.14x; at 1-64
+# tokens 0.85-1.02x (not taken there). Per_group takes chunks only where the padded block wastes
+# >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64). A chunk is at least
+# CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and a row at most CHUNKS_MAX
+# chunks (each chunk is unrolled code).
+CHUNK_MIN = 1024
+CHUNKS_MAX = 16
+
+
+def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -> int:
+    """Chunks the norm-only kernel holds a row of n columns in at a static token count (None:
+    dynamic): 1 (one padded block) unless the comment above takes chunks."""
+    if tokens is None or tokens < NORM_ONLY_WIDE_MIN_TOKENS:
+        return 1
+    chunk = n & -n
+    if chunk == n or chunk < CHUNK_MIN or n // chunk > CHUNKS_MAX:
+        return 1
+    if scheme == "per_group":
+        groups = n // group_size
+        if chunk % group_size or chunk == group_size or 4 * groups > 3 * triton.next_power_of_2(groups):
+            return 1
+    return n // chunk
+
+
 def launch_shape(
     num_groups: int, group: int, tokens: int | None = None, has_residual: bool = True
 ) -> tuple[int, int, int, int]:
@@ -339,6 +450,7 @@ def rms_norm_quant_fp8_triton(
     wrap: Callable | None = None,
     rows: int | None = None,
     num_warps: int | None = None,
+    chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x (or of x + residual) over the last dim, quantized to float8_e4m3fn, as
     rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
@@ -346,8 +458,9 @@ def rms_norm_quant_fp8_triton(
     given scale (static), else new fp32 [..., 1] (per_token) or [..., N / group_size] (per_group);
     new_residual = x + residual in x.dtype, or None when residual is None. `wrap` (e.g.
     torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it.
-    ``rows`` / ``num_warps`` override the launch shape (rows per program, warps) for sweeps
-    (benchmarks/tune_rms_norm_quant_fp8.py); default: rms_norm_triton.launch_config's."""
+    ``rows`` / ``num_warps`` / ``chunks`` override the launch shape (rows per program, warps, a
+    norm-only row's chunks: norm_only_chunks) for sweeps (benchmarks/tune_rms_norm_quant_fp8.py)
+    and tests; default: launch_shape's and norm_only_chunks'."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
@@ -368,10 +481,15 @@ def rms_norm_quant_fp8_triton(
         residual_rows = as_rows(residual)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tokens = math.prod(x.shape[:-1])
+    tokens = tokens if isinstance(tokens, int) else None  # None: a dynamic count (tracing)
     block_groups, block_group, default_rows, default_warps = launch_shape(
-        num_groups, group, tokens if isinstance(tokens, int) else None, residual is not None
+        num_groups, group, tokens, residual is not None
     )
     rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
+    if chunks is None:
+        chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens)
+    if chunks > 1:
+        block_groups, block_group = _chunk_shape(n, scheme, group_size, chunks, residual)
     kernel = (wrap or (lambda k: k))(_rms_norm_quant_fp8_kernel)
     kernel[(triton.cdiv(m, rows_per_program),)](
         x_rows,
@@ -397,6 +515,27 @@ def rms_norm_quant_fp8_triton(
         BLOCK_GROUPS=block_groups,
         BLOCK_GROUP=block_group,
         ROWS_PER_PROGRAM=rows_per_program,
+        CHUNKS=chunks,
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales, residual_out
+
+
+def _chunk_shape(
+    n: int, scheme: str, group_size: int, chunks: int, residual: torch.Tensor | None
+) -> tuple[int, int]:
+    """(BLOCK_GROUPS, BLOCK_GROUP) of one of `chunks` exact chunks of a norm-only row of n columns;
+    ValueError for a split the kernel cannot hold."""
+    chunk = n // chunks
+    if residual is not None or chunk * chunks != n or chunk & (chunk - 1):
+        raise ValueError(
+            f"chunks={chunks}: a norm-only row (no residual) of {n} columns splits only into "
+            "chunks of a power-of-two width"
+        )
+    if scheme != "per_group":
+        return 1, chunk
+    if chunk % group_size or chunk == group_size:
+        raise ValueError(
+            f"chunks={chunks}: a per_group chunk of {chunk} columns must hold >= 2 groups of {group_size}"
+        )
+    return chunk // group_size, group_size
