@@ -6,6 +6,9 @@ size, token count and scheme, against the default launch for the token count
 
     python benchmarks/tune_rms_norm_quant_fp8.py [--op add_rms_norm | rms_norm | silu_mul]
         [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
+        [--chunks 1 0]    # rms_norm: a row in 1 padded block, or norm_only_chunks' (0) exact chunks
+
+The columns column is silu_mul's columns a program, or rms_norm's chunks a row (0: the default).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _inputs(tokens, hidden, g):
 
 def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
     """(rows, warps, columns) of the default launch; columns: a silu_mul static / per_group
-    program's (None for per_token and the norm kernels, whose programs hold whole rows)."""
+    program's (None for per_token and add_rms_norm, whose programs hold whole rows), or 0 for
+    rms_norm (its chunks a row as norm_only_chunks gives them)."""
     if op == "silu_mul":
         mufu = takes_mufu_silu(DTYPE, torch.cuda.get_device_capability())
         layout = launch_layout(hidden, scheme, GROUP, tokens, mufu_silu=mufu)
@@ -59,19 +63,22 @@ def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
         return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
     _, _, rows, warps = launch_shape(groups, group, tokens, has_residual=op == "add_rms_norm")
-    return rows, warps, None
+    return rows, warps, 0 if op == "rms_norm" else None
 
 
 def _call(op, x, scheme, scale, rows, warps, columns):
-    """One launch of op's kernel on the inputs x (silu_mul: gate = x, up = residual)."""
+    """One launch of op's kernel on the inputs x (silu_mul: gate = x, up = residual); columns:
+    silu_mul's columns a program, rms_norm's chunks a row (None or 0: the default)."""
     if op == "silu_mul":
         return silu_mul_quant_fp8_triton(
             x["x"], x["residual"], scheme, scale, GROUP, rows=rows, num_warps=warps, columns=columns
         )
     residual = x["residual"] if op == "add_rms_norm" else None
+    chunks = (columns or None) if op == "rms_norm" else None
     return rms_norm_quant_fp8_triton(
-        x["x"], x["w"], EPS, 0.0, True, scheme, scale, GROUP, False, residual, rows=rows, num_warps=warps
-    )
+        x["x"], x["w"], EPS, 0.0, True, scheme, scale, GROUP, False, residual,
+        rows=rows, num_warps=warps, chunks=chunks,
+    )  # fmt: skip
 
 
 def sweep(
@@ -79,8 +86,10 @@ def sweep(
 ) -> list[tuple[int, int, int | None, float]]:
     sets = [_inputs(tokens, hidden, g) for _ in range(GRAPH_CALLS)]
     scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
-    if op != "silu_mul" or scheme == "per_token":
+    if op == "add_rms_norm" or (op == "silu_mul" and scheme == "per_token"):
         columns_options = [None]
+    elif op == "rms_norm":  # chunks a row: 0 is norm_only_chunks' (the default launch's)
+        columns_options = [c or 0 for c in columns_options]
     results = []
     shapes = {(r, w, c) for r in rows_options for w in warps_options for c in columns_options}
     shapes.add(_default(op, hidden, tokens, scheme))
@@ -100,10 +109,11 @@ def main() -> int:
     parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
     parser.add_argument(
         "--columns",
+        "--chunks",
         type=int,
         nargs="+",
         default=[None],
-        help="silu_mul static / per_group: columns a program",
+        help="silu_mul static / per_group: columns a program; rms_norm: chunks a row (0: default)",
     )
     parser.add_argument("--out", default="tune_rms_norm_quant_fp8.md")
     args = parser.parse_args()
