@@ -139,7 +139,7 @@ def main() -> int:
             for scheme in args.schemes:
                 results = sweep(args.op, hidden, tokens, scheme, g, args.rows, args.warps, args.columns)
                 shapes = [
-                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {c or '-'} | {us:.2f} |"
+                    f"| {hidden} | {tokens} | {scheme} | {r} | {w} | {'-' if c is None else c} | {us:.2f} |"
                     for r, w, c, us in results
                 ]
                 print("\n".join(shapes), flush=True)  # kept in the log if a time limit cuts the run
