@@ -46,7 +46,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
 from fusion_passes.lowering import rms_norm_quant_fp8_triton as rms_norm_quant_fp8_triton_module  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
     CHUNKS_MAX,
-    NORM_ONLY_WIDE_MIN_TOKENS,
+    MANY_TOKENS,
     exact_quotient,
     launch_shape,
     norm_only_chunks,
@@ -203,29 +203,25 @@ def test_random_inputs_within_one_code(case):
 
 
 def test_launch_shape():
-    """The norm-only form at a static token count >= NORM_ONLY_WIDE_MIN_TOKENS takes 4 warps;
-    with the residual, at fewer tokens or a dynamic count the padded block's launch_config; the
-    one-shot allreduce kernel, which must take this kernel's warps, never sees such counts."""
+    """At a static token count >= MANY_TOKENS both forms take 4 warps; at fewer tokens or a
+    dynamic count the padded block's launch_config. The one-shot allreduce kernel, which must
+    take this kernel's warps, never sees such counts."""
     from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import MAX_ROWS
 
-    assert NORM_ONLY_WIDE_MIN_TOKENS > MAX_ROWS
+    assert MANY_TOKENS > MAX_ROWS
     for num_groups, group in ((1, 7168), (56, 128), (1, 4096), (1, 3072)):
         default = launch_shape(num_groups, group)
         assert default[3] >= 8  # 16 warps at 7168, 8 at 4096 and 3072
-        for tokens in (None, 1, NORM_ONLY_WIDE_MIN_TOKENS - 1):
-            assert launch_shape(num_groups, group, tokens, has_residual=False) == default
-        assert launch_shape(num_groups, group, NORM_ONLY_WIDE_MIN_TOKENS, has_residual=True) == default
-        assert launch_shape(num_groups, group, NORM_ONLY_WIDE_MIN_TOKENS, has_residual=False) == (
-            *default[:3],
-            4,
-        )
+        for tokens in (None, 1, MANY_TOKENS - 1):
+            assert launch_shape(num_groups, group, tokens) == default
+        assert launch_shape(num_groups, group, MANY_TOKENS) == (*default[:3], 4)
 
 
 def test_norm_only_chunks():
-    """Exact chunks for norm-only rows at >= NORM_ONLY_WIDE_MIN_TOKENS static tokens whose width
+    """Exact chunks for norm-only rows at >= MANY_TOKENS static tokens whose width
     is not a power of two, in chunks of >= CHUNK_MIN columns; per_group only where the padded
     block wastes >= 1/4 of its groups."""
-    many = NORM_ONLY_WIDE_MIN_TOKENS
+    many = MANY_TOKENS
     assert [norm_only_chunks(7168, s, 128, many) for s in ("static", "per_token", "per_group")] == [7, 7, 1]
     assert [norm_only_chunks(3072, s, 128, many) for s in ("static", "per_token", "per_group")] == [3, 3, 3]
     assert norm_only_chunks(5120, "per_group", 128, many) == 5  # 40 of 64 groups
@@ -255,13 +251,13 @@ def test_launch_takes_the_chunks(monkeypatch, scheme, residual, expected):
             return lambda *args, **kwargs: launches.append(kwargs)
 
     monkeypatch.setattr(rms_norm_quant_fp8_triton_module, "_rms_norm_quant_fp8_kernel", Recorder())
-    x = torch.zeros(NORM_ONLY_WIDE_MIN_TOKENS, 7168, dtype=torch.bfloat16)
+    x = torch.zeros(MANY_TOKENS, 7168, dtype=torch.bfloat16)
     rms_norm_quant_fp8_triton(
         x, torch.ones(7168, dtype=torch.bfloat16), 1e-6, 0.0, True, scheme, residual=x if residual else None
     )
     (kwargs,) = launches
     assert (kwargs["CHUNKS"], kwargs["BLOCK_GROUPS"], kwargs["BLOCK_GROUP"]) == expected
-    assert kwargs["num_warps"] == (16 if residual else 4)
+    assert kwargs["num_warps"] == 4
 
 
 @pytest.mark.parametrize(
@@ -282,19 +278,26 @@ def test_chunks_that_do_not_split_raise(scheme, chunks, with_residual):
 
 # The interpreter ignores num_warps, so on CPU this only checks the launch; it runs the cheap
 # static scheme there (the amax's custom reduction takes ~18 s per scheme at this size).
-@pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"] if DEVICE == "cuda" else ["static"])
-def test_norm_only_at_many_tokens(scheme):
-    """NORM_ONLY_WIDE_MIN_TOKENS rows without a residual (the 4-warp launch): codes within one of
-    the reference's, scales within bf16's tolerance."""
-    case = dict(shape=(NORM_ONLY_WIDE_MIN_TOKENS, 128), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+@pytest.mark.parametrize(
+    ("scheme", "with_residual"),
+    [(s, r) for s in ("static", "per_token", "per_group") for r in (False, True)]
+    if DEVICE == "cuda"
+    else [("static", False)],
+)
+def test_at_many_tokens(scheme, with_residual):
+    """MANY_TOKENS rows (the 4-warp launch): codes within one of the reference's, scales and
+    new_residual within bf16's tolerance."""
+    case = dict(shape=(MANY_TOKENS, 128), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
                 eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
                 scale=0.01 if scheme == "static" else None, group_size=64, scale_ue8m0=False,
-                with_residual=False)  # fmt: skip
-    (q, scales, _), (ref_q, ref_scales, _) = _run(
+                with_residual=with_residual)  # fmt: skip
+    (q, scales, new_residual), (ref_q, ref_scales, ref_residual) = _run(
         case, *_random_inputs(case, torch.Generator().manual_seed(4))
     )
     torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
     assert fp8_codes_apart(q, ref_q) <= 1
+    if with_residual:
+        torch.testing.assert_close(new_residual, ref_residual, rtol=RTOL[torch.bfloat16], atol=1e-5)
 
 
 def _fp8_boundaries():

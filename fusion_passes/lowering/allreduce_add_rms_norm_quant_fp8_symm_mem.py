@@ -170,7 +170,7 @@ _HW_FP8_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
 def _quant_layout(num_groups: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_GROUPS, BLOCK_GROUP, num_warps) of rows quantized in num_groups groups of group
     columns: rms_norm_quant_fp8_triton's layout and warps, so the norm's reduction is its tree (at
-    every row count this kernel takes: <= MAX_ROWS, below NORM_ONLY_WIDE_MIN_TOKENS)."""
+    every row count this kernel takes: <= MAX_ROWS, below MANY_TOKENS)."""
     block_groups, block_group, _, num_warps = launch_shape(num_groups, group)
     return block_groups, block_group, num_warps
 

@@ -384,22 +384,26 @@ def _rms_norm_quant_fp8_kernel(
     )  # fmt: skip
 
 
-# Static token counts from which the norm-only form (no residual) takes NORM_ONLY_WIDE_WARPS
-# warps: measured on one H200 at 4096 tokens, 4 warps against the default 16 / 8 / 8 at hidden
-# 7168 / 4096 / 3072 took 27.65 / 16.14 / 14.00 us against 32.42 / 21.17 / 19.51 (at 16384 tokens
-# 1.11-1.20x); at 1-64 tokens the default was best, with the residual 4 warps gained <= 2%. Above
-# the one-shot allreduce kernel's MAX_ROWS (2048), which takes this kernel's warps to equal it,
-# its fallback, bit for bit, and never sees these counts.
-NORM_ONLY_WIDE_MIN_TOKENS = 4096
-NORM_ONLY_WIDE_WARPS = 4
+# Static token counts from which both forms take MANY_TOKENS_WARPS warps. Measured on one H200
+# (bf16, the kernel alone in a CUDA graph), 4 warps against the default:
+# - norm-only, default 16 / 8 / 8 warps at hidden 7168 / 4096 / 3072: 27.65 / 16.14 / 14.00 us
+#   against 32.42 / 21.17 / 19.51 at 4096 tokens, 1.11-1.20x at 16384;
+# - with the residual, 4096 / 16384 tokens: hidden 7168 (default 16) per_group 55.87 / 211.48 us
+#   against 52.67 / 195.75, static and per_token within 1%; 5120 (16) 1.01-1.12x; 3072 (8)
+#   1.00-1.03x.
+# At 1-64 tokens the default was best. This is above the one-shot allreduce kernel's MAX_ROWS
+# (2048): it takes this kernel's warps to equal its fallback bit for bit and never sees these counts.
+MANY_TOKENS = 4096
+MANY_TOKENS_WARPS = 4
 
 
-# Norm-only rows at >= NORM_ONLY_WIDE_MIN_TOKENS static tokens are held in N / CHUNK exact chunks
+# Norm-only rows at >= MANY_TOKENS static tokens are held in N / CHUNK exact chunks
 # of CHUNK = N's largest power-of-two factor (7168 = 7 x 1024, 3072 = 3 x 1024, 5120 = 5 x 1024),
 # not one padded block. Measured on one H200 (bf16, the kernel alone in a CUDA graph), chunks
-# against the padded block: 4096 / 16384 tokens of 7168: per_token 1.05x / 1.06x, static 1.15x /
-# 1.16x, per_group 0.95x / 0.94x; of 3072: 1.09x / 1.09x, 1.25x / 1.29x, 1.13x / 1.14x; at 1-64
-# tokens 0.85-1.02x (not taken there). Per_group takes chunks only where the padded block wastes
+# against the padded block at 4096 / 16384 tokens: 7168 per_token 1.07x / 1.09x, static 1.15x /
+# 1.15x, per_group 0.95x / 0.94x (a prototype); 3072 1.17x / 1.16x, 1.25x / 1.29x, 1.12x / 1.14x;
+# 5120 and 6144 1.15-1.52x. At 1-64 tokens 0.85-1.02x (not taken there); with the residual
+# 0.74-1.00x (7168 per_group 70.64 us against 52.67 at 4096 tokens; the padded block is kept). Per_group takes chunks only where the padded block wastes
 # >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64). A chunk is at least
 # CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and a row at most CHUNKS_MAX
 # chunks (each chunk is unrolled code).
@@ -410,7 +414,7 @@ CHUNKS_MAX = 16
 def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -> int:
     """Chunks the norm-only kernel holds a row of n columns in at a static token count (None:
     dynamic): 1 (one padded block) unless the comment above takes chunks."""
-    if tokens is None or tokens < NORM_ONLY_WIDE_MIN_TOKENS:
+    if tokens is None or tokens < MANY_TOKENS:
         return 1
     chunk = n & -n
     if chunk == n or chunk < CHUNK_MIN or n // chunk > CHUNKS_MAX:
@@ -422,16 +426,15 @@ def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -
     return n // chunk
 
 
-def launch_shape(
-    num_groups: int, group: int, tokens: int | None = None, has_residual: bool = True
-) -> tuple[int, int, int, int]:
+def launch_shape(num_groups: int, group: int, tokens: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, num_warps) for rows quantized in num_groups
-    groups of group columns: the padded block's rms_norm_triton.launch_config, except the
-    norm-only form at a static token count >= NORM_ONLY_WIDE_MIN_TOKENS (None: dynamic)."""
+    groups of group columns, with or without the residual: the padded block's
+    rms_norm_triton.launch_config, but at most MANY_TOKENS_WARPS warps at a static token count
+    >= MANY_TOKENS (None: dynamic)."""
     block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
     _, rows, num_warps = launch_config(block_groups * block_group)
-    if not has_residual and tokens is not None and tokens >= NORM_ONLY_WIDE_MIN_TOKENS:
-        num_warps = min(num_warps, NORM_ONLY_WIDE_WARPS)
+    if tokens is not None and tokens >= MANY_TOKENS:
+        num_warps = min(num_warps, MANY_TOKENS_WARPS)
     return block_groups, block_group, rows, num_warps
 
 
@@ -482,9 +485,7 @@ def rms_norm_quant_fp8_triton(
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tokens = math.prod(x.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # None: a dynamic count (tracing)
-    block_groups, block_group, default_rows, default_warps = launch_shape(
-        num_groups, group, tokens, residual is not None
-    )
+    block_groups, block_group, default_rows, default_warps = launch_shape(num_groups, group, tokens)
     rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
     if chunks is None:
         chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens)
