@@ -403,10 +403,11 @@ MANY_TOKENS_WARPS = 4
 # against the padded block at 4096 / 16384 tokens: 7168 per_token 1.07x / 1.09x, static 1.15x /
 # 1.15x, per_group 0.95x / 0.94x (a prototype); 3072 1.17x / 1.16x, 1.25x / 1.29x, 1.12x / 1.14x;
 # 5120 and 6144 1.15-1.52x. At 1-64 tokens 0.85-1.02x (not taken there); with the residual
-# 0.74-1.00x (7168 per_group 70.64 us against 52.67 at 4096 tokens; the padded block is kept). Per_group takes chunks only where the padded block wastes
-# >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64). A chunk is at least
-# CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and a row at most CHUNKS_MAX
-# chunks (each chunk is unrolled code).
+# 0.75-0.85x at 7168 (per_group 70.64 us against 52.67 at 4096 tokens), 0.95-1.05x at 3072 and
+# 5120: the residual form keeps the padded block. Per_group takes chunks only where the padded
+# block wastes >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64). A chunk is at
+# least CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and a row at most
+# CHUNKS_MAX chunks (each chunk is unrolled code).
 CHUNK_MIN = 1024
 CHUNKS_MAX = 16
 
