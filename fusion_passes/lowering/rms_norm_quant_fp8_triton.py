@@ -405,7 +405,10 @@ MANY_TOKENS_WARPS = 4
 # 5120 and 6144 1.15-1.52x. At 1-64 tokens 0.85-1.02x (not taken there); with the residual
 # 0.75-0.85x at 7168 (per_group 70.64 us against 52.67 at 4096 tokens), 0.95-1.05x at 3072 and
 # 5120: the residual form keeps the padded block. Per_group takes chunks only where the padded
-# block wastes >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64). A chunk is at
+# block wastes >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64): each chunk's
+# scale store converts the amax's layout through shared memory (7 convert_layout in the TTGIR at
+# 7168, 16 bar.sync in the SASS against the padded block's 4), which costs about what the padding
+# saves at 12.5%. A chunk is at
 # least CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and a row at most
 # CHUNKS_MAX chunks (each chunk is unrolled code).
 CHUNK_MIN = 1024
