@@ -434,12 +434,16 @@ def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -
     if tokens is None or tokens < MANY_TOKENS:
         return 1
     chunk = n & -n
-    if chunk == n or chunk < CHUNK_MIN or n // chunk > CHUNKS_MAX:
+    if (
+        chunk == n
+        or chunk < CHUNK_MIN
+        or n // chunk > CHUNKS_MAX
+        or _chunk_problem(n, scheme, group_size, n // chunk)
+    ):
         return 1
-    if scheme == "per_group":
-        groups = n // group_size
-        if chunk % group_size or chunk == group_size or 4 * groups > 3 * triton.next_power_of_2(groups):
-            return 1
+    groups = n // group_size
+    if scheme == "per_group" and 4 * groups > 3 * triton.next_power_of_2(groups):
+        return 1
     return n // chunk
 
 
@@ -539,21 +543,25 @@ def rms_norm_quant_fp8_triton(
     return codes.view(FP8_DTYPE), scales, residual_out
 
 
+def _chunk_problem(n: int, scheme: str, group_size: int, chunks: int) -> str | None:
+    """Why a norm-only row of n columns cannot be held in `chunks` exact chunks (None: it can)."""
+    chunk = n // chunks
+    if chunk * chunks != n or chunk & (chunk - 1):
+        return f"chunks={chunks}: a row of {n} columns splits only into chunks of a power-of-two width"
+    if scheme == "per_group" and (chunk % group_size or chunk == group_size):
+        return f"chunks={chunks}: a per_group chunk of {chunk} columns must hold >= 2 groups of {group_size}"
+    return None
+
+
 def _chunk_shape(
     n: int, scheme: str, group_size: int, chunks: int, residual: torch.Tensor | None
 ) -> tuple[int, int]:
     """(BLOCK_GROUPS, BLOCK_GROUP) of one of `chunks` exact chunks of a norm-only row of n columns;
     ValueError for a split the kernel cannot hold."""
+    if residual is not None:
+        raise ValueError(f"chunks={chunks}: only a norm-only row (no residual) is held in chunks")
+    problem = _chunk_problem(n, scheme, group_size, chunks)
+    if problem:
+        raise ValueError(problem)
     chunk = n // chunks
-    if residual is not None or chunk * chunks != n or chunk & (chunk - 1):
-        raise ValueError(
-            f"chunks={chunks}: a norm-only row (no residual) of {n} columns splits only into "
-            "chunks of a power-of-two width"
-        )
-    if scheme != "per_group":
-        return 1, chunk
-    if chunk % group_size or chunk == group_size:
-        raise ValueError(
-            f"chunks={chunks}: a per_group chunk of {chunk} columns must hold >= 2 groups of {group_size}"
-        )
-    return chunk // group_size, group_size
+    return (chunk // group_size, group_size) if scheme == "per_group" else (1, chunk)
