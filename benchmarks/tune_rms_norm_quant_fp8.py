@@ -62,7 +62,7 @@ def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
         columns = None if scheme == "per_token" else layout.block_groups * layout.block_group
         return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
-    _, _, rows, warps = launch_shape(groups, group, tokens)
+    _, _, rows, warps = launch_shape(groups, group, tokens, norm_only=op == "rms_norm")
     return rows, warps, 0 if op == "rms_norm" else None
 
 

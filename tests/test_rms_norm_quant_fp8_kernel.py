@@ -47,6 +47,7 @@ from fusion_passes.lowering import rms_norm_quant_fp8_triton as rms_norm_quant_f
 from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
     CHUNKS_MAX,
     MANY_TOKENS,
+    NORM_ONLY_MANY_TOKENS,
     exact_quotient,
     launch_shape,
     norm_only_chunks,
@@ -203,22 +204,28 @@ def test_random_inputs_within_one_code(case):
 
 
 def test_launch_shape():
-    """At a static token count >= MANY_TOKENS both forms take 4 warps; at fewer tokens or a
-    dynamic count the padded block's launch_config. The one-shot allreduce kernel, which must
-    take this kernel's warps, never sees such counts."""
+    """At a static token count >= MANY_TOKENS (with the residual) or >= NORM_ONLY_MANY_TOKENS
+    (norm-only) the kernel takes 4 warps; at fewer tokens or a dynamic count the padded block's
+    launch_config. The one-shot allreduce kernel, which takes this kernel's default warps, never
+    sees MANY_TOKENS rows."""
     from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import MAX_ROWS
 
     assert MANY_TOKENS > MAX_ROWS
+    assert NORM_ONLY_MANY_TOKENS < MANY_TOKENS
     for num_groups, group in ((1, 7168), (56, 128), (1, 4096), (1, 3072)):
         default = launch_shape(num_groups, group)
         assert default[3] >= 8  # 16 warps at 7168, 8 at 4096 and 3072
         for tokens in (None, 1, MANY_TOKENS - 1):
             assert launch_shape(num_groups, group, tokens) == default
         assert launch_shape(num_groups, group, MANY_TOKENS) == (*default[:3], 4)
+        for tokens in (None, 1, NORM_ONLY_MANY_TOKENS - 1):
+            assert launch_shape(num_groups, group, tokens, norm_only=True) == default
+        for tokens in (NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
+            assert launch_shape(num_groups, group, tokens, norm_only=True) == (*default[:3], 4)
 
 
 def test_norm_only_chunks():
-    """Exact chunks for norm-only rows at >= MANY_TOKENS static tokens whose width
+    """Exact chunks for norm-only rows at >= NORM_ONLY_MANY_TOKENS static tokens whose width
     is not a power of two, in chunks of >= CHUNK_MIN columns; per_group only where the padded
     block wastes >= 1/4 of its groups."""
     many = MANY_TOKENS
@@ -228,22 +235,26 @@ def test_norm_only_chunks():
     assert norm_only_chunks(6144, "per_token", 128, 16384) == 3  # 3 x 2048
     for n in (4096, 2560, 1536, 2880):  # a power of two; chunks of 512 / 512 / 64 < CHUNK_MIN
         assert norm_only_chunks(n, "per_token", 128, many) == 1
-    for tokens in (None, 1, many - 1):
+    for tokens in (None, 1, NORM_ONLY_MANY_TOKENS - 1):
         assert norm_only_chunks(7168, "per_token", 128, tokens) == 1
+    assert norm_only_chunks(7168, "per_token", 128, NORM_ONLY_MANY_TOKENS) == 7
     assert norm_only_chunks(3072, "per_group", 1024, many) == 1  # a chunk of one group
     assert CHUNKS_MAX >= 7
 
 
 @pytest.mark.parametrize(
-    ("scheme", "residual", "expected"),
+    ("tokens", "scheme", "residual", "expected", "warps"),
     [
-        ("per_token", False, (7, 1, 1024)),
-        ("per_group", False, (1, 64, 128)),
-        ("per_token", True, (1, 1, 8192)),
+        (MANY_TOKENS, "per_token", False, (7, 1, 1024), 4),
+        (MANY_TOKENS, "per_group", False, (1, 64, 128), 4),
+        (MANY_TOKENS, "per_token", True, (1, 1, 8192), 4),
+        (NORM_ONLY_MANY_TOKENS, "per_token", False, (7, 1, 1024), 4),
+        (NORM_ONLY_MANY_TOKENS - 1, "per_token", False, (1, 1, 8192), 16),
+        (2048, "per_token", True, (1, 1, 8192), 16),  # the one-shot allreduce kernel's warps
     ],
 )
-def test_launch_takes_the_chunks(monkeypatch, scheme, residual, expected):
-    """The launch at 4096 tokens of 7168 (recorded, not run): (CHUNKS, BLOCK_GROUPS, BLOCK_GROUP)."""
+def test_launch_takes_the_chunks(monkeypatch, tokens, scheme, residual, expected, warps):
+    """The launch of 7168 columns (recorded, not run): (CHUNKS, BLOCK_GROUPS, BLOCK_GROUP), warps."""
     launches = []
 
     class Recorder:
@@ -251,13 +262,13 @@ def test_launch_takes_the_chunks(monkeypatch, scheme, residual, expected):
             return lambda *args, **kwargs: launches.append(kwargs)
 
     monkeypatch.setattr(rms_norm_quant_fp8_triton_module, "_rms_norm_quant_fp8_kernel", Recorder())
-    x = torch.zeros(MANY_TOKENS, 7168, dtype=torch.bfloat16)
+    x = torch.zeros(tokens, 7168, dtype=torch.bfloat16)
     rms_norm_quant_fp8_triton(
         x, torch.ones(7168, dtype=torch.bfloat16), 1e-6, 0.0, True, scheme, residual=x if residual else None
     )
     (kwargs,) = launches
     assert (kwargs["CHUNKS"], kwargs["BLOCK_GROUPS"], kwargs["BLOCK_GROUP"]) == expected
-    assert kwargs["num_warps"] == 4
+    assert kwargs["num_warps"] == warps
 
 
 @pytest.mark.parametrize(
@@ -298,6 +309,23 @@ def test_at_many_tokens(scheme, with_residual):
     assert fp8_codes_apart(q, ref_q) <= 1
     if with_residual:
         torch.testing.assert_close(new_residual, ref_residual, rtol=RTOL[torch.bfloat16], atol=1e-5)
+
+
+# As above: all schemes on a GPU, the static one under the interpreter.
+@pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"] if DEVICE == "cuda" else ["static"])
+def test_norm_only_default_launch_at_norm_only_many_tokens(scheme):
+    """NORM_ONLY_MANY_TOKENS norm-only rows of 3072, the default launch (3 exact chunks of 1024,
+    4 warps): codes within one of the reference's, scales within bf16's tolerance."""
+    assert norm_only_chunks(3072, scheme, 128, NORM_ONLY_MANY_TOKENS) == 3
+    case = dict(shape=(NORM_ONLY_MANY_TOKENS, 3072), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+                eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
+                scale=0.01 if scheme == "static" else None, group_size=128, scale_ue8m0=False,
+                with_residual=False)  # fmt: skip
+    (q, scales, _), (ref_q, ref_scales, _) = _run(
+        case, *_random_inputs(case, torch.Generator().manual_seed(5))
+    )
+    torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
+    assert fp8_codes_apart(q, ref_q) <= 1
 
 
 def _fp8_boundaries():

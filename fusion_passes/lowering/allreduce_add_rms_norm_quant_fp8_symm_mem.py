@@ -40,7 +40,10 @@ non-quantizing kernel's, the workspace's ``launch`` (``launch_config(N)``), what
 layout: for a group size that is not a power of two the padded [GROUPS, GROUP] block is up to ~2x
 wider than next_power_of_2(N), the same rows, only more registers. The number of warps is
 rms_norm_quant_fp8_triton's (``launch_shape``: ``launch_config`` of the padded block at every row
-count this kernel takes), so the norm's reduction tree is the fallback kernel's.
+count this kernel takes), so the norm's reduction tree is the fallback kernel's. One exception:
+without a residual, from ``NORM_ONLY_MANY_TOKENS`` (512) rows, the fallback kernel holds a row in
+exact chunks at 4 warps (another summation order: a code apart now and then), so there this kernel
+equals that kernel's padded launch (``chunks=1`` and the default warps), not its default one.
 
 Liveness, CUDA-graph safety and the barrier are as allreduce_add_rms_norm_symm_mem's docstring
 states them: same helpers, same grid (min(blocks, max_programs), grid-stride loop). Rows beyond

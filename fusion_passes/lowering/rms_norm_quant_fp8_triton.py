@@ -399,25 +399,32 @@ def _rms_norm_quant_fp8_kernel(
     )  # fmt: skip
 
 
-# Static token counts from which both forms take MANY_TOKENS_WARPS warps. Measured on one H200
-# (bf16, the kernel alone in a CUDA graph), 4 warps against the default:
+# Static token counts from which the residual form takes MANY_TOKENS_WARPS warps (norm-only rows:
+# from NORM_ONLY_MANY_TOKENS). Measured on one H200 (bf16, the kernel alone in a CUDA graph), 4
+# warps against the default:
 # - norm-only, default 16 / 8 / 8 warps at hidden 7168 / 4096 / 3072: 27.65 / 16.14 / 14.00 us
-#   against 32.42 / 21.17 / 19.51 at 4096 tokens, 1.11-1.20x at 16384;
+#   against 32.42 / 21.17 / 19.51 at 4096 tokens, 1.11-1.20x at 16384; at 512-2048 tokens 4 warps
+#   with chunks (below) 1.03-1.56x (7168 per_token 6.08 / 9.41 / 14.78 us against 7.10 / 10.50 /
+#   17.99 at 512 / 1024 / 2048, 5120 static 11.00 against 17.14 at 2048), 4 warps alone (4096,
+#   7168 per_group) 0.99-1.09x; at 256 tokens 0.93-1.12x (7168 static 4.54 against 4.24), so not;
 # - with the residual, 4096 / 16384 tokens: hidden 7168 (default 16) per_group 55.87 / 211.48 us
 #   against 52.67 / 195.75, static and per_token within 1%; 5120 (16) 1.01-1.12x; 3072 (8)
-#   1.00-1.03x.
-# At 1-64 tokens the default was best. This is above the one-shot allreduce kernel's MAX_ROWS
-# (2048): it takes this kernel's warps to equal its fallback bit for bit and never sees these counts.
+#   1.00-1.03x. At 1024-2048 tokens 8 warps were 1.00-1.11x the default and 4 up to 0.96x; the
+#   one-shot allreduce kernel (<= MAX_ROWS = 2048 rows) takes this kernel's default warps to equal
+#   its fallback bit for bit, so the residual form keeps the default below MANY_TOKENS.
+# At 1-64 tokens the default was best.
 MANY_TOKENS = 4096
+NORM_ONLY_MANY_TOKENS = 512
 MANY_TOKENS_WARPS = 4
 
 
-# Norm-only rows at >= MANY_TOKENS static tokens are held in N / CHUNK exact chunks
+# Norm-only rows at >= NORM_ONLY_MANY_TOKENS static tokens are held in N / CHUNK exact chunks
 # of CHUNK = N's largest power-of-two factor (7168 = 7 x 1024, 3072 = 3 x 1024, 5120 = 5 x 1024),
 # not one padded block. Measured on one H200 (bf16, the kernel alone in a CUDA graph), chunks
 # against the padded block at 4096 / 16384 tokens: 7168 per_token 1.07x / 1.09x, static 1.15x /
 # 1.15x, per_group 0.95x / 0.94x (a prototype); 3072 1.17x / 1.16x, 1.25x / 1.29x, 1.12x / 1.14x;
-# 5120 and 6144 1.15-1.52x. At 1-64 tokens 0.85-1.02x (not taken there); with the residual
+# 5120 and 6144 1.15-1.52x; 512-2048 tokens as in the warps comment above. At 1-64 tokens
+# 0.85-1.02x (not taken there); with the residual
 # 0.75-0.85x at 7168 (per_group 70.64 us against 52.67 at 4096 tokens), 0.95-1.05x at 3072 and
 # 5120: the residual form keeps the padded block. Per_group takes chunks only where the padded
 # block wastes >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64: 0.97x / 1.00x
@@ -431,7 +438,7 @@ CHUNKS_MAX = 16
 def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -> int:
     """Chunks the norm-only kernel holds a row of n columns in at a static token count (None:
     dynamic): 1 (one padded block) unless the comment above takes chunks."""
-    if tokens is None or tokens < MANY_TOKENS:
+    if tokens is None or tokens < NORM_ONLY_MANY_TOKENS:
         return 1
     chunk = n & -n
     if (
@@ -447,14 +454,16 @@ def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -
     return n // chunk
 
 
-def launch_shape(num_groups: int, group: int, tokens: int | None = None) -> tuple[int, int, int, int]:
+def launch_shape(
+    num_groups: int, group: int, tokens: int | None = None, norm_only: bool = False
+) -> tuple[int, int, int, int]:
     """(BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, num_warps) for rows quantized in num_groups
-    groups of group columns, with or without the residual: the padded block's
+    groups of group columns, with the residual or without (norm_only): the padded block's
     rms_norm_triton.launch_config, but at most MANY_TOKENS_WARPS warps at a static token count
-    >= MANY_TOKENS (None: dynamic)."""
+    >= MANY_TOKENS, or >= NORM_ONLY_MANY_TOKENS for norm_only (None: dynamic)."""
     block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
     _, rows, num_warps = launch_config(block_groups * block_group)
-    if tokens is not None and tokens >= MANY_TOKENS:
+    if tokens is not None and tokens >= (NORM_ONLY_MANY_TOKENS if norm_only else MANY_TOKENS):
         num_warps = min(num_warps, MANY_TOKENS_WARPS)
     return block_groups, block_group, rows, num_warps
 
@@ -506,7 +515,9 @@ def rms_norm_quant_fp8_triton(
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tokens = math.prod(x.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # None: a dynamic count (tracing)
-    block_groups, block_group, default_rows, default_warps = launch_shape(num_groups, group, tokens)
+    block_groups, block_group, default_rows, default_warps = launch_shape(
+        num_groups, group, tokens, norm_only=residual is None
+    )
     rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
     if chunks is None:
         chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens)
