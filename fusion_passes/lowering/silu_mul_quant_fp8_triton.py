@@ -162,7 +162,8 @@ def _silu_mul_quant_fp8_kernel(
         tail_amax, ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
     )  # fmt: skip
     if BLOCK_TAIL > 0:
-        store_codes(y_tail, scale, given, q_ptr, rows_3d, tail_cols, N, tail_mask, STATIC, HW_CONVERT)
+        store_codes(y_tail, scale, given, q_ptr, rows_3d, tail_cols, N, tail_mask, STATIC, HW_CONVERT,
+                    SCALE_UE8M0)  # fmt: skip
 
 
 def _pow2_floor(v: int) -> int:
