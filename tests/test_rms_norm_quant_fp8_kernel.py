@@ -289,18 +289,29 @@ def test_chunks_that_do_not_split_raise(scheme, chunks, with_residual):
 
 # The interpreter ignores num_warps, so on CPU this only checks the launch; it runs the cheap
 # static scheme there (the amax's custom reduction takes ~18 s per scheme at this size).
+_MANY_TOKENS_CASES = [
+    # (rows, hidden, group_size, with_residual): MANY_TOKENS rows of 128 (the 4-warp padded
+    # launch, both forms); NORM_ONLY_MANY_TOKENS norm-only rows of 3072 (3 chunks of 1024, 4 warps)
+    (MANY_TOKENS, 128, 64, False),
+    (MANY_TOKENS, 128, 64, True),
+    (NORM_ONLY_MANY_TOKENS, 3072, 128, False),
+]
+
+
 @pytest.mark.parametrize(
-    ("scheme", "with_residual"),
-    [(s, r) for s in ("static", "per_token", "per_group") for r in (False, True)]
+    ("scheme", "rows", "hidden", "group_size", "with_residual"),
+    [(s, *c) for s in ("static", "per_token", "per_group") for c in _MANY_TOKENS_CASES]
     if DEVICE == "cuda"
-    else [("static", False)],
+    else [("static", *c) for c in _MANY_TOKENS_CASES if not c[3]],
 )
-def test_at_many_tokens(scheme, with_residual):
-    """MANY_TOKENS rows (the 4-warp launch): codes within one of the reference's, scales and
+def test_at_many_tokens(scheme, rows, hidden, group_size, with_residual):
+    """The default launch at many static tokens: codes within one of the reference's, scales and
     new_residual within bf16's tolerance."""
-    case = dict(shape=(MANY_TOKENS, 128), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+    if hidden == 3072:
+        assert norm_only_chunks(hidden, scheme, group_size, rows) == 3
+    case = dict(shape=(rows, hidden), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
                 eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
-                scale=0.01 if scheme == "static" else None, group_size=64, scale_ue8m0=False,
+                scale=0.01 if scheme == "static" else None, group_size=group_size, scale_ue8m0=False,
                 with_residual=with_residual)  # fmt: skip
     (q, scales, new_residual), (ref_q, ref_scales, ref_residual) = _run(
         case, *_random_inputs(case, torch.Generator().manual_seed(4))
@@ -309,23 +320,6 @@ def test_at_many_tokens(scheme, with_residual):
     assert fp8_codes_apart(q, ref_q) <= 1
     if with_residual:
         torch.testing.assert_close(new_residual, ref_residual, rtol=RTOL[torch.bfloat16], atol=1e-5)
-
-
-# As above: all schemes on a GPU, the static one under the interpreter.
-@pytest.mark.parametrize("scheme", ["static", "per_token", "per_group"] if DEVICE == "cuda" else ["static"])
-def test_norm_only_default_launch_at_norm_only_many_tokens(scheme):
-    """NORM_ONLY_MANY_TOKENS norm-only rows of 3072, the default launch (3 exact chunks of 1024,
-    4 warps): codes within one of the reference's, scales within bf16's tolerance."""
-    assert norm_only_chunks(3072, scheme, 128, NORM_ONLY_MANY_TOKENS) == 3
-    case = dict(shape=(NORM_ONLY_MANY_TOKENS, 3072), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
-                eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
-                scale=0.01 if scheme == "static" else None, group_size=128, scale_ue8m0=False,
-                with_residual=False)  # fmt: skip
-    (q, scales, _), (ref_q, ref_scales, _) = _run(
-        case, *_random_inputs(case, torch.Generator().manual_seed(5))
-    )
-    torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
-    assert fp8_codes_apart(q, ref_q) <= 1
 
 
 def _fp8_boundaries():
