@@ -434,14 +434,13 @@ MANY_TOKENS_WARPS = 4
 # not one padded block. Measured on one H200 (bf16, the kernel alone in a CUDA graph), chunks
 # against the padded block at 4096 / 16384 tokens: 7168 per_token 1.07x / 1.09x, static 1.15x /
 # 1.15x, per_group 0.95x / 0.94x (a prototype); 3072 1.17x / 1.16x, 1.25x / 1.29x, 1.12x / 1.14x;
-# 5120 and 6144 1.15-1.52x; 512-2048 tokens as in the warps comment above. At 1-64 tokens
-# 0.85-1.02x (not taken there); with the residual
-# 0.75-0.85x at 7168 (per_group 70.64 us against 52.67 at 4096 tokens), 0.95-1.05x at 3072 and
-# 5120: the residual form keeps the padded block. Per_group takes chunks only where the padded
-# block wastes >= 1/4 of its groups (3072's 24 of 32 groups, not 7168's 56 of 64: 0.97x / 1.00x
-# at 4096 / 16384 tokens, with the scales stored once). A chunk is at
-# least CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and a row at most
-# CHUNKS_MAX chunks (each chunk is unrolled code).
+# 5120 and 6144 1.15-1.52x; at 512-2048 tokens as in the warps comment above; at 1-64 tokens
+# 0.85-1.02x (not taken there). With the residual 0.75-0.85x at 7168 (per_group 70.64 us against
+# 52.67 at 4096 tokens), 0.95-1.05x at 3072 and 5120: the residual form keeps the padded block.
+# Per_group takes chunks only where the padded block wastes >= 1/4 of its groups (3072's 24 of 32
+# groups, not 7168's 56 of 64: 0.97x / 1.00x at 4096 / 16384 tokens, with the scales stored
+# once). A chunk is at least CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and
+# a row at most CHUNKS_MAX chunks (each chunk is unrolled code).
 CHUNK_MIN = 1024
 CHUNKS_MAX = 16
 
@@ -530,10 +529,13 @@ def rms_norm_quant_fp8_triton(
         num_groups, group, tokens, norm_only=residual is None
     )
     rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
-    if chunks is None:
+    if chunks is None:  # norm_only_chunks only takes splits the kernel holds
         chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens)
-    if chunks > 1:
-        block_groups, block_group = _chunk_shape(n, scheme, group_size, chunks, residual)
+    elif chunks > 1:
+        _check_chunks_override(n, scheme, group_size, chunks, residual)
+    if chunks > 1:  # a chunk's [groups, group columns]
+        chunk = n // chunks
+        block_groups, block_group = (chunk // group_size, group_size) if scheme == "per_group" else (1, chunk)
     kernel = (wrap or (lambda k: k))(_rms_norm_quant_fp8_kernel)
     kernel[(triton.cdiv(m, rows_per_program),)](
         x_rows,
@@ -575,15 +577,12 @@ def _chunk_problem(n: int, scheme: str, group_size: int, chunks: int) -> str | N
     return None
 
 
-def _chunk_shape(
+def _check_chunks_override(
     n: int, scheme: str, group_size: int, chunks: int, residual: torch.Tensor | None
-) -> tuple[int, int]:
-    """(BLOCK_GROUPS, BLOCK_GROUP) of one of `chunks` exact chunks of a norm-only row of n columns;
-    ValueError for a split the kernel cannot hold."""
+) -> None:
+    """ValueError where a `chunks=` override asks for a split the kernel cannot hold."""
     if residual is not None:
         raise ValueError(f"chunks={chunks}: only a norm-only row (no residual) is held in chunks")
     problem = _chunk_problem(n, scheme, group_size, chunks)
     if problem:
         raise ValueError(problem)
-    chunk = n // chunks
-    return (chunk // group_size, group_size) if scheme == "per_group" else (1, chunk)
