@@ -1,14 +1,14 @@
 """The bytes of RMSNorm (+ residual add) + FP8 quantization without the math, in one flat Triton
-kernel: the ceiling a kernel of this traffic reaches, beside the copy bandwidth.
+kernel: what a kernel moving these bytes and doing nothing else reaches, beside the copy bandwidth.
 
     norm form:  q = fp8(x)                                  reads x, writes q
     add form:   r = to_bf16(x + residual); q = fp8(r)       reads x and residual, writes r and q
 
-No row reduction, no weight, no scale: BLOCK contiguous elements a program. Measured on one H200
-(bf16, 4096 tokens, CUDA graph, us), 2048 elements on 4 warps was the fastest or within 1% of it
-among 1024 / 2048 / 4096 / 8192 elements on 4 or 8 warps: hidden 7168 21.84 (stock Inductor's
-x.to(float8_e4m3fn) 22.20), 4096 12.70 (13.10), 3072 9.93 (9.87); add form at 7168 50.00 against
-49.93 at 1024, where stock Inductor's r = x + residual and its cast took 59.06.
+No row reduction, no weight, no scale: BLOCK contiguous elements a program, so the number does
+not depend on Inductor's choices (bench_rms_norm_quant_fp8.py's same_traffic column). Measured on
+one H200 (bf16, 4096 tokens, CUDA graph, us), 2048 elements on 4 warps was the fastest or within
+1% of it among 1024 / 2048 / 4096 / 8192 elements on 4 or 8 warps: hidden 7168 21.84, 4096 12.70,
+3072 9.93; the add form at 7168 50.00 against 49.93 at 1024.
 """
 
 from __future__ import annotations
