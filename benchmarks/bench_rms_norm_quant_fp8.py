@@ -15,9 +15,9 @@ Implementations:
 - same_traffic: stock Inductor's one kernel for the same bytes with no norm and no amax: the cast
   x.to(float8_e4m3fn) (add+norm: r = x + residual, then r and r's cast written). What a
   bandwidth-bound elementwise kernel of this traffic reaches here, beside the copy bandwidth;
-- no_math: the same bytes in one flat Triton kernel of our own (benchmarks/no_math.py), a
-  second measure of that ceiling, independent of Inductor's choices. The table's "no-math /
-  fusion_passes" takes the faster of same_traffic and no_math.
+- no_math: the same bytes in one flat Triton kernel of our own (benchmarks/no_math.py): a second
+  measure of what a kernel of these bytes reaches, independent of Inductor's choices. The
+  table's "no-math / fusion_passes" takes the faster of same_traffic and no_math.
 
 Times as in benchmarks/timing.py (plain: do_bench median, L2 flushed; graph: GRAPH_CALLS calls on
 their own input sets in one CUDA graph, per call). Kernels per call from the CUDA profiler. The
