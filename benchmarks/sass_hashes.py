@@ -70,6 +70,8 @@ def sass_hash(kernel, constants: dict, num_warps: int) -> str:
 def main() -> None:
     norm_kernel = norm._rms_norm_quant_fp8_kernel
     padded = {"CHUNKS": 1} if "CHUNKS" in norm_kernel.arg_names else {}  # the padded block's launch
+    if "WEIGHT_FIRST" in norm_kernel.arg_names:  # rows as loaded, not made to depend on the weight
+        padded["WEIGHT_FIRST"] = False
     for residual, scheme, ue8m0, (groups, group) in itertools.product(
         (False, True), SCHEMES, (False, True), ((1, 8192), (64, 128), (1, 4096))
     ):

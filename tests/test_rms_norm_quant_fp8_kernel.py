@@ -52,6 +52,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
     launch_shape,
     norm_only_chunks,
     rms_norm_quant_fp8_triton,
+    takes_weight_first,
 )
 from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
     add_rms_norm_reference,
@@ -118,6 +119,8 @@ def _cases(draw, exact_norm):
         with_residual=with_residual,
         # Norm-only rows also as exact chunks (norm_only_chunks' layout; 1: the padded block).
         chunks=1 if with_residual else draw(st.sampled_from(_chunk_options(hidden, scheme, group_size))),
+        # Rows made to depend on the weight's loads or not (takes_weight_first): the same bits.
+        weight_first=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -160,7 +163,9 @@ def _run(case, x, weight, residual):
     scale = None if case["scale"] is None else torch.tensor(case["scale"], device=DEVICE)
     args = (case["eps"], case["weight_offset"], case["cast_before_weight"], case["scheme"], scale)
     quant = (case["group_size"], case["scale_ue8m0"])
-    out = rms_norm_quant_fp8_triton(x, weight, *args, *quant, residual, chunks=case.get("chunks"))
+    out = rms_norm_quant_fp8_triton(
+        x, weight, *args, *quant, residual, chunks=case.get("chunks"), weight_first=case.get("weight_first")
+    )
     q, scales, new_residual = out
     assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous()
     assert scales.dtype == torch.float32 and scales.is_contiguous()
@@ -242,19 +247,36 @@ def test_norm_only_chunks():
     assert CHUNKS_MAX >= 7
 
 
+def test_takes_weight_first():
+    """Rows depend on the weight's loads with the residual at any token count; norm-only from
+    NORM_ONLY_MANY_TOKENS static tokens, in one padded block or per_group chunks, not static or
+    per_token chunks (where it measured slower)."""
+    for tokens in (None, 1, NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
+        for scheme in ("static", "per_token", "per_group"):
+            assert takes_weight_first(True, scheme, 1, tokens)
+    for tokens in (None, 1, NORM_ONLY_MANY_TOKENS - 1):
+        assert not takes_weight_first(False, "per_token", 1, tokens)
+    for tokens in (NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
+        assert takes_weight_first(False, "per_token", 1, tokens)
+        assert takes_weight_first(False, "per_group", 5, tokens)
+        assert not takes_weight_first(False, "per_token", 7, tokens)
+        assert not takes_weight_first(False, "static", 3, tokens)
+
+
 @pytest.mark.parametrize(
     ("tokens", "scheme", "residual", "expected", "warps"),
     [
-        (MANY_TOKENS, "per_token", False, (7, 1, 1024), 4),
-        (MANY_TOKENS, "per_group", False, (1, 64, 128), 4),
-        (MANY_TOKENS, "per_token", True, (1, 1, 8192), 4),
-        (NORM_ONLY_MANY_TOKENS, "per_token", False, (7, 1, 1024), 4),
-        (NORM_ONLY_MANY_TOKENS - 1, "per_token", False, (1, 1, 8192), 16),
-        (2048, "per_token", True, (1, 1, 8192), 16),  # the one-shot allreduce kernel's warps
+        (MANY_TOKENS, "per_token", False, (7, 1, 1024, False), 4),
+        (MANY_TOKENS, "per_group", False, (1, 64, 128, True), 4),
+        (MANY_TOKENS, "per_token", True, (1, 1, 8192, True), 4),
+        (NORM_ONLY_MANY_TOKENS, "per_token", False, (7, 1, 1024, False), 4),
+        (NORM_ONLY_MANY_TOKENS - 1, "per_token", False, (1, 1, 8192, False), 16),
+        (2048, "per_token", True, (1, 1, 8192, True), 16),  # the one-shot allreduce kernel's warps
     ],
 )
 def test_launch_takes_the_chunks(monkeypatch, tokens, scheme, residual, expected, warps):
-    """The launch of 7168 columns (recorded, not run): (CHUNKS, BLOCK_GROUPS, BLOCK_GROUP), warps."""
+    """The launch of 7168 columns (recorded, not run): (CHUNKS, BLOCK_GROUPS, BLOCK_GROUP,
+    WEIGHT_FIRST), warps."""
     launches = []
 
     class Recorder:
@@ -267,7 +289,8 @@ def test_launch_takes_the_chunks(monkeypatch, tokens, scheme, residual, expected
         x, torch.ones(7168, dtype=torch.bfloat16), 1e-6, 0.0, True, scheme, residual=x if residual else None
     )
     (kwargs,) = launches
-    assert (kwargs["CHUNKS"], kwargs["BLOCK_GROUPS"], kwargs["BLOCK_GROUP"]) == expected
+    launch = ("CHUNKS", "BLOCK_GROUPS", "BLOCK_GROUP", "WEIGHT_FIRST")
+    assert tuple(kwargs[name] for name in launch) == expected
     assert kwargs["num_warps"] == warps
 
 

@@ -74,6 +74,28 @@ def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
 
 
 @triton.jit
+def after_weight(x, w, N):
+    """x, bit for bit, as a value that depends on the weight w loaded for it: x | (w & 0), the
+    zero being N >> 31 (N is a row length, so >= 0), which ptxas cannot fold.
+
+    Why: ptxas issues the weight's loads after the row reduction's first shuffles, not beside the
+    row's loads as the PTX orders them: 2-7 of the LDGs in every norm-only configuration compiled
+    for sm_90 (hidden 7168 / 5120 / 4096 / 3072, each scheme) and 5-7 in the add+norm block of
+    8192 lanes. Each row then waits one more load latency between rstd and y, and the add+norm
+    block held 151-166 registers (3 programs an SM). With x depending on the weight every load
+    comes before the first shuffle, and that block holds 126-128 (4 programs an SM), for 10-16
+    more instructions a thread there (1111 -> 1121 per_token).
+    """
+    if x.dtype.primitive_bitwidth == 16:
+        bits: tl.constexpr = tl.int16
+    else:
+        bits: tl.constexpr = tl.int32
+    w_bits = w.to(tl.int16 if w.dtype.primitive_bitwidth == 16 else tl.int32, bitcast=True).to(bits)
+    zero = tl.cast(N >> 31, bits)  # tl.cast: N is a Python int where specialised (N == 1)
+    return (x.to(bits, bitcast=True) | (w_bits & zero)).to(x.dtype, bitcast=True)
+
+
+@triton.jit
 def max_keeping_nan(a, b):
     """max.NaN: a NaN operand gives NaN (tl.reduce's combine for an amax that keeps NaN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -274,7 +296,7 @@ def _rms_norm_quantize_chunks(
     x_ptr, weight_ptr, q_ptr, scale_ptr, M, N, num_groups, stride_x, eps, weight_offset,
     CAST_BEFORE_WEIGHT: tl.constexpr, STATIC: tl.constexpr, SCALE_UE8M0: tl.constexpr,
     AMAX_TIMES_RECIPROCAL: tl.constexpr, HW_CONVERT: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-    BLOCK_GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
 ):  # fmt: skip
     """The norm-only kernel on rows held as CHUNKS chunks of CHUNK = BLOCK_GROUPS * BLOCK_GROUP
     columns, N = CHUNKS * CHUNK exactly (arguments as the kernel's): the same math and rounding
@@ -295,13 +317,18 @@ def _rms_norm_quantize_chunks(
     rows_3d = rows[:, None, None]
     dtype = x_ptr.dtype.element_ty
     given = load_static_scale(scale_ptr, STATIC)
-    ws = ()
+    w_loaded = ()
     for c in tl.static_range(CHUNKS):
-        ws = ws + (tl.load(weight_ptr + c * CHUNK + local).to(tl.float32),)
+        w_loaded = w_loaded + (tl.load(weight_ptr + c * CHUNK + local),)
+    ws = ()
     rs = ()
     for c in tl.static_range(CHUNKS):
+        ws = ws + (w_loaded[c].to(tl.float32),)
         x_ptrs = x_ptr + rows_3d * stride_x + c * CHUNK + local
-        rs = rs + (tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32),)
+        r = tl.load(x_ptrs, mask=mask, other=0.0)
+        if WEIGHT_FIRST:
+            r = after_weight(r, w_loaded[c], N)
+        rs = rs + (r.to(tl.float32),)
     squares = rs[0] * rs[0]
     for c in tl.static_range(1, CHUNKS):
         squares = squares + rs[c] * rs[c]
@@ -368,6 +395,7 @@ def _rms_norm_quant_fp8_kernel(
     BLOCK_GROUP: tl.constexpr,  # next_power_of_2(group_size); CHUNKS > 1: a chunk's group columns
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
     CHUNKS: tl.constexpr,  # 1: a row is one padded block; more: exact chunks (norm_only_chunks)
+    WEIGHT_FIRST: tl.constexpr,  # the row's values made to depend on the weight (after_weight)
 ):
     # Inductor's launches pass Python floats as fp64: pin the scalars to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
@@ -377,7 +405,7 @@ def _rms_norm_quant_fp8_kernel(
         _rms_norm_quantize_chunks(
             x_ptr, weight_ptr, q_ptr, scale_ptr, M, N, num_groups, stride_x, eps, weight_offset,
             CAST_BEFORE_WEIGHT, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
-            BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, CHUNKS,
+            BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, CHUNKS, WEIGHT_FIRST,
         )  # fmt: skip
         return
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
@@ -391,17 +419,22 @@ def _rms_norm_quant_fp8_kernel(
     rows_3d = rows[:, None, None]
     dtype = x_ptr.dtype.element_ty
     w_mask = ((groups < num_groups)[:, None] & (in_group < group_size)[None, :])[None, :, :]
-    w = tl.load(weight_ptr + cols, mask=w_mask, other=0.0).to(tl.float32)
+    w_loaded = tl.load(weight_ptr + cols, mask=w_mask, other=0.0)
+    w = w_loaded.to(tl.float32)
     given = load_static_scale(scale_ptr, STATIC)
 
-    r = tl.load(x_ptr + rows_3d * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(x_ptr + rows_3d * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + rows_3d * stride_residual + cols
         residual = tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)
         # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
-        r_rounded = (r + residual).to(dtype)
-        tl.store(residual_out_ptr + rows_3d * N + cols, r_rounded, mask=mask)
-        r = r_rounded.to(tl.float32)
+        r = (r.to(tl.float32) + residual).to(dtype)
+        if WEIGHT_FIRST:
+            r = after_weight(r, w_loaded, N)
+        tl.store(residual_out_ptr + rows_3d * N + cols, r, mask=mask)
+    elif WEIGHT_FIRST:
+        r = after_weight(r, w_loaded, N)
+    r = r.to(tl.float32)
 
     rms_norm_quantize_block(
         r, w, eps, weight_offset, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups,
@@ -464,6 +497,34 @@ def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -
     return n // chunk
 
 
+# Where the kernel makes the row depend on the weight (after_weight, WEIGHT_FIRST). Measured on
+# one H200 (bf16, the kernel alone in a CUDA graph, codes equal bit for bit), with against
+# without, in two runs of the Llama form:
+# - with the residual: hidden 5120 (a padded block of 8192) 1.07-1.12x at 512-16384 tokens
+#   (static 41.97 -> 38.04 us at 4096), 7168 1.04-1.11x at 512-2048, 1.02x at 4096, 0.99-1.00x at
+#   16384; 4096 and 3072 1.00-1.07x; 0.98-1.02x at 1 and 64 tokens. Taken at every token count;
+# - norm-only in one padded block (hidden 4096; 7168 per_group) 1.02-1.11x at 512-4096 tokens
+#   (4096 per_token 16.08 -> 15.04), 0.96-1.05x at 16384 (where the two runs spread by 5%);
+#   per_group in chunks (5120, 3072) 1.00-1.06x; static and per_token in chunks (7168, 5120,
+#   3072) 0.92-1.01x (3072 static 12.32 -> 13.25 at 4096), the LOP3s only adding instructions
+#   where ptxas had issued most loads early. 0.97-1.01x at 1 and 64 tokens. Taken for norm-only
+#   from NORM_ONLY_MANY_TOKENS static tokens, except static and per_token rows in chunks;
+# - Qwen3-Next's form (fp32 weight, offset 1) at 4096 tokens: per_group 1.12x (7168 norm-only),
+#   1.20x (add+norm 7168 and 5120: 65.31 -> 54.02 us at 7168); add+norm 5120 static 0.97x,
+#   per_token 0.99x; the others 0.99-1.01x.
+
+
+def takes_weight_first(residual: bool, scheme: str, chunks: int, tokens: int | None) -> bool:
+    """Whether the kernel's rows depend on the weight's loads (the comment above): with the
+    residual, or norm-only from NORM_ONLY_MANY_TOKENS static tokens unless a static or per_token
+    row is held in chunks (tokens None: dynamic)."""
+    if residual:
+        return True
+    if tokens is None or tokens < NORM_ONLY_MANY_TOKENS:
+        return False
+    return chunks == 1 or scheme == "per_group"
+
+
 def launch_shape(
     num_groups: int, group: int, tokens: int | None = None, norm_only: bool = False
 ) -> tuple[int, int, int, int]:
@@ -494,6 +555,7 @@ def rms_norm_quant_fp8_triton(
     rows: int | None = None,
     num_warps: int | None = None,
     chunks: int | None = None,
+    weight_first: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x (or of x + residual) over the last dim, quantized to float8_e4m3fn, as
     rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
@@ -501,9 +563,11 @@ def rms_norm_quant_fp8_triton(
     given scale (static), else new fp32 [..., 1] (per_token) or [..., N / group_size] (per_group);
     new_residual = x + residual in x.dtype, or None when residual is None. `wrap` (e.g.
     torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it.
-    ``rows`` / ``num_warps`` / ``chunks`` override the launch shape (rows per program, warps, a
-    norm-only row's chunks: norm_only_chunks) for sweeps (benchmarks/tune_rms_norm_quant_fp8.py)
-    and tests; default: launch_shape's and norm_only_chunks'."""
+    ``rows`` / ``num_warps`` / ``chunks`` / ``weight_first`` override the launch (rows per program,
+    warps, a norm-only row's chunks: norm_only_chunks; rows made to depend on the weight:
+    takes_weight_first) for sweeps (benchmarks/tune_rms_norm_quant_fp8.py) and tests; default:
+    launch_shape's, norm_only_chunks' and takes_weight_first's. No choice changes a bit of the
+    results."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
@@ -533,6 +597,8 @@ def rms_norm_quant_fp8_triton(
         chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens)
     elif chunks > 1:
         _check_chunks_override(n, scheme, group_size, chunks, residual)
+    if weight_first is None:
+        weight_first = takes_weight_first(residual is not None, scheme, chunks, tokens)
     if chunks > 1:  # a chunk's [groups, group columns]
         chunk = n // chunks
         block_groups, block_group = (chunk // group_size, group_size) if scheme == "per_group" else (1, chunk)
@@ -562,6 +628,7 @@ def rms_norm_quant_fp8_triton(
         BLOCK_GROUP=block_group,
         ROWS_PER_PROGRAM=rows_per_program,
         CHUNKS=chunks,
+        WEIGHT_FIRST=weight_first,
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales, residual_out
