@@ -83,8 +83,8 @@ def after_weight(x, w, N):
     for sm_90 (hidden 7168 / 5120 / 4096 / 3072, each scheme) and 5-7 in the add+norm block of
     8192 lanes. Each row then waits one more load latency between rstd and y, and the add+norm
     block held 151-166 registers (3 programs an SM). With x depending on the weight every load
-    comes before the first shuffle, and that block holds 126-128 (4 programs an SM), for 10-16
-    more instructions a thread there (1111 -> 1121 per_token).
+    comes before the first shuffle, and that block holds 126-128 (4 programs an SM), with about
+    as many instructions (per_token 1111 -> 1121 a thread, per_group 1343 -> 1326).
     """
     if x.dtype.primitive_bitwidth == 16:
         bits: tl.constexpr = tl.int16
@@ -500,17 +500,18 @@ def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -
 # Where the kernel makes the row depend on the weight (after_weight, WEIGHT_FIRST). Measured on
 # one H200 (bf16, the kernel alone in a CUDA graph, codes equal bit for bit), with against
 # without, in two runs of the Llama form:
-# - with the residual: hidden 5120 (a padded block of 8192) 1.07-1.12x at 512-16384 tokens
-#   (static 41.97 -> 38.04 us at 4096), 7168 1.04-1.11x at 512-2048, 1.02x at 4096, 0.99-1.00x at
-#   16384; 4096 and 3072 1.00-1.07x; 0.98-1.02x at 1 and 64 tokens. Taken at every token count;
-# - norm-only in one padded block (hidden 4096; 7168 per_group) 1.02-1.11x at 512-4096 tokens
-#   (4096 per_token 16.08 -> 15.04), 0.96-1.05x at 16384 (where the two runs spread by 5%);
+# - with the residual: hidden 5120 (a padded block of 8192) 1.02-1.07x at 512 tokens, 1.02-1.12x
+#   at 2048, 1.09-1.12x at 4096-16384 (static 41.97 -> 38.04 us at 4096); 7168 1.02-1.11x at
+#   512-2048, 1.02x at 4096, 0.99-1.00x at 16384; 4096 and 3072 1.00-1.09x; 0.98-1.02x at 1 and
+#   64 tokens. Taken at every token count;
+# - norm-only in one padded block (hidden 4096; 7168 per_group) 1.00-1.11x at 512-4096 tokens
+#   (4096 per_token 16.08 -> 15.04), 0.96-1.02x at 16384 (where the two runs spread by 5%);
 #   per_group in chunks (5120, 3072) 1.00-1.06x; static and per_token in chunks (7168, 5120,
 #   3072) 0.92-1.01x (3072 static 12.32 -> 13.25 at 4096), the LOP3s only adding instructions
 #   where ptxas had issued most loads early. 0.97-1.01x at 1 and 64 tokens. Taken for norm-only
 #   from NORM_ONLY_MANY_TOKENS static tokens, except static and per_token rows in chunks;
 # - Qwen3-Next's form (fp32 weight, offset 1) at 4096 tokens: per_group 1.12x (7168 norm-only),
-#   1.20x (add+norm 7168 and 5120: 65.31 -> 54.02 us at 7168); add+norm 5120 static 0.97x,
+#   1.20-1.21x (add+norm 7168 and 5120: 65.31 -> 54.02 us at 7168); add+norm 5120 static 0.97x,
 #   per_token 0.99x; the others 0.99-1.01x.
 
 
