@@ -86,10 +86,7 @@ def after_weight(x, w, N):
     comes before the first shuffle, and that block holds 126-128 (4 programs an SM), with about
     as many instructions (per_token 1111 -> 1121 a thread, per_group 1343 -> 1326).
     """
-    if x.dtype.primitive_bitwidth == 16:
-        bits: tl.constexpr = tl.int16
-    else:
-        bits: tl.constexpr = tl.int32
+    bits: tl.constexpr = tl.int16 if x.dtype.primitive_bitwidth == 16 else tl.int32
     w_bits = w.to(tl.int16 if w.dtype.primitive_bitwidth == 16 else tl.int32, bitcast=True).to(bits)
     zero = tl.cast(N >> 31, bits)  # tl.cast: N is a Python int where specialised (N == 1)
     return (x.to(bits, bitcast=True) | (w_bits & zero)).to(x.dtype, bitcast=True)
@@ -567,8 +564,8 @@ def rms_norm_quant_fp8_triton(
     ``rows`` / ``num_warps`` / ``chunks`` / ``weight_first`` override the launch (rows per program,
     warps, a norm-only row's chunks: norm_only_chunks; rows made to depend on the weight:
     takes_weight_first) for sweeps (benchmarks/tune_rms_norm_quant_fp8.py) and tests; default:
-    launch_shape's, norm_only_chunks' and takes_weight_first's. No choice changes a bit of the
-    results."""
+    launch_shape's, norm_only_chunks' and takes_weight_first's (weight_first changes no bit of
+    the results)."""
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
