@@ -28,6 +28,10 @@ scales and r to bf16 rounding.
 
     python benchmarks/bench_rms_norm_quant_fp8.py [--out PATH.md] [--json PATH.json]
     python benchmarks/bench_rms_norm_quant_fp8.py --smoke    # tiny sizes; CPU via the interpreter
+    python benchmarks/bench_rms_norm_quant_fp8.py --shard 0/2 --json a.json   # half the shapes
+    python benchmarks/bench_rms_norm_quant_fp8.py --merge a.json b.json       # one report of both
+
+--compile-only fills Inductor's caches first, several shards at once (benchmarks/sweep.py).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     quant_static,
 )
 from no_math import no_math_fn  # noqa: E402
+from sweep import add_sweep_args, merged, shard_of  # noqa: E402
 from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Qwen 3 8B, Llama 3.2 3B
@@ -168,10 +173,12 @@ def min_bytes(op: str, scheme: str, tokens: int, hidden: int) -> int:
     return read + written + 4 * scales
 
 
-def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str) -> dict:
+def bench_shape(
+    op: str, scheme: str, hidden: int, tokens: int, device: str, timed: bool = True
+) -> dict:
     sets = [
         random_inputs(op, scheme, hidden, tokens, device)
-        for _ in range(GRAPH_CALLS if device == "cuda" else 1)
+        for _ in range(GRAPH_CALLS if device == "cuda" and timed else 1)
     ]
     record = {"op": op, "scheme": scheme, "hidden": hidden, "tokens": tokens}
     record.update(check_kernel(op, scheme, sets[0]))
@@ -203,9 +210,13 @@ def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str) -> 
             record["fusion_passes_equals_kernel"] = device != "cuda" or all(
                 torch.equal(_bits(a), _bits(b)) for a, b in zip(out, fns["kernel"](*sets[0]), strict=True)
             )
+        if not timed:
+            continue
         record["kernels"][impl] = kernels_per_call(calls[0])
         record["plain_us"][impl] = time_plain_us(calls[0])
         record["graph_us"][impl] = time_graph_us(calls)
+    if not timed:  # a record without times: compiled and checked only (sweep.py's --compile-only)
+        del record["plain_us"], record["graph_us"], record["kernels"]
     record["bytes"] = min_bytes(op, scheme, tokens, hidden)
     return record
 
@@ -238,10 +249,38 @@ def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
     return lines
 
 
-def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
-    failures = [
-        r for r in records if not r["correct"] or r["fused"] != 1 or not r["fusion_passes_equals_kernel"]
+def summary(records: list[dict], copy_gbps: float) -> list[str]:
+    """One line per op, scheme and hidden size, one column per token count: the speedup over stock
+    Inductor inside a CUDA graph, and the percent of copy bandwidth where it is counted."""
+    tokens = sorted({r["tokens"] for r in records})
+    lines = [
+        "| op | scheme | hidden | " + " | ".join(map(str, tokens)) + " |",
+        "|---|---|---:|" + "---|" * len(tokens),
     ]
+    for op in OPS:
+        for scheme in SCHEMES:
+            for hidden in sorted({r["hidden"] for r in records}, reverse=True):
+                key = (op, scheme, hidden)
+                cells = {r["tokens"]: r for r in records if (r["op"], r["scheme"], r["hidden"]) == key}
+                if not cells:
+                    continue
+                row = []
+                for t in tokens:
+                    r = cells.get(t)
+                    g = r and r["graph_us"]
+                    if not g or g["fusion_passes"] is None:
+                        row.append("—")
+                        continue
+                    cell = f"{g['inductor'] / g['fusion_passes']:.2f}x"
+                    if t >= BANDWIDTH_MIN_TOKENS:
+                        cell += f" ({100 * r['bytes'] / g['fusion_passes'] / 1e3 / copy_gbps:.0f}%)"
+                    row.append(cell)
+                lines.append(f"| {op} | {scheme} | {hidden} | " + " | ".join(row) + " |")
+    return lines
+
+
+def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
+    failures = _failures(records)
     lines = [
         "# RMSNorm + FP8 quantization benchmark (Llama form, bf16 -> float8_e4m3fn)",
         "",
@@ -255,6 +294,8 @@ def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
         f"- Checks (kernel vs reference; one fused site per compile; compiled output equal to the "
         f"kernel's): {'all shapes pass' if not failures else f'{len(failures)} FAILURES'}.",
     ]
+    lines += ["", "## Summary: CUDA graph, stock Inductor / fusion_passes (% of copy from 4096 tokens)", ""]
+    lines += summary(records, copy_gbps)
     for op in OPS:
         for scheme in SCHEMES:
             rows = [r for r in records if r["op"] == op and r["scheme"] == scheme]
@@ -275,40 +316,55 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    add_sweep_args(parser)
     args = parser.parse_args()
+    if args.merge:
+        records, copy_gbps, device_name = merged(args.merge)
+        return write_report(records, copy_gbps, device_name, args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
         parser.error("no CUDA device: only --smoke runs on a CPU")
     hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    shapes = shard_of(
+        [(op, s, h, t) for op in args.ops for s in args.schemes for h in hidden for t in tokens], args.shard
+    )
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES, device)
     records = []
     with torch.no_grad():
-        for op in args.ops:
-            for scheme in args.schemes:
-                for h in hidden:
-                    for t in tokens:
-                        records.append(bench_shape(op, scheme, h, t, device))
-                        r = records[-1]
-                        print(
-                            f"{fusion_name(op, scheme)} hidden={h} tokens={t} correct={r['correct']} "
-                            f"fused={r['fused']} kernels={r['kernels']} graph_us="
-                            + ", ".join(f"{i} {_us(r['graph_us'][i])}" for i in IMPLS),
-                            flush=True,
-                        )
-                        # Written as it goes: a run cut short by a time limit keeps what it measured.
-                        Path(args.json).write_text(
-                            json.dumps(
-                                {"device": device_name, "copy_gbps": copy_gbps, "records": records}, indent=1
-                            )
-                        )
+        for op, scheme, h, t in shapes:
+            records.append(bench_shape(op, scheme, h, t, device, timed=not args.compile_only))
+            r = records[-1]
+            times = "" if args.compile_only else " graph_us=" + ", ".join(
+                f"{i} {_us(r['graph_us'][i])}" for i in IMPLS
+            )
+            print(
+                f"{fusion_name(op, scheme)} hidden={h} tokens={t} correct={r['correct']} "
+                f"fused={r['fused']} equal={r['fusion_passes_equals_kernel']}{times}",
+                flush=True,
+            )
+            # Written as it goes: a run cut short by a time limit keeps what it measured.
+            Path(args.json).write_text(
+                json.dumps({"device": device_name, "copy_gbps": copy_gbps, "records": records}, indent=1)
+            )
+    if args.compile_only:
+        return 1 if _failures(records) else 0
+    return write_report(records, copy_gbps, device_name, args.out)
+
+
+def _failures(records: list[dict]) -> list[dict]:
+    return [r for r in records if not r["correct"] or r["fused"] != 1 or not r["fusion_passes_equals_kernel"]]
+
+
+def write_report(records: list[dict], copy_gbps: float, device_name: str, out: str) -> int:
+    """The report of records (in the sweep's order: hidden as listed, then tokens) to out and stdout."""
+    records = sorted(records, key=lambda r: (-r["hidden"], r["tokens"]))
     text = report(records, copy_gbps, device_name)
-    Path(args.out).write_text(text)
+    Path(out).write_text(text)
     print(text)
-    bad = [r for r in records if not r["correct"] or r["fused"] != 1 or not r["fusion_passes_equals_kernel"]]
-    return 1 if bad else 0
+    return 1 if _failures(records) else 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ codes that differ at all are counted (on a GPU the kernel's expf is torch's: 0 e
 
     python benchmarks/bench_silu_mul_quant_fp8.py [--out PATH.md] [--json PATH.json]
     python benchmarks/bench_silu_mul_quant_fp8.py --smoke    # tiny sizes; CPU via the interpreter
+
+--shard, --compile-only and --merge split a sweep into parts (benchmarks/sweep.py).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     quant_per_token,
     quant_static,
 )
+from sweep import add_sweep_args, merged, shard_of  # noqa: E402
 from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 INTERMEDIATE = (18432, 12288, 2048)  # DeepSeek V3 dense MLP, Qwen 3 (32B), a MoE expert
@@ -147,10 +150,12 @@ def min_bytes(scheme: str, tokens: int, intermediate: int) -> int:
     return 2 * elements * DTYPE.itemsize + elements * FP8_DTYPE.itemsize + 4 * scales
 
 
-def bench_shape(layout: str, scheme: str, intermediate: int, tokens: int, device: str) -> dict:
+def bench_shape(
+    layout: str, scheme: str, intermediate: int, tokens: int, device: str, timed: bool = True
+) -> dict:
     sets = [
         random_inputs(layout, scheme, intermediate, tokens, device)
-        for _ in range(GRAPH_CALLS if device == "cuda" else 1)
+        for _ in range(GRAPH_CALLS if device == "cuda" and timed else 1)
     ]
     record = {"layout": layout, "scheme": scheme, "intermediate": intermediate, "tokens": tokens}
     record.update(check_kernel(layout, scheme, sets[0]))
@@ -176,9 +181,13 @@ def bench_shape(layout: str, scheme: str, intermediate: int, tokens: int, device
             record["fusion_passes_equals_kernel"] = device != "cuda" or all(
                 torch.equal(_bits(a), _bits(b)) for a, b in zip(out, fns["kernel"](*sets[0]), strict=True)
             )
+        if not timed:
+            continue
         record["kernels"][impl] = kernels_per_call(calls[0])
         record["plain_us"][impl] = time_plain_us(calls[0])
         record["graph_us"][impl] = time_graph_us(calls)
+    if not timed:  # a record without times: compiled and checked only (sweep.py's --compile-only)
+        del record["plain_us"], record["graph_us"], record["kernels"]
     record["bytes"] = min_bytes(scheme, tokens, intermediate)
     return record
 
@@ -250,38 +259,51 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["chunked"])
+    add_sweep_args(parser)
     args = parser.parse_args()
+    if args.merge:
+        records, copy_gbps, device_name = merged(args.merge)
+        return write_report(records, copy_gbps, device_name, args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
         parser.error("no CUDA device: only --smoke runs on a CPU")
     intermediate = args.intermediate or (SMOKE_INTERMEDIATE if args.smoke else INTERMEDIATE)
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    shapes = shard_of(
+        [(lay, s, n, t) for lay in args.layouts for s in args.schemes for n in intermediate for t in tokens],
+        args.shard,
+    )
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES, device)
     records = []
     with torch.no_grad():
-        for layout in args.layouts:
-            for scheme in args.schemes:
-                for n in intermediate:
-                    for t in tokens:
-                        records.append(bench_shape(layout, scheme, n, t, device))
-                        r = records[-1]
-                        print(
-                            f"{fusion_name(scheme)} {layout} intermediate={n} tokens={t} "
-                            f"correct={r['correct']} differing={r['codes_differing']} fused={r['fused']} "
-                            f"kernels={r['kernels']} graph_us="
-                            + ", ".join(f"{i} {_us(r['graph_us'][i])}" for i in IMPLS),
-                            flush=True,
-                        )
-                        # Written as it goes: a run cut short by a time limit keeps what it measured.
-                        Path(args.json).write_text(
-                            json.dumps(
-                                {"device": device_name, "copy_gbps": copy_gbps, "records": records}, indent=1
-                            )
-                        )
+        for layout, scheme, n, t in shapes:
+            records.append(bench_shape(layout, scheme, n, t, device, timed=not args.compile_only))
+            r = records[-1]
+            times = "" if args.compile_only else " graph_us=" + ", ".join(
+                f"{i} {_us(r['graph_us'][i])}" for i in IMPLS
+            )
+            print(
+                f"{fusion_name(scheme)} {layout} intermediate={n} tokens={t} correct={r['correct']} "
+                f"differing={r['codes_differing']} fused={r['fused']} "
+                f"equal={r['fusion_passes_equals_kernel']}{times}",
+                flush=True,
+            )
+            # Written as it goes: a run cut short by a time limit keeps what it measured.
+            Path(args.json).write_text(
+                json.dumps({"device": device_name, "copy_gbps": copy_gbps, "records": records}, indent=1)
+            )
+    if args.compile_only:
+        return 1 if _failures(records) else 0
+    return write_report(records, copy_gbps, device_name, args.out)
+
+
+def write_report(records: list[dict], copy_gbps: float, device_name: str, out: str) -> int:
+    """The report of records (in the sweep's order: intermediate as listed, then tokens) to out and stdout."""
+    records = sorted(records, key=lambda r: (-r["intermediate"], r["tokens"]))
     text = report(records, copy_gbps, device_name)
-    Path(args.out).write_text(text)
+    Path(out).write_text(text)
     print(text)
     return 1 if _failures(records) else 0
 
