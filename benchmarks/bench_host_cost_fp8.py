@@ -1,0 +1,123 @@
+"""Host cost per call of the compiled norm + FP8 graphs at decode size, without CUDA graphs.
+
+At 1-64 tokens a call's kernel takes 2-4 us on an H200 and its host work far longer, so a plain
+launch measures the host: do_bench's per-call figures (bench_rms_norm_quant_fp8.py's "plain"
+tables) swing by 2-10x between neighbouring shapes there. This times the host directly: the mean
+wall time of many back-to-back calls with one synchronize at the end (the GPU queue never runs
+dry, so the figure is the host's cost per call), for stock Inductor, fusion_passes and our
+launcher called from Python, each on the same unfused spelling.
+
+    python benchmarks/bench_host_cost_fp8.py [--hidden 7168] [--tokens 1] [--code DIR] [--profile PATH]
+
+--code writes each compiled graph's generated code (Inductor's and ours) to DIR; --profile writes
+cProfile's top functions of fusion_passes' calls to PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fusion_passes  # noqa: E402
+from bench_rms_norm_quant_fp8 import (  # noqa: E402
+    OPS,
+    SCHEMES,
+    eager_fn,
+    fusion_name,
+    kernel_fn,
+    random_inputs,
+)
+
+ITERS = 3000
+
+
+def host_us(fn, iters: int = ITERS) -> float:
+    """Mean wall-clock microseconds per call of back-to-back calls, one synchronize at the end."""
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1])
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--code", help="write the generated code of each compile to this folder")
+    parser.add_argument("--profile", help="write cProfile's top functions of fusion_passes' calls here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: the host cost of a launch is what it measures")
+    from torch._inductor.utils import run_and_get_code
+
+    # A cache hit generates no code to capture (--code); the compiles here are few.
+    torch._inductor.config.fx_graph_cache = False
+
+    profile_text = []
+    print("| op | scheme | tokens | inductor | fusion_passes | kernel | fusion_passes - inductor |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    with torch.no_grad():
+        for op in args.ops:
+            for scheme in args.schemes:
+                for tokens in args.tokens:
+                    inputs = random_inputs(op, scheme, args.hidden, tokens, "cuda")
+                    eager = eager_fn(op, scheme)
+                    torch._dynamo.reset()
+                    fns = {
+                        "inductor": torch.compile(eager, dynamic=False),
+                        "fusion_passes": torch.compile(
+                            eager,
+                            dynamic=False,
+                            backend=fusion_passes.backend(
+                                fusions=["add_rms_norm", "rms_norm", fusion_name(op, scheme)]
+                            ),
+                        ),
+                        "kernel": kernel_fn(op, scheme),
+                    }
+                    us = {}
+                    for impl, fn in fns.items():
+                        if args.code and impl != "kernel":
+                            _, code = run_and_get_code(fn, *inputs)
+                            name = f"{fusion_name(op, scheme)}_{tokens}_{impl}.py"
+                            Path(args.code).mkdir(parents=True, exist_ok=True)
+                            Path(args.code, name).write_text("\n\n".join(code))
+                        us[impl] = host_us(lambda fn=fn: fn(*inputs))
+                    print(
+                        f"| {op} | {scheme} | {tokens} | {us['inductor']:.1f} | {us['fusion_passes']:.1f} "
+                        f"| {us['kernel']:.1f} | {us['fusion_passes'] - us['inductor']:+.1f} |",
+                        flush=True,
+                    )
+                    if args.profile:
+                        profiler = cProfile.Profile()
+                        profiler.enable()
+                        for _ in range(ITERS):
+                            fns["fusion_passes"](*inputs)
+                        profiler.disable()
+                        torch.cuda.synchronize()
+                        text = io.StringIO()
+                        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                        title = f"## {fusion_name(op, scheme)} tokens={tokens}"
+                        profile_text.append(f"{title}\n{text.getvalue()}")
+    if args.profile:
+        Path(args.profile).write_text("\n".join(profile_text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
