@@ -111,6 +111,49 @@ def test_other_group_size_and_fp8_format_are_not_fused():
             assert torch.equal(*bits)
 
 
+def _per_token_parts(x, w):
+    """The per-token quantization of the normed x, spelled out, with its intermediate values."""
+    y32 = llama_rms_norm(x, w, 1e-6).float()
+    amax = y32.abs().amax(-1, keepdim=True)
+    unclamped = amax / 448.0
+    scale = unclamped.clamp(min=1.0 / (448.0 * 512.0))
+    quotient = y32 / scale
+    return quotient.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, amax, unclamped, quotient
+
+
+@pytest.mark.parametrize("reused", [None, "amax", "unclamped_scale", "quotient"])
+def test_quantization_whose_inner_value_is_reused_is_not_fused(reused):
+    """Another consumer reads a value the fused op never produces (the row's amax, e.g. for an
+    amax history; the scale before its floor; the fp32 quotient before the cast): the quantization
+    stays unfused and only the norm is rewritten. The same spelling with no such consumer fuses.
+    The results equal eager's bit for bit."""
+    x, weight = torch.randn(4, 256).to(torch.bfloat16), torch.randn(256).to(torch.bfloat16)
+
+    def fn(x, w):
+        parts = _per_token_parts(x, w)
+        if reused is None:
+            return parts[:2]
+        return parts[0], parts[1], parts[["amax", "unclamped_scale", "quotient"].index(reused) + 2] * 2
+
+    out, expected, report = _run(fn, x, weight)
+    fused = {"rms_norm": 1} if reused else {"rms_norm": 1, "rms_norm_quant_fp8_per_token": 1}
+    assert {k: v for k, v in report.matches.items() if v} == fused
+    for a, e in zip(out, expected, strict=True):
+        assert torch.equal(_bits(a), _bits(e))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_group_size_must_divide_the_hidden_size(with_residual):
+    """The per_group check refuses rows whose width the group size 128 does not divide (eager
+    cannot spell that quantization: its reshape fails; the check stands guard for the op)."""
+    name = f"{'add_' if with_residual else ''}rms_norm_quant_fp8_per_group"
+    (fusion,) = [f for f in fusion_passes.registry.get_fusions([name]) if f.name == name]
+    for spelling in fusion.spellings:
+        assert spelling.check({"x": torch.empty(4, 256)}) is None
+        reason = spelling.check({"x": torch.empty(4, 192)})
+        assert reason is not None and "divide" in reason, spelling.name
+
+
 def test_quant_fusion_enables_the_norm_fusions_it_starts_from():
     names = [f.name for f in fusion_passes.registry.get_fusions(["rms_norm_quant_fp8_per_token"])]
     assert names == ["add_rms_norm", "rms_norm", "rms_norm_quant_fp8_per_token"]
