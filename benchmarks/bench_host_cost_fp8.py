@@ -20,7 +20,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,20 +36,9 @@ from bench_rms_norm_quant_fp8 import (  # noqa: E402
     kernel_fn,
     random_inputs,
 )
+from timing import host_us  # noqa: E402
 
 ITERS = 3000
-
-
-def host_us(fn, iters: int = ITERS) -> float:
-    """Mean wall-clock microseconds per call of back-to-back calls, one synchronize at the end."""
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
 
 
 def main() -> int:
@@ -97,7 +85,7 @@ def main() -> int:
                             name = f"{fusion_name(op, scheme)}_{tokens}_{impl}.py"
                             Path(args.code).mkdir(parents=True, exist_ok=True)
                             Path(args.code, name).write_text("\n\n".join(code))
-                        us[impl] = host_us(lambda fn=fn: fn(*inputs))
+                        us[impl] = host_us(lambda fn=fn: fn(*inputs), ITERS, 100)
                     print(
                         f"| {op} | {scheme} | {tokens} | {us['inductor']:.1f} | {us['fusion_passes']:.1f} "
                         f"| {us['kernel']:.1f} | {us['fusion_passes'] - us['inductor']:+.1f} |",

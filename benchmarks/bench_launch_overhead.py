@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 
 import torch
 import triton.testing
+from timing import host_us
 
 import fusion_passes
 from fusion_passes.patterns.rms_norm import llama_rms_norm
@@ -32,18 +32,6 @@ def chain(x, residual, down, up, *weights):
         residual = residual + x
         x = (llama_rms_norm(residual, w, 1e-6) @ down) @ up
     return x, residual
-
-
-def wall_us(fn, iters=2000):
-    """Mean wall-clock time per call, with a synchronize at the end only (host-bound cost)."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
 
 
 def graph_us(fn):
@@ -75,8 +63,7 @@ def main() -> None:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
         residual = torch.randn_like(x)
         weights = [
-            (1 + 0.2 * torch.randn(args.hidden, device="cuda")).to(torch.bfloat16)
-            for _ in range(args.layers)
+            (1 + 0.2 * torch.randn(args.hidden, device="cuda")).to(torch.bfloat16) for _ in range(args.layers)
         ]
         down = torch.randn(args.hidden, 64, device="cuda", dtype=torch.bfloat16) / args.hidden**0.5
         up = torch.randn(64, args.hidden, device="cuda", dtype=torch.bfloat16) / 8
@@ -98,7 +85,7 @@ def main() -> None:
                     "tokens": tokens,
                     "variant": name,
                     "kernels": kernels_per_call(run),
-                    "plain_us": wall_us(run),
+                    "plain_us": host_us(run),
                     "graph_us": graph_us(run),
                     "max_abs_err_vs_eager": err,
                 }

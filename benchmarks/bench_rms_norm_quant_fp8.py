@@ -37,7 +37,6 @@ scales and r to bf16 rounding.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -69,7 +68,7 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     quant_static,
 )
 from no_math import no_math_fn  # noqa: E402
-from sweep import add_sweep_args, merged, shard_of  # noqa: E402
+from sweep import add_sweep_args, merged, run_shapes, shard_of  # noqa: E402
 from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Qwen 3 8B, Llama 3.2 3B
@@ -173,9 +172,7 @@ def min_bytes(op: str, scheme: str, tokens: int, hidden: int) -> int:
     return read + written + 4 * scales
 
 
-def bench_shape(
-    op: str, scheme: str, hidden: int, tokens: int, device: str, timed: bool = True
-) -> dict:
+def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str, timed: bool = True) -> dict:
     sets = [
         random_inputs(op, scheme, hidden, tokens, device)
         for _ in range(GRAPH_CALLS if device == "cuda" and timed else 1)
@@ -332,23 +329,17 @@ def main() -> int:
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES, device)
-    records = []
     with torch.no_grad():
-        for op, scheme, h, t in shapes:
-            records.append(bench_shape(op, scheme, h, t, device, timed=not args.compile_only))
-            r = records[-1]
-            times = "" if args.compile_only else " graph_us=" + ", ".join(
-                f"{i} {_us(r['graph_us'][i])}" for i in IMPLS
-            )
-            print(
-                f"{fusion_name(op, scheme)} hidden={h} tokens={t} correct={r['correct']} "
-                f"fused={r['fused']} equal={r['fusion_passes_equals_kernel']}{times}",
-                flush=True,
-            )
-            # Written as it goes: a run cut short by a time limit keeps what it measured.
-            Path(args.json).write_text(
-                json.dumps({"device": device_name, "copy_gbps": copy_gbps, "records": records}, indent=1)
-            )
+        records = run_shapes(
+            shapes,
+            lambda op, scheme, h, t, timed: bench_shape(op, scheme, h, t, device, timed),
+            lambda r: f"{fusion_name(r['op'], r['scheme'])} hidden={r['hidden']} tokens={r['tokens']} "
+            f"correct={r['correct']} fused={r['fused']} equal={r['fusion_passes_equals_kernel']}",
+            IMPLS,
+            args.json,
+            {"device": device_name, "copy_gbps": copy_gbps},
+            timed=not args.compile_only,
+        )
     if args.compile_only:
         return 1 if _failures(records) else 0
     return write_report(records, copy_gbps, device_name, args.out)

@@ -29,7 +29,6 @@ codes that differ at all are counted (on a GPU the kernel's expf is torch's: 0 e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -57,7 +56,7 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     quant_per_token,
     quant_static,
 )
-from sweep import add_sweep_args, merged, shard_of  # noqa: E402
+from sweep import add_sweep_args, merged, run_shapes, shard_of  # noqa: E402
 from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 INTERMEDIATE = (18432, 12288, 2048)  # DeepSeek V3 dense MLP, Qwen 3 (32B), a MoE expert
@@ -276,24 +275,18 @@ def main() -> int:
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES, device)
-    records = []
     with torch.no_grad():
-        for layout, scheme, n, t in shapes:
-            records.append(bench_shape(layout, scheme, n, t, device, timed=not args.compile_only))
-            r = records[-1]
-            times = "" if args.compile_only else " graph_us=" + ", ".join(
-                f"{i} {_us(r['graph_us'][i])}" for i in IMPLS
-            )
-            print(
-                f"{fusion_name(scheme)} {layout} intermediate={n} tokens={t} correct={r['correct']} "
-                f"differing={r['codes_differing']} fused={r['fused']} "
-                f"equal={r['fusion_passes_equals_kernel']}{times}",
-                flush=True,
-            )
-            # Written as it goes: a run cut short by a time limit keeps what it measured.
-            Path(args.json).write_text(
-                json.dumps({"device": device_name, "copy_gbps": copy_gbps, "records": records}, indent=1)
-            )
+        records = run_shapes(
+            shapes,
+            lambda layout, scheme, n, t, timed: bench_shape(layout, scheme, n, t, device, timed),
+            lambda r: f"{fusion_name(r['scheme'])} {r['layout']} intermediate={r['intermediate']} "
+            f"tokens={r['tokens']} correct={r['correct']} differing={r['codes_differing']} "
+            f"fused={r['fused']} equal={r['fusion_passes_equals_kernel']}",
+            IMPLS,
+            args.json,
+            {"device": device_name, "copy_gbps": copy_gbps},
+            timed=not args.compile_only,
+        )
     if args.compile_only:
         return 1 if _failures(records) else 0
     return write_report(records, copy_gbps, device_name, args.out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -48,3 +49,31 @@ def merged(paths: list[str]) -> tuple[list[dict], float, str]:
         raise SystemExit(f"--merge: the runs come from different devices: {sorted(devices)}")
     records = [r for run in runs for r in run["records"] if "graph_us" in r]
     return records, max(run["copy_gbps"] for run in runs), devices.pop()
+
+
+def run_shapes(
+    shapes: list[tuple],
+    measure: Callable[..., dict],
+    describe: Callable[[dict], str],
+    impls: Sequence[str],
+    json_path: str,
+    meta: dict,
+    timed: bool,
+) -> list[dict]:
+    """measure(*shape, timed=timed) for every shape, one line printed for each (describe's, then
+    the CUDA-graph times of impls), and the records written to json_path (with meta) after every
+    shape: a run cut short by a time limit keeps what it measured."""
+    records = []
+    for shape in shapes:
+        record = measure(*shape, timed=timed)
+        records.append(record)
+        times = ""
+        if timed:
+            times = " graph_us=" + ", ".join(f"{i} {_us(record['graph_us'][i])}" for i in impls)
+        print(describe(record) + times, flush=True)
+        Path(json_path).write_text(json.dumps({**meta, "records": records}, indent=1))
+    return records
+
+
+def _us(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1f}"

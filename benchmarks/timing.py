@@ -29,6 +29,20 @@ def time_plain_us(fn) -> float:
     return statistics.median(samples) * 1e6
 
 
+def host_us(fn, iters: int = 2000, warmup: int = 50) -> float:
+    """Mean wall-clock microseconds per call of back-to-back calls with one synchronize at the end:
+    where the host is slower than the kernels, the GPU queue never runs dry and this is the host's
+    cost per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
 def time_graph_us(calls: list) -> float | None:
     """Median microseconds per call of the calls (one per input set) replayed from one graph."""
     if not torch.cuda.is_available():
