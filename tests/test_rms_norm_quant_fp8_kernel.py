@@ -21,6 +21,7 @@ if DEVICE == "cpu":
 import pytest  # noqa: E402
 import triton  # noqa: E402 - after the interpreter choice above
 import triton.language as tl  # noqa: E402
+from _hypothesis import examples  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -175,7 +176,7 @@ def _run(case, x, weight, residual):
     return out, add_rms_norm_quant_fp8_reference(x, residual, weight, *args, *quant)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=_cases(exact_norm=True))
 def test_bit_exact_where_the_norm_is_exact(case):
     """Codes, scales and new_residual equal the reference's bit for bit, in every dtype."""
@@ -187,7 +188,7 @@ def test_bit_exact_where_the_norm_is_exact(case):
     assert new_residual is None or torch.equal(new_residual, ref_residual)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=_cases(exact_norm=False))
 def test_random_inputs_within_one_code(case):
     """Codes at most one fp8 code from the reference's, scales within the dtype's tolerance."""

@@ -23,6 +23,7 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+from _hypothesis import examples  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -128,7 +129,7 @@ def _run(case, gate, up):
 
 # numpy warns of exp(89..200) overflowing to inf: the inputs that make silu(g) = -0 exactly.
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(case=_cases())
 def test_bit_exact_where_silu_is_exact(case):
     """Codes and scales equal the reference's bit for bit, in every dtype and layout."""
@@ -138,7 +139,7 @@ def test_bit_exact_where_silu_is_exact(case):
     assert scales.shape == ref_scales.shape and torch.equal(scales, ref_scales)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(case=_cases())
 def test_random_inputs_within_one_code(case):
     """Codes at most one fp8 code from the reference's, scales within one ulp of y."""
