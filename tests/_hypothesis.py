@@ -3,8 +3,7 @@
 On a GPU every example a test asks for. Under the CPU's Triton interpreter a quarter: there one
 example of the FP8 kernels takes 1-2.3 s, and at 150-200 examples their four property tests took
 143-344 s each on 2 cores, 14 of the suite's 29 minutes (38-82 s at a quarter). The GPU run
-(benchmarks/run_gpu.sh) draws
-them all.
+(benchmarks/run_gpu.sh) draws them all.
 """
 
 from __future__ import annotations
