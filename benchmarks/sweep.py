@@ -1,10 +1,10 @@
 """Running a benchmark's sweep of shapes in parts, shared by bench_rms_norm_quant_fp8.py and
 bench_silu_mul_quant_fp8.py.
 
-A full sweep is 72-144 shapes, each compiled three times. On the H200 machine a shape took about 18 s
-of one process to compile cold (72 shapes in 2.8 minutes over 8 processes, beside the GPU tests)
-and 2.1 s to time from warm caches, so one process doing both for 144 shapes would run past a 10-minute limit. Three
-options split it:
+A full sweep is 72-144 shapes, each compiled three times. On the H200 machine a shape took
+about 18 s of one process to compile cold (72 shapes in 2.8 minutes over 8 processes, beside the
+GPU tests) and 2.1 s to time from warm caches, so one process doing both for 144 shapes would run
+past a 10-minute limit. Three options split it:
 
     --compile-only   compile and check every shape, time nothing. Run as several processes at
                      once (--shard 0/4 ... 3/4), it fills Inductor's on-disk caches in parallel, so
