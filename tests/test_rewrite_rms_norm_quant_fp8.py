@@ -138,6 +138,13 @@ def test_quantization_whose_inner_value_is_reused_is_not_fused(reused):
     out, expected, report = _run(fn, x, weight)
     fused = {"rms_norm": 1} if reused else {"rms_norm": 1, "rms_norm_quant_fp8_per_token": 1}
     assert {k: v for k, v in report.matches.items() if v} == fused
+    before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
+    assert QUANT_OPS <= set(before) and "aten.rsqrt.default" in before
+    assert "aten.rsqrt.default" not in after
+    if reused:  # the norm became its op; the quantization's amax and clamp stay as written
+        assert after["fusion_passes.rms_norm.default"] == 1 and QUANT_OPS <= set(after)
+    else:
+        assert after["fusion_passes.rms_norm_quant_fp8.default"] == 1 and not QUANT_OPS & set(after)
     for a, e in zip(out, expected, strict=True):
         assert torch.equal(_bits(a), _bits(e))
 
