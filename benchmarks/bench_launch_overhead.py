@@ -63,7 +63,8 @@ def main() -> None:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
         residual = torch.randn_like(x)
         weights = [
-            (1 + 0.2 * torch.randn(args.hidden, device="cuda")).to(torch.bfloat16) for _ in range(args.layers)
+            (1 + 0.2 * torch.randn(args.hidden, device="cuda")).to(torch.bfloat16)
+            for _ in range(args.layers)
         ]
         down = torch.randn(args.hidden, 64, device="cuda", dtype=torch.bfloat16) / args.hidden**0.5
         up = torch.randn(64, args.hidden, device="cuda", dtype=torch.bfloat16) / 8

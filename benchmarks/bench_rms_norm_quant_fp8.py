@@ -68,7 +68,7 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     quant_static,
 )
 from no_math import no_math_fn  # noqa: E402
-from sweep import add_sweep_args, merged, run_shapes, shard_of  # noqa: E402
+from sweep import add_sweep_args, failures, merged, run_shapes, shard_of  # noqa: E402
 from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Qwen 3 8B, Llama 3.2 3B
@@ -277,7 +277,7 @@ def summary(records: list[dict], copy_gbps: float) -> list[str]:
 
 
 def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
-    failures = _failures(records)
+    failed = failures(records)
     lines = [
         "# RMSNorm + FP8 quantization benchmark (Llama form, bf16 -> float8_e4m3fn)",
         "",
@@ -289,7 +289,7 @@ def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
         "- fusion_passes: torch.compile with the fusion (our kernel launched from Inductor's code); "
         "kernel: our launcher called from Python. kernels: CUDA kernels per call (profiler).",
         f"- Checks (kernel vs reference; one fused site per compile; compiled output equal to the "
-        f"kernel's): {'all shapes pass' if not failures else f'{len(failures)} FAILURES'}.",
+        f"kernel's): {'all shapes pass' if not failed else f'{len(failed)} FAILURES'}.",
     ]
     lines += ["", "## Summary: CUDA graph, stock Inductor / fusion_passes (% of copy from 4096 tokens)", ""]
     lines += summary(records, copy_gbps)
@@ -341,12 +341,8 @@ def main() -> int:
             timed=not args.compile_only,
         )
     if args.compile_only:
-        return 1 if _failures(records) else 0
+        return 1 if failures(records) else 0
     return write_report(records, copy_gbps, device_name, args.out)
-
-
-def _failures(records: list[dict]) -> list[dict]:
-    return [r for r in records if not r["correct"] or r["fused"] != 1 or not r["fusion_passes_equals_kernel"]]
 
 
 def write_report(records: list[dict], copy_gbps: float, device_name: str, out: str) -> int:
@@ -355,7 +351,7 @@ def write_report(records: list[dict], copy_gbps: float, device_name: str, out: s
     text = report(records, copy_gbps, device_name)
     Path(out).write_text(text)
     print(text)
-    return 1 if _failures(records) else 0
+    return 1 if failures(records) else 0
 
 
 if __name__ == "__main__":

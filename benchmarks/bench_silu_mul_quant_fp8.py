@@ -56,7 +56,7 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     quant_per_token,
     quant_static,
 )
-from sweep import add_sweep_args, merged, run_shapes, shard_of  # noqa: E402
+from sweep import add_sweep_args, failures, merged, run_shapes, shard_of  # noqa: E402
 from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 INTERMEDIATE = (18432, 12288, 2048)  # DeepSeek V3 dense MLP, Qwen 3 (32B), a MoE expert
@@ -217,12 +217,8 @@ def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
     return lines
 
 
-def _failures(records: list[dict]) -> list[dict]:
-    return [r for r in records if not r["correct"] or r["fused"] != 1 or not r["fusion_passes_equals_kernel"]]
-
-
 def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
-    failures = _failures(records)
+    failed = failures(records)
     differing = sum(r["codes_differing"] for r in records)
     lines = [
         "# SiLU-and-mul + FP8 quantization benchmark (bf16 -> float8_e4m3fn)",
@@ -235,7 +231,7 @@ def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
         "- fusion_passes: torch.compile with the fusion (our kernel launched from Inductor's code); "
         "kernel: our launcher called from Python. kernels: CUDA kernels per call (profiler).",
         f"- Checks (kernel vs reference; one fused site per compile; compiled output equal to the "
-        f"kernel's): {'all shapes pass' if not failures else f'{len(failures)} FAILURES'}; "
+        f"kernel's): {'all shapes pass' if not failed else f'{len(failed)} FAILURES'}; "
         f"codes differing from the reference's at all: {differing}.",
     ]
     for layout in LAYOUTS:
@@ -288,7 +284,7 @@ def main() -> int:
             timed=not args.compile_only,
         )
     if args.compile_only:
-        return 1 if _failures(records) else 0
+        return 1 if failures(records) else 0
     return write_report(records, copy_gbps, device_name, args.out)
 
 
@@ -298,7 +294,7 @@ def write_report(records: list[dict], copy_gbps: float, device_name: str, out: s
     text = report(records, copy_gbps, device_name)
     Path(out).write_text(text)
     print(text)
-    return 1 if _failures(records) else 0
+    return 1 if failures(records) else 0
 
 
 if __name__ == "__main__":

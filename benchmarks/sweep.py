@@ -53,6 +53,12 @@ def merged(paths: list[str]) -> tuple[list[dict], float, str]:
     return records, max(run["copy_gbps"] for run in runs), devices.pop()
 
 
+def failures(records: list[dict]) -> list[dict]:
+    """The records whose shape failed a check: the kernel against the reference, one fused site,
+    the compiled output equal to the kernel's."""
+    return [r for r in records if not r["correct"] or r["fused"] != 1 or not r["fusion_passes_equals_kernel"]]
+
+
 def run_shapes(
     shapes: list[tuple],
     measure: Callable[..., dict],
