@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import fusion_passes.lowering.silu_mul_quant_fp8_triton as current  # noqa: E402
-from fusion_passes.lowering.silu_triton import SILU_FORMS  # noqa: E402
+import fusion_passes.lowering.silu_mul_quant_fp8.triton as current  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.silu import SILU_FORMS  # noqa: E402
 from timing import time_graph_us  # noqa: E402
 
-KERNEL = "fusion_passes/lowering/silu_mul_quant_fp8_triton.py"
+KERNEL = "fusion_passes/lowering/silu_mul_quant_fp8/triton.py"
 STATIC_SCALE = 0.02
 INPUT_BYTES = 16e9  # input sets per shape: as many as fit in this (2 to 20)
 

@@ -68,10 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rms_norm_quant_fp8 (--quant)
 
 import fusion_passes  # noqa: E402, F401 - registers the ops
-from fusion_passes.lowering.collective_ops import runtime_fallbacks  # noqa: E402
-from fusion_passes.lowering.allreduce_add_rms_norm_reference import all_reduce_sum  # noqa: E402
-from fusion_passes.lowering import allreduce_add_rms_norm_symm_mem as one_shot_module  # noqa: E402
-from fusion_passes.lowering.allreduce_add_rms_norm_symm_mem import symm_mem_eligible  # noqa: E402
+from fusion_passes.lowering.common.collective_ops import runtime_fallbacks  # noqa: E402
+from fusion_passes.lowering.allreduce_rms_norm.reference import all_reduce_sum  # noqa: E402
+from fusion_passes.lowering.allreduce_rms_norm import symm_mem as one_shot_module  # noqa: E402
+from fusion_passes.lowering.allreduce_rms_norm.symm_mem import symm_mem_eligible  # noqa: E402
 from fusion_passes.numerics import compare, fp8_codes_apart  # noqa: E402
 from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
 

@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 import fusion_passes  # noqa: E402
-from fusion_passes.lowering.mla_rope_reference import (  # noqa: E402
+from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
     mla_kv_norm_rope_reference,
     mla_q_rope_reference,
 )
 from fusion_passes.patterns.mla_rope import ONE_LAUNCH_MAX_TOKENS  # noqa: E402
-from fusion_passes.lowering.mla_rope_triton import (  # noqa: E402
+from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
     mla_kv_norm_rope_triton,
     mla_q_kv_rope_triton,
     mla_q_rope_triton,

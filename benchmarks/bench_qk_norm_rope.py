@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 import fusion_passes  # noqa: E402
-from fusion_passes.lowering.qk_norm_rope_reference import qk_norm_rope_reference  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope.reference import qk_norm_rope_reference  # noqa: E402
 from fusion_passes.patterns.qk_norm_rope import rope_full, rope_partial  # noqa: E402
 from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm  # noqa: E402
 

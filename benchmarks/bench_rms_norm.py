@@ -41,11 +41,11 @@ import triton.testing  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
-from fusion_passes.lowering.rms_norm_reference import (  # noqa: E402
+from fusion_passes.lowering.rms_norm.reference import (  # noqa: E402
     add_rms_norm_reference,
     rms_norm_reference,
 )
-from fusion_passes.lowering.rms_norm_triton import rms_norm_triton  # noqa: E402
+from fusion_passes.lowering.rms_norm.triton import rms_norm_triton  # noqa: E402
 
 from timing import copy_bandwidth_gbps, time_graph_us, time_plain_us  # noqa: E402
 

@@ -54,12 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 import fusion_passes  # noqa: E402
 from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
-from fusion_passes.lowering.rms_norm_quant_fp8_reference import (  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
     FP8_DTYPE,
     add_rms_norm_quant_fp8_reference,
     rms_norm_quant_fp8_reference,
 )
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import rms_norm_quant_fp8_triton  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton  # noqa: E402
 from fusion_passes.patterns.rms_norm import llama_rms_norm  # noqa: E402
 from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     GROUP_SIZE,

@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
 import fusion_passes  # noqa: E402
 from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
-from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE  # noqa: E402
-from fusion_passes.lowering.silu_mul_quant_fp8_reference import silu_mul_quant_fp8_reference  # noqa: E402
-from fusion_passes.lowering.silu_mul_quant_fp8_triton import silu_mul_quant_fp8_triton  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_DTYPE  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.reference import silu_mul_quant_fp8_reference  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton  # noqa: E402
 from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
     GROUP_SIZE,
     quant_per_group,

@@ -66,7 +66,7 @@ from bench_allreduce_rms_norm import (  # noqa: E402
 
 import fusion_passes  # noqa: E402
 from fusion_passes.kernels import KERNEL_CLASSES, classify_kernel, profile_kernel_names  # noqa: E402
-from fusion_passes.lowering.collective_ops import runtime_fallbacks  # noqa: E402
+from fusion_passes.lowering.common.collective_ops import runtime_fallbacks  # noqa: E402
 from fusion_passes.models import MODEL_NAMES, build_model  # noqa: E402
 from fusion_passes.models.tensor_parallel import parallelize  # noqa: E402
 from fusion_passes.numerics import compare, tolerance  # noqa: E402

@@ -23,7 +23,7 @@ from triton.language.extra import libdevice
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion_passes.lowering.silu_triton import FORM_DIV_RN, silu_rounded  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.silu import FORM_DIV_RN, silu_rounded  # noqa: E402
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FORMULAS = {

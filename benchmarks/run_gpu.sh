@@ -8,8 +8,8 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_run_common.sh"
 [ "${TESTS:-1}" = 1 ] && run gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-  tests/test_rms_norm_kernel.py tests/test_rms_norm_quant_fp8_kernel.py tests/test_qk_norm_rope_kernel.py \
-  tests/test_mla_rope_kernel.py tests/test_silu_mul_quant_fp8_kernel.py tests/test_gpu_silu_exact.py
+  tests/rms_norm/test_rms_norm_kernel.py tests/rms_norm_quant_fp8/test_rms_norm_quant_fp8_kernel.py tests/qk_norm_rope/test_qk_norm_rope_kernel.py \
+  tests/mla_rope/test_mla_rope_kernel.py tests/silu_mul_quant_fp8/test_silu_mul_quant_fp8_kernel.py tests/silu_mul_quant_fp8/test_gpu_silu_exact.py
 [ "${LAUNCH:-1}" = 1 ] && run launch_overhead python3 benchmarks/bench_launch_overhead.py --layers 16 \
   --tokens 1 4 64 --json "$OUT/launch_overhead.json"
 [ "${RMS_NORM:-1}" = 1 ] && run bench_rms_norm python3 benchmarks/bench_rms_norm.py \

@@ -8,7 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_run_common.sh"
 torchrun2() { torchrun --nproc-per-node 2 "$@"; }
 [ "${TESTS:-1}" = 1 ] && run gpu_x2_tests python3 -m pytest -q -p no:cacheprovider \
-  tests/test_gpu_allreduce_rms_norm.py tests/test_gpu_allreduce_rms_norm_quant_fp8.py
+  tests/allreduce_rms_norm/test_gpu_allreduce_rms_norm.py tests/allreduce_rms_norm_quant_fp8/test_gpu_allreduce_rms_norm_quant_fp8.py
 [ "${ALLREDUCE:-1}" = 1 ] && run bench_allreduce torchrun2 benchmarks/bench_allreduce_rms_norm.py \
   --out "$OUT/bench_allreduce.md" --json "$OUT/bench_allreduce.json" ${ALLREDUCE_ARGS:-}
 if [ "${QUANT:-1}" = 1 ]; then

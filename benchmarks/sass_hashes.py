@@ -26,9 +26,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusion_passes.lowering import allreduce_add_rms_norm_quant_fp8_symm_mem as allreduce  # noqa: E402
-from fusion_passes.lowering import rms_norm_quant_fp8_triton as norm  # noqa: E402
-from fusion_passes.lowering import silu_mul_quant_fp8_triton as silu  # noqa: E402
+from fusion_passes.lowering.allreduce_rms_norm_quant_fp8 import symm_mem as allreduce  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8.op import triton as norm  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.op import triton as silu  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 POINTERS = {"q_ptr": "*u8", "scale_ptr": "*fp32", "peer_buffers_ptr": "*i64", "peer_signals_ptr": "*i64",

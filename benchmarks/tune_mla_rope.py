@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
-from fusion_passes.lowering.mla_rope_triton import (  # noqa: E402
+from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
     mla_kv_norm_rope_triton,
     mla_q_rope_triton,
 )

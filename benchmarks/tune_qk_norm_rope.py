@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, bench_qk_
 from bench_qk_norm_rope import EPS, MODELS, inputs  # noqa: E402
 from timing import time_graph_us  # noqa: E402
 
-from fusion_passes.lowering.qk_norm_rope_triton import SPLIT_MAX_STEPS, qk_norm_rope_triton  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope.triton import SPLIT_MAX_STEPS, qk_norm_rope_triton  # noqa: E402
 
 GRAPH_CALLS = 20
 # Head rows per program (per-head norm) or per step over a token's heads (whole-row norm: the

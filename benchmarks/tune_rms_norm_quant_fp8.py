@@ -22,15 +22,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
 
-from fusion_passes.lowering.rms_norm_quant_fp8_triton import (  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8.triton import (  # noqa: E402
     launch_shape,
     rms_norm_quant_fp8_triton,
 )
-from fusion_passes.lowering.silu_mul_quant_fp8_triton import (  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.triton import (  # noqa: E402
     launch_layout,
     silu_mul_quant_fp8_triton,
 )
-from fusion_passes.lowering.silu_triton import takes_mufu_silu  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.silu import takes_mufu_silu  # noqa: E402
 
 from timing import time_graph_us  # noqa: E402
 

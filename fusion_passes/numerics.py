@@ -101,7 +101,7 @@ def ue8m0_quantization_apart(
     in [ue8m0(raw * (1 - rtol)), ue8m0(raw * (1 + rtol))] with raw = y's unrounded scales, and the
     codes are compared with y quantized by the kernel's own scales. Returns (scales ok, the most
     codes apart)."""
-    from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_MAX, quant_fp8_reference, ue8m0
+    from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_MAX, quant_fp8_reference, ue8m0
 
     raw = quant_fp8_reference(y, "per_group", group_size=group_size)[1]
     scales_ok = scales.shape == raw.shape and bool(

@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Match, stable_topological_sort
 
 import fusion_passes
-from fusion_passes.lowering.direct_launch import inline_triton_launches
+from fusion_passes.lowering.common.direct_launch import inline_triton_launches
 from fusion_passes.near_miss import find_near_misses
 from fusion_passes.regions import Region, graph_region, match_region, region_ops
 from fusion_passes.registry import (
@@ -220,8 +220,11 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.near_miss",
     # Every lowering module (ops, references, kernels, launchers): they decide the compiled code.
     *(
-        f"fusion_passes.lowering.{m.name}"
-        for m in pkgutil.iter_modules(importlib.import_module("fusion_passes.lowering").__path__)
+        m.name
+        for m in pkgutil.walk_packages(
+            importlib.import_module("fusion_passes.lowering").__path__, "fusion_passes.lowering."
+        )
+        if not m.ispkg
     ),
     "fusion_passes.regions",
 )

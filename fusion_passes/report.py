@@ -141,7 +141,7 @@ class Report:
         """For the ops this report's rewrites added that can choose a path at run time (the
         collective ops): op -> {process group: why its last call there took the fallback}. Only
         calls made so far count: read it after running the compiled model."""
-        from fusion_passes.lowering.collective_ops import runtime_fallbacks
+        from fusion_passes.lowering.common.collective_ops import runtime_fallbacks
 
         added = {op for site in self.sites for op in site.ops_added}
         return {op: dict(groups) for op, groups in runtime_fallbacks.items() if op in added}

@@ -8,8 +8,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import fusion_passes
-from fusion_passes.lowering.rms_norm_reference import add_rms_norm_reference, rms_norm_reference
-from fusion_passes.lowering.rms_norm_triton import rms_norm_triton
+from fusion_passes.lowering.rms_norm.reference import add_rms_norm_reference, rms_norm_reference
+from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
 from fusion_passes.numerics import compare, fp8_codes_apart
 from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm
 from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static

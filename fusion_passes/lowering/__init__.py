@@ -1,13 +1,13 @@
 """WHAT a fusion becomes: the canonical fused ops (torch.library), each with a plain-torch
 reference that runs on any device and a Triton kernel that runs on CUDA."""
 
-from fusion_passes.lowering.rms_norm import add_rms_norm, rms_norm
-from fusion_passes.lowering.rms_norm_quant_fp8 import add_rms_norm_quant_fp8, rms_norm_quant_fp8
-from fusion_passes.lowering.qk_norm_rope import qk_norm_rope
-from fusion_passes.lowering.mla_rope import mla_indexer_k_norm_rope, mla_kv_norm_rope, mla_q_rope
-from fusion_passes.lowering.silu_mul_quant_fp8 import silu_mul_quant_fp8
-from fusion_passes.lowering.allreduce_add_rms_norm import allreduce_add_rms_norm, allreduce_rms_norm
-from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
+from fusion_passes.lowering.rms_norm.op import add_rms_norm, rms_norm
+from fusion_passes.lowering.rms_norm_quant_fp8.op import add_rms_norm_quant_fp8, rms_norm_quant_fp8
+from fusion_passes.lowering.qk_norm_rope.op import qk_norm_rope
+from fusion_passes.lowering.mla_rope.op import mla_indexer_k_norm_rope, mla_kv_norm_rope, mla_q_rope
+from fusion_passes.lowering.silu_mul_quant_fp8.op import silu_mul_quant_fp8
+from fusion_passes.lowering.allreduce_rms_norm.op import allreduce_add_rms_norm, allreduce_rms_norm
+from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op import (
     allreduce_add_rms_norm_quant_fp8,
     allreduce_rms_norm_quant_fp8,
 )

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from fusion_passes.patterns.rms_norm_quant_fp8 import (
     GROUP_SIZE,
     quant_per_group,

@@ -36,8 +36,8 @@ import torch
 import torch.fx
 
 # The fused ops' registration (the patterns' replacements call them).
-import fusion_passes.lowering.allreduce_add_rms_norm  # noqa: F401
-from fusion_passes.lowering.allreduce_add_rms_norm_reference import check_allreduce_rms_norm_args
+import fusion_passes.lowering.allreduce_rms_norm.op  # noqa: F401
+from fusion_passes.lowering.allreduce_rms_norm.reference import check_allreduce_rms_norm_args
 from fusion_passes.registry import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,

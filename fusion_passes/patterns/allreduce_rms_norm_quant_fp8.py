@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 # The fused ops' registration (the patterns' replacements call them).
-import fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8  # noqa: F401
-import fusion_passes.lowering.rms_norm_quant_fp8  # noqa: F401  (the canonical ops matched)
-from fusion_passes.lowering.allreduce_add_rms_norm_quant_fp8 import (
+import fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op  # noqa: F401
+import fusion_passes.lowering.rms_norm_quant_fp8.op  # noqa: F401  (the canonical ops matched)
+from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
 from fusion_passes.patterns.allreduce_rms_norm import (

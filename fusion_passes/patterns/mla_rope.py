@@ -1,5 +1,5 @@
 """DeepSeek V3 / V3.2 pre-attention spellings (MLA and the V3.2 indexer), mapped to the ops of
-``fusion_passes.lowering.mla_rope``.
+``fusion_passes.lowering.mla_rope.op``.
 
 Canonicalize, then fuse: the RMSNorm fusions have already turned kv_a_layernorm (and
 q_a_layernorm, which sits between two GEMMs and is one kernel already) into
@@ -40,13 +40,13 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fusion_passes.lowering.mla_rope_reference import (
+from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
     check_mla_kv_args,
     check_mla_q_args,
     check_mla_q_kv_args,
 )
-from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
+from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
 from fusion_passes.registry import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,

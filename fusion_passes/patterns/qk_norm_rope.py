@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fusion_passes.lowering.qk_norm_rope_reference import check_qk_norm_rope_args
+from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
 from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
 
 # The whole-row spellings' head dim is traced with this sentinel: no other int of their traced

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fusion_passes.lowering.rms_norm_reference import check_rms_norm_args
+from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
 from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
 
 # --- the spellings (traced by the pattern matcher; keep them exactly as models write them) ---

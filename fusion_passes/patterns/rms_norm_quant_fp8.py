@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fusion_passes.lowering.rms_norm_quant_fp8_reference import FP8_MAX, MIN_SCALE, check_quant_args
+from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_MAX, MIN_SCALE, check_quant_args
 from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
 
 GROUP_SIZE = 128  # DeepSeek V3 / V3.2 block-wise activation quantization

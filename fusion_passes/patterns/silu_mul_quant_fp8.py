@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.lowering.rms_norm_quant_fp8_reference import check_quant_args
-from fusion_passes.lowering.silu_mul_quant_fp8_reference import check_silu_mul_args
+from fusion_passes.lowering.rms_norm_quant_fp8.reference import check_quant_args
+from fusion_passes.lowering.silu_mul_quant_fp8.reference import check_silu_mul_args
 from fusion_passes.patterns.rms_norm_quant_fp8 import (
     GROUP_SIZE,
     quant_per_group,

@@ -1,0 +1,1 @@
+"""allreduce_rms_norm"""

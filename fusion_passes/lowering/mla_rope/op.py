@@ -1,0 +1,178 @@
+"""The canonical ops of DeepSeek V3 / V3.2's pre-attention path (MLA and the V3.2 indexer).
+
+Unfused (HF DeepseekV3Attention / DeepseekV32Indexer, after the RMSNorm fusion):
+    kv_nope, k_pe = split(kv_a_proj_with_mqa(h), [R, P]); kv_nope = rms_norm(kv_nope)
+    q_pass, q_pe = split(q_b_proj(...).view(B, S, H, D).transpose(1, 2), [D - P, P])
+    q_pe, k_pe = rope(q_pe), rope(k_pe); query = cat(q_pass, q_pe)
+    indexer: k = layer_norm(wk(h)); k = cat(rope(k[..., :P]), k[..., P:]); q likewise, no norm
+Fused:
+    kv_nope, k_pe = mla_kv_norm_rope(kv, w, cos, sin, eps, weight_offset, cast, interleave)
+    query         = mla_q_rope(q, cos, sin, rope_first, interleave, heads_first)
+    k             = mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)
+    query, kv_nope, k_pe = mla_q_kv_rope(q, kv, w, cos, sin, eps, ...): MLA's q and kv branches in
+                    one launch (the mla_q_kv_rope fusion merges the two ops above: at decode
+                    each launch is most of its branch's time)
+
+Why these three: each is one branch between a GEMM and its consumer, and one kernel that reads
+the GEMM's output once. The kv op keeps both of kv's slices in one kernel (the latent feeds
+kv_b_proj, k_pe the key); the q op serves MLA's q_pe (rope last, written [B, H, S, D] as SDPA
+reads it) and the indexer's q (rope first, [B, S, H, D]) with two flags; the indexer key needs its
+own op because its norm is a LayerNorm whose output is rotated. The key assembly
+(cat(k_nope, k_pe.expand(H))) after kv_b_proj stays one Inductor copy kernel; no KV cache write is
+in these graphs (use_cache=False), so none is fused.
+
+The math lives in ``mla_rope_reference``; CUDA tensors go to the kernels of ``mla_rope_triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.mla_rope.reference import (
+    mla_indexer_k_norm_rope_reference,
+    mla_kv_norm_rope_reference,
+    mla_q_kv_rope_reference,
+    mla_q_rope_reference,
+    rope_dim,
+)
+
+
+@torch.library.custom_op("fusion_passes::mla_kv_norm_rope", mutates_args=())
+def mla_kv_norm_rope(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(kv[..., :R]), rope(kv[..., R:])); see mla_rope_reference."""
+    normed, k_pe = mla_kv_norm_rope_reference(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return normed.contiguous(), k_pe.contiguous()
+
+
+@torch.library.custom_op("fusion_passes::mla_q_rope", mutates_args=())
+def mla_q_rope(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_first: bool = False,
+    interleave: bool = True,
+    heads_first: bool = True,
+) -> torch.Tensor:
+    """q [*lead, H, D] with RoPE on its rope slice, [..., H, S, D] when heads_first."""
+    return mla_q_rope_reference(q, cos, sin, rope_first, interleave, heads_first).contiguous()
+
+
+@torch.library.custom_op("fusion_passes::mla_q_kv_rope", mutates_args=())
+def mla_q_kv_rope(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query [..., H, S, D], normed [..., R], k_pe [..., P]): mla_q_rope (MLA's form) and
+    mla_kv_norm_rope in one launch."""
+    query, normed, k_pe = mla_q_kv_rope_reference(
+        q, kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return query.contiguous(), normed.contiguous(), k_pe.contiguous()
+
+
+@torch.library.custom_op("fusion_passes::mla_indexer_k_norm_rope", mutates_args=())
+def mla_indexer_k_norm_rope(
+    k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleave: bool = False,
+) -> torch.Tensor:
+    """LayerNorm of k, then RoPE on its first P dims."""
+    return mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave).contiguous()
+
+
+# The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
+@mla_kv_norm_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_kv_norm_rope.default)
+def _mla_kv_norm_rope_cuda(
+    kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
+    *, wrap=None,
+):  # fmt: skip
+    from fusion_passes.lowering.mla_rope.triton import mla_kv_norm_rope_triton
+
+    return mla_kv_norm_rope_triton(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, wrap=wrap
+    )
+
+
+@mla_q_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_q_rope.default)
+def _mla_q_rope_cuda(q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_q_rope_triton
+
+    return mla_q_rope_triton(q, cos, sin, rope_first, interleave, heads_first, wrap=wrap)
+
+
+@mla_q_kv_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_q_kv_rope.default)
+def _mla_q_kv_rope_cuda(
+    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
+    *, wrap=None,
+):  # fmt: skip
+    from fusion_passes.lowering.mla_rope.triton import mla_q_kv_rope_triton
+
+    return mla_q_kv_rope_triton(
+        q, kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, wrap=wrap
+    )
+
+
+@mla_indexer_k_norm_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_indexer_k_norm_rope.default)
+def _mla_indexer_k_norm_rope_cuda(k, weight, bias, cos, sin, eps, interleave=False, *, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_indexer_k_norm_rope_triton
+
+    return mla_indexer_k_norm_rope_triton(k, weight, bias, cos, sin, eps, interleave, wrap=wrap)
+
+
+@mla_kv_norm_rope.register_fake
+def _mla_kv_norm_rope_fake(
+    kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True
+):
+    p = rope_dim(cos, interleave)
+    lead = kv.shape[:-1]
+    return kv.new_empty((*lead, kv.shape[-1] - p)), kv.new_empty((*lead, p))
+
+
+@mla_q_rope.register_fake
+def _mla_q_rope_fake(q, cos, sin, rope_first=False, interleave=True, heads_first=True):
+    if heads_first:
+        *batch, s, h, d = q.shape
+        return q.new_empty((*batch, h, s, d))
+    return q.new_empty(q.shape)
+
+
+@mla_q_kv_rope.register_fake
+def _mla_q_kv_rope_fake(
+    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True
+):
+    normed, k_pe = _mla_kv_norm_rope_fake(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return _mla_q_rope_fake(q, cos, sin, False, interleave, True), normed, k_pe
+
+
+@mla_indexer_k_norm_rope.register_fake
+def _mla_indexer_k_norm_rope_fake(k, weight, bias, cos, sin, eps, interleave=False):
+    return k.new_empty(k.shape)

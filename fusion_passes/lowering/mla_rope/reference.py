@@ -1,0 +1,199 @@
+"""Plain-torch references of the DeepSeek V3 / V3.2 pre-attention ops: the single statement of
+their math, rounding where transformers' eager code rounds.
+
+RoPE, as ``apply_rotary_pos_emb`` / ``apply_rotary_pos_emb_interleave`` compute it: every op in
+x.dtype (cos and sin already cast to x.dtype by the rotary embedding), each product and sum rounded:
+
+    interleave=False (rotate_half; cos, sin per element, C = P):
+        out[j]     = x[j] * cos[j]         - x[j + P/2] * sin[j]            j < P/2
+        out[j+P/2] = x[j + P/2] * cos[j+P/2] + x[j] * sin[j+P/2]
+    interleave=True (DeepSeek's even/odd pairs; cos, sin per pair, C = P/2 = cos[..., :P/2] of HF):
+        out[j]     = x[2j] * cos[j] - x[2j+1] * sin[j]
+        out[j+P/2] = x[2j+1] * cos[j] + x[2j] * sin[j]        (output de-interleaved, as HF's)
+
+The ops (their arguments are canonical: cos and sin are [*lead, C], one row per token):
+
+    mla_kv_norm_rope(kv[*lead, R+P], w[R], cos, sin, eps, weight_offset, cast_before_weight,
+                     interleave) -> (rms_norm(kv[..., :R], w), rope(kv[..., R:]))
+        kv_a_proj_with_mqa's output: the compressed latent normalised (kv_a_layernorm) and k_pe
+        rotated, both from one read of the row.
+    mla_q_rope(q[*lead, H, D], cos, sin, rope_first, interleave, heads_first) -> [.., D]
+        q with RoPE on its rope slice (the last P dims: MLA's q_pe; the first P: the V3.2 indexer's
+        q) and the other slice passed through: the split + RoPE + cat, written once, transposed
+        to [B, H, S, D] (heads_first, the layout MLA's attention reads) or kept [B, S, H, D].
+    mla_indexer_k_norm_rope(k[*lead, D], w[D], b[D], cos, sin, eps, interleave) -> [*lead, D]
+        the V3.2 indexer key: LayerNorm (rounded to k.dtype), then RoPE on its first P dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusion_passes.lowering.rms_norm.reference import SUPPORTED_DTYPES, rms_norm_reference
+
+
+def rope_dim(cos: torch.Tensor, interleave: bool) -> int:
+    """The rotated width P: cos holds one value per element (P) or per even/odd pair (P / 2)."""
+    return cos.shape[-1] * 2 if interleave else cos.shape[-1]
+
+
+def check_rope_args(
+    name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lead: tuple, interleave: bool
+) -> int:
+    """Raise ValueError (one line) unless cos/sin fit x; returns P."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: x must be float32/bfloat16/float16, got {x.dtype}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        # HF casts cos/sin to x.dtype; another dtype would promote the products: another op.
+        raise ValueError(f"{name}: cos/sin must be {x.dtype}, got {cos.dtype}/{sin.dtype}")
+    if cos.dim() != len(lead) + 1:
+        raise ValueError(f"{name}: cos must have {len(lead) + 1} dims, got {cos.dim()}")
+    for c, n in zip(cos.shape[:-1], lead):
+        if c not in (1, n):
+            raise ValueError(f"{name}: cos {tuple(cos.shape)} does not broadcast to {tuple(lead)}")
+    p = rope_dim(cos, interleave)
+    if p % 2 or p == 0:
+        raise ValueError(f"{name}: the rotary dim must be even and positive, got {p}")
+    return p
+
+
+def check_mla_kv_args(kv, weight, cos, sin, interleave) -> int:
+    """Raise ValueError for inputs mla_kv_norm_rope does not define; returns R."""
+    p = check_rope_args("mla_kv_norm_rope", kv, cos, sin, tuple(kv.shape[:-1]), interleave)
+    r = kv.shape[-1] - p
+    if r <= 0 or weight.dim() != 1 or weight.shape[0] != r:
+        raise ValueError(
+            f"mla_kv_norm_rope: weight must have shape ({r},) = kv width {kv.shape[-1]} - rope {p},"
+            f" got {tuple(weight.shape)}"
+        )
+    return r
+
+
+def check_mla_q_args(q, cos, sin, interleave) -> int:
+    """Raise ValueError for inputs mla_q_rope does not define; returns P."""
+    if q.dim() < 3:
+        raise ValueError(f"mla_q_rope: q must be [*lead, heads, head_dim], got {tuple(q.shape)}")
+    p = check_rope_args("mla_q_rope", q, cos, sin, tuple(q.shape[:-2]), interleave)
+    if p > q.shape[-1]:
+        raise ValueError(f"mla_q_rope: rope dim {p} exceeds head dim {q.shape[-1]}")
+    return p
+
+
+def check_mla_q_kv_pair(q, kv) -> None:
+    """Raise ValueError unless q [*lead, H, D] and kv [*lead, R + P] are of the same tokens and
+    dtype (the two branches of mla_q_kv_rope share cos and sin)."""
+    if q.dim() < 3 or tuple(q.shape[:-2]) != tuple(kv.shape[:-1]) or q.dtype != kv.dtype:
+        raise ValueError(
+            f"mla_q_kv_rope: q {tuple(q.shape)} {q.dtype} and kv {tuple(kv.shape)} {kv.dtype} "
+            "must be of the same tokens and dtype"
+        )
+
+
+def check_mla_q_kv_args(q, kv, weight, cos, sin, interleave) -> int:
+    """Raise ValueError for inputs mla_q_kv_rope does not define (those of its two branches, and
+    check_mla_q_kv_pair's); returns R."""
+    check_mla_q_kv_pair(q, kv)
+    r = check_mla_kv_args(kv, weight, cos, sin, interleave)
+    check_mla_q_args(q, cos, sin, interleave)
+    return r
+
+
+def check_indexer_k_args(k, weight, bias, cos, sin, interleave) -> int:
+    """Raise ValueError for inputs mla_indexer_k_norm_rope does not define; returns P."""
+    p = check_rope_args("mla_indexer_k_norm_rope", k, cos, sin, tuple(k.shape[:-1]), interleave)
+    d = k.shape[-1]
+    if p > d:
+        raise ValueError(f"mla_indexer_k_norm_rope: rope dim {p} exceeds head dim {d}")
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t.shape != (d,) or t.dtype != k.dtype:
+            raise ValueError(
+                f"mla_indexer_k_norm_rope: {what} must be ({d},) {k.dtype}, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
+    return p
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
+    """RoPE over x's last dim, in x.dtype (see the module docstring); cos/sin broadcast to x."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def mla_kv_norm_rope_reference(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(kv[..., :R], weight), rope(kv[..., R:])), R = kv width - P."""
+    r = check_mla_kv_args(kv, weight, cos, sin, interleave)
+    normed = rms_norm_reference(kv[..., :r], weight, eps, weight_offset, cast_before_weight)
+    return normed, rope_reference(kv[..., r:], cos, sin, interleave)
+
+
+def mla_q_rope_reference(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_first: bool = False,
+    interleave: bool = True,
+    heads_first: bool = True,
+) -> torch.Tensor:
+    """cat(pass, rope(q_rope)) (or cat(rope(q_rope), pass) when rope_first) over each head,
+    transposed to [..., H, S, D] when heads_first."""
+    p = check_mla_q_args(q, cos, sin, interleave)
+    d = q.shape[-1]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # one row per token, shared by the heads
+    if rope_first:
+        out = torch.cat([rope_reference(q[..., :p], c, s, interleave), q[..., p:]], dim=-1)
+    else:
+        out = torch.cat([q[..., : d - p], rope_reference(q[..., d - p :], c, s, interleave)], dim=-1)
+    return out.transpose(-3, -2) if heads_first else out
+
+
+def mla_q_kv_rope_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, normed, k_pe): MLA's two branches side by side, sharing cos and sin; query is
+    mla_q_rope_reference in MLA's form (rope last, heads first), (normed, k_pe) are
+    mla_kv_norm_rope_reference's."""
+    check_mla_q_kv_pair(q, kv)  # each branch checks its own arguments
+    query = mla_q_rope_reference(q, cos, sin, False, interleave, True)
+    normed, k_pe = mla_kv_norm_rope_reference(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
+    )
+    return query, normed, k_pe
+
+
+def mla_indexer_k_norm_rope_reference(
+    k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleave: bool = False,
+) -> torch.Tensor:
+    """cat(rope(y[..., :P]), y[..., P:]) with y = layer_norm(k, weight, bias, eps) in k.dtype."""
+    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
+    y = F.layer_norm(k, (k.shape[-1],), weight, bias, eps)
+    return torch.cat([rope_reference(y[..., :p], cos, sin, interleave), y[..., p:]], dim=-1)

@@ -1,0 +1,1 @@
+"""qk_norm_rope"""

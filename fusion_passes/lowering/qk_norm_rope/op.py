@@ -1,0 +1,93 @@
+"""The canonical op ``fusion_passes::qk_norm_rope``: q/k RMSNorm + rotate_half RoPE before attention.
+
+Unfused (transformers' Qwen3 / Qwen3-Next / Qwen 3.5 / MiniMax-M2 attention, after the RMSNorm
+fusion): rms_norm(q), rms_norm(k), reshape/transpose to [B, H, S, D], then
+    q * cos + rotate_half(q) * sin  on the first R dims, the rest concatenated back
+Fused:
+    q_out, k_out = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, weight_offset,
+                                cast_before_weight, norm_per_head)
+
+q [B, S, Hq, D] and k [B, S, Hk, D] are the projections' outputs (any strides: Qwen 3.5's q is a
+chunk of the q+gate projection); the rotary dim R is cos.shape[-1] (transformers reads it there
+too, so a separate argument could only disagree with it). The outputs are [B, H, S, D]
+transposes of new contiguous [B, S, H, D] tensors. The math lives in ``qk_norm_rope_reference``;
+CUDA tensors go to the Triton kernel of ``qk_norm_rope_triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.qk_norm_rope.reference import (
+    check_qk_norm_rope_args,
+    qk_norm_rope_reference,
+)
+
+
+@torch.library.custom_op("fusion_passes::qk_norm_rope", mutates_args=())
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    norm_per_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QK-norm + RoPE; see ``qk_norm_rope_reference`` for the math and the rounding points."""
+    return qk_norm_rope_reference(
+        q, k, q_weight, k_weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head
+    )
+
+
+# The CUDA kernel doubles as the direct launcher (`wrap` given when Inductor inlines the launch).
+@qk_norm_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.qk_norm_rope.default)
+def _qk_norm_rope_cuda(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps,
+    weight_offset=0.0,
+    cast_before_weight=True,
+    norm_per_head=True,
+    *,
+    wrap=None,
+):
+    from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_triton
+
+    return qk_norm_rope_triton(
+        q, k, q_weight, k_weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head,
+        wrap=wrap,
+    )  # fmt: skip
+
+
+def _transposed_output(x: torch.Tensor) -> torch.Tensor:
+    b, s, h, d = x.shape
+    return x.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+@qk_norm_rope.register_fake
+def _qk_norm_rope_fake(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps,
+    weight_offset=0.0,
+    cast_before_weight=True,
+    norm_per_head=True,
+):
+    check_qk_norm_rope_args(
+        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head
+    )
+    return _transposed_output(q), _transposed_output(k)

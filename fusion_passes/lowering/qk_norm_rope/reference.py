@@ -1,0 +1,116 @@
+"""Plain-torch reference of ``qk_norm_rope``: the single statement of its math.
+
+Between the QKV projection and attention, q and k are RMS-normalised and rotated:
+
+    per head   (norm_per_head=True:  Qwen3, Qwen3-MoE, Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE)
+        y = rms_norm(x, w, eps, weight_offset, cast_before_weight)       x: [B, S, H, D], w: [D]
+    whole row  (norm_per_head=False: MiniMax-M2, all heads of a token together)
+        y = rms_norm(x.reshape(B, S, H * D), w, ...).reshape(B, S, H, D)  w: [H * D]
+    then rotate_half RoPE on the first R = cos.shape[-1] dims of every head, in x.dtype as
+    transformers computes it (each product and the sum rounded to x.dtype), the rest passed through:
+        y1, y2 = y[..., :R/2], y[..., R/2:R]
+        out[..., :R/2]  = y1 * cos[..., :R/2] + (-y2) * sin[..., :R/2]
+        out[..., R/2:R] = y2 * cos[..., R/2:] + y1 * sin[..., R/2:]
+        out[..., R:]    = y[..., R:]
+    returned as [B, H, S, D] (what attention consumes): a transpose(1, 2) view of a new
+    contiguous [B, S, H, D] tensor, so the kernel writes each token's heads in one run.
+
+cos / sin are [B or 1, S, R] in x.dtype (transformers casts them to the activations' dtype once per
+step; Qwen 3.5's interleaved MRoPE sections are already folded into them, so the op never sees
+sections). The norm's two rounding forms are rms_norm_reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_passes.lowering.rms_norm.reference import (
+    SUPPORTED_DTYPES,
+    check_rms_norm_args,
+    rms_norm_reference,
+)
+
+
+def check_qk_norm_rope_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight_offset: float,
+    cast_before_weight: bool,
+    norm_per_head: bool,
+) -> None:
+    """Raise ValueError (one line) for inputs the canonical op does not define."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            f"qk_norm_rope: q and k must be [B, S, H, D], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+        raise ValueError(
+            f"qk_norm_rope: q and k must share one of float32/bfloat16/float16, got {q.dtype}, {k.dtype}"
+        )
+    b, s, _, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d):
+        raise ValueError(
+            f"qk_norm_rope: k {tuple(k.shape)} must share q's batch, tokens and head dim {tuple(q.shape)}"
+        )
+    if cos.dim() != 3 or sin.shape != cos.shape:
+        raise ValueError(
+            f"qk_norm_rope: cos and sin must both be [B, S, R], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if cos.dtype != q.dtype or sin.dtype != q.dtype:
+        # q * cos would promote to cos's dtype: a different rounding than the op's.
+        raise ValueError(f"qk_norm_rope: cos/sin must be in q's dtype {q.dtype}, got {cos.dtype}")
+    r = cos.shape[-1]
+    if cos.shape[0] not in (1, b) or cos.shape[1] != s or r % 2 or not 2 <= r <= d:
+        raise ValueError(
+            f"qk_norm_rope: cos/sin {tuple(cos.shape)} must be [{b} or 1, {s}, R] with R even, <= {d}"
+        )
+    for name, x, w in (("q", q, q_weight), ("k", k, k_weight)):
+        width = d if norm_per_head else x.shape[2] * d
+        try:
+            check_rms_norm_args(x.new_empty((1, width)), w, weight_offset, cast_before_weight)
+        except ValueError as e:
+            raise ValueError(f"qk_norm_rope ({name}): {e}") from None
+
+
+def rope_reference(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE on the first cos.shape[-1] dims of y [B, H, S, D], in y.dtype, as
+    transformers' apply_rotary_pos_emb (partial form) computes it; cos/sin are [B or 1, S, R]."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot, rest = y[..., :r], y[..., r:]
+    rotated = torch.cat((-rot[..., r // 2 :], rot[..., : r // 2]), dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def _branch(x, weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head):
+    b, s, h, d = x.shape
+    rows = x if norm_per_head else x.reshape(b, s, h * d)
+    y = rms_norm_reference(rows, weight, eps, weight_offset, cast_before_weight)
+    out = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
+    out.copy_(rope_reference(y.reshape(b, s, h, d).transpose(1, 2), cos, sin))
+    return out
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    norm_per_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference QK-norm + RoPE (see the module docstring): returns (q_out, k_out), each
+    [B, H, S, D] with the strides of a contiguous [B, S, H, D] tensor."""
+    check_qk_norm_rope_args(
+        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head
+    )
+    args = (cos, sin, eps, weight_offset, cast_before_weight, norm_per_head)
+    return _branch(q, q_weight, *args), _branch(k, k_weight, *args)

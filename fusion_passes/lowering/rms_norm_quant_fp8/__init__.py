@@ -1,0 +1,1 @@
+"""rms_norm_quant_fp8"""

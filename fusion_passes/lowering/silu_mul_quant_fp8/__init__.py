@@ -1,0 +1,1 @@
+"""silu_mul_quant_fp8"""

@@ -1,0 +1,243 @@
+"""The Triton kernels of the DeepSeek MLA / V3.2 indexer pre-attention ops against their plain-torch
+references: on CPU tensors through Triton's interpreter, or on CUDA tensors where a GPU is present.
+
+RoPE outputs are bit-exact in every dtype (the kernels round each product and sum where eager
+does). Norm outputs are bit-exact where the reduction order cannot matter and otherwise within one
+ulp of x.dtype: the kernel sums the squares / deviations in another order than torch.
+"""
+
+import os
+
+import torch  # torch does not import triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from fusion_passes.lowering.mla_rope.op import (  # noqa: E402
+    mla_indexer_k_norm_rope,
+    mla_kv_norm_rope,
+    mla_q_kv_rope,
+    mla_q_rope,
+)
+from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
+    mla_indexer_k_norm_rope_reference,
+    mla_kv_norm_rope_reference,
+    mla_q_kv_rope_reference,
+    mla_q_rope_reference,
+    rope_reference,
+)
+from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
+    mla_indexer_k_norm_rope_triton,
+    mla_kv_norm_rope_triton,
+    mla_q_kv_rope_triton,
+    mla_q_rope_triton,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ULP = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+# (kv_lora_rank R, rope P, heads H, nope dim): DeepSeek V3's widths scaled down, the tiny config,
+# and odd sizes (R and nope not powers of two, one head).
+CONFIGS = [(512, 64, 2, 128), (32, 16, 4, 32), (48, 8, 1, 24), (100, 32, 3, 40)]
+
+
+def _cos_sin(lead, c, dtype, g, batch_broadcast=False):
+    """HF-like cos/sin rows (values of cos/sin of random angles), cast to dtype."""
+    shape = (1, *lead[1:], c) if batch_broadcast else (*lead, c)
+    angle = torch.rand(shape, generator=g) * 100
+    return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
+
+
+def _within_ulp(a, b, dtype, ulps=1):
+    diff = (a.double() - b.double()).abs()
+    return bool(torch.all(diff <= ulps * ULP[dtype] * b.double().abs().clamp_min(1e-3)))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_norm_rope(dtype, interleave, config):
+    r, p, _, _ = config
+    g = torch.Generator().manual_seed(r + p)
+    lead = (2, 5)
+    kv = torch.randn(*lead, r + p, generator=g).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(r, generator=g)).to(DEVICE, dtype)
+    cos, sin = _cos_sin(lead, p // 2 if interleave else p, dtype, g)
+    normed, k_pe = mla_kv_norm_rope_triton(kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+    ref_normed, ref_pe = mla_kv_norm_rope_reference(kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+    assert normed.shape == (*lead, r) and k_pe.shape == (*lead, p)
+    assert normed.is_contiguous() and k_pe.is_contiguous()
+    assert torch.equal(k_pe, ref_pe)
+    assert _within_ulp(normed, ref_normed, dtype, ulps=2)
+
+
+@pytest.mark.parametrize("form", [(0.0, False), (1.0, False)], ids=["fp32_weight", "offset"])
+def test_kv_norm_forms_and_strided_rows(form):
+    """The fp32-weight and (1 + w) forms; kv a row-strided view, cos broadcast over the batch."""
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randn(3, 4, 100, generator=g).to(DEVICE, torch.bfloat16)[..., 10:90]
+    weight = torch.randn(64, generator=g).to(DEVICE)
+    cos, sin = _cos_sin((3, 4), 8, torch.bfloat16, g, batch_broadcast=True)
+    out = mla_kv_norm_rope_triton(kv, weight, cos, sin, 1e-5, *form, True)
+    ref = mla_kv_norm_rope_reference(kv, weight, cos, sin, 1e-5, *form, True)
+    assert torch.equal(out[1], ref[1])
+    assert _within_ulp(out[0], ref[0], torch.bfloat16, ulps=2)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("layout", ["mla", "indexer"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_rope_bit_exact(dtype, interleave, layout, config):
+    _, p, h, nope = config
+    g = torch.Generator().manual_seed(h + nope)
+    b, s = 2, 3
+    q = torch.randn(b, s, h, nope + p, generator=g).to(DEVICE, dtype)
+    cos, sin = _cos_sin((b, s), p // 2 if interleave else p, dtype, g)
+    rope_first, heads_first = (False, True) if layout == "mla" else (True, False)
+    out = mla_q_rope_triton(q, cos, sin, rope_first, interleave, heads_first)
+    ref = mla_q_rope_reference(q, cos, sin, rope_first, interleave, heads_first)
+    assert out.is_contiguous() and out.shape == ref.shape
+    assert out.shape == ((b, h, s, nope + p) if heads_first else q.shape)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_kv_rope_in_one_launch_is_the_two_kernels(dtype, interleave, config):
+    """One launch of both branches gives each branch's kernel's outputs bit for bit (its programs
+    are theirs): query and k_pe equal the reference, the latent within its norm's two ulps."""
+    r, p, h, nope = config
+    g = torch.Generator().manual_seed(r + h)
+    b, s = 2, 3
+    q = torch.randn(b, s, h, nope + p, generator=g).to(DEVICE, dtype)
+    kv = torch.randn(b, s, r + p, generator=g).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(r, generator=g)).to(DEVICE, dtype)
+    cos, sin = _cos_sin((b, s), p // 2 if interleave else p, dtype, g)
+    out = mla_q_kv_rope_triton(q, kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+    separate = (
+        mla_q_rope_triton(q, cos, sin, False, interleave, True),
+        *mla_kv_norm_rope_triton(kv, weight, cos, sin, 1e-6, 0.0, True, interleave),
+    )
+    for one, two in zip(out, separate, strict=True):
+        assert one.shape == two.shape and one.is_contiguous() and torch.equal(one, two)
+    ref = mla_q_kv_rope_reference(q, kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[2], ref[2])
+    assert _within_ulp(out[1], ref[1], dtype, ulps=2)
+
+
+@pytest.mark.parametrize("dims", [(128, 64), (32, 16), (40, 8)], ids=str)
+@pytest.mark.parametrize("interleave", [False, True], ids=["rotate_half", "interleave"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_indexer_k_norm_rope(dtype, interleave, dims):
+    d, p = dims
+    g = torch.Generator().manual_seed(d)
+    k = (3 * torch.randn(2, 5, d, generator=g) + 1).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    bias = (0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    cos, sin = _cos_sin((2, 5), p // 2 if interleave else p, dtype, g)
+    out = mla_indexer_k_norm_rope_triton(k, weight, bias, cos, sin, 1e-6, interleave)
+    ref = mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, 1e-6, interleave)
+    assert out.shape == k.shape and out.is_contiguous()
+    # The pass-through slice is the LayerNorm alone: within an ulp of x.dtype (another summation
+    # order; values near 0 after the centring carry the row's absolute error, hence the atol).
+    tol = ULP[dtype]
+    torch.testing.assert_close(out[..., p:], ref[..., p:], rtol=tol, atol=2 * tol)
+    # The rotated slice: RoPE of a LayerNorm output that may be an ulp off, then two roundings.
+    torch.testing.assert_close(out[..., :p], ref[..., :p], rtol=4 * tol, atol=4 * tol)
+    # And not the RoPE of anything else: the fp64 math of the whole path agrees within 8 ulps.
+    y = torch.nn.functional.layer_norm(k.double(), (d,), weight.double(), bias.double(), 1e-6)
+    exact = rope_reference(y[..., :p], cos.double(), sin.double(), interleave)
+    torch.testing.assert_close(out[..., :p].double(), exact, rtol=8 * tol, atol=8 * tol)
+
+
+def test_ops_opcheck_and_dispatch():
+    """Schemas, fakes (shapes, strides) and dispatch checked by opcheck; outputs are the reference's."""
+    g = torch.Generator().manual_seed(3)
+    dt = torch.bfloat16
+    kv = torch.randn(2, 3, 48, generator=g).to(DEVICE, dt)
+    w = torch.randn(32, generator=g).to(DEVICE, dt)
+    cos, sin = _cos_sin((2, 3), 8, dt, g)
+    q = torch.randn(2, 3, 4, 24, generator=g).to(DEVICE, dt)
+    k = torch.randn(2, 3, 24, generator=g).to(DEVICE, dt)
+    b = torch.randn(24, generator=g).to(DEVICE, dt)
+    torch.library.opcheck(mla_kv_norm_rope, (kv, w, cos, sin, 1e-6, 0.0, True, True))
+    torch.library.opcheck(mla_q_kv_rope, (q, kv, w, cos, sin, 1e-6, 0.0, True, True))
+    for flags in [(False, True, True), (True, False, False)]:
+        torch.library.opcheck(mla_q_rope, (q, cos, sin, *flags))
+    k_cos, k_sin = _cos_sin((2, 3), 16, dt, g)
+    torch.library.opcheck(mla_indexer_k_norm_rope, (k, w[:24].clone().fill_(1), b, k_cos, k_sin, 1e-6, False))
+    out = mla_q_rope(q, cos, sin, False, True, True)
+    assert torch.equal(out, mla_q_rope_reference(q, cos, sin, False, True, True))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["cos_sin_shapes_differ", "cos_dtype", "odd_rope", "weight_width", "cos_not_broadcastable"],
+)
+def test_bad_arguments_raise(case):
+    kv = torch.randn(2, 3, 48).to(DEVICE)
+    w = torch.randn(32).to(DEVICE)
+    cos = sin = torch.randn(2, 3, 8).to(DEVICE)
+    if case == "cos_sin_shapes_differ":
+        sin = torch.randn(2, 1, 8).to(DEVICE)
+    elif case == "cos_dtype":
+        cos = cos.half()
+    elif case == "odd_rope":
+        cos = sin = torch.randn(2, 3, 7).to(DEVICE)
+        kv, w = torch.randn(2, 3, 39).to(DEVICE), torch.randn(32).to(DEVICE)
+    elif case == "weight_width":
+        w = torch.randn(31).to(DEVICE)
+    else:
+        cos = sin = torch.randn(2, 2, 8).to(DEVICE)
+    for call in (mla_kv_norm_rope_triton, mla_kv_norm_rope_reference):
+        with pytest.raises(ValueError) as raised:
+            call(kv, w, cos, sin, 1e-6, 0.0, True, True)
+        assert "\n" not in str(raised.value)
+
+
+def test_q_and_kv_of_other_tokens_raise():
+    """mla_q_kv_rope shares cos/sin between q and kv: both must be of the same tokens and dtype."""
+    kv, w = torch.randn(2, 3, 48).to(DEVICE), torch.randn(32).to(DEVICE)
+    cos = sin = torch.randn(2, 3, 8).to(DEVICE)
+    for q in (torch.randn(2, 4, 2, 24).to(DEVICE), torch.randn(2, 3, 2, 24).to(DEVICE, torch.float16)):
+        for call in (mla_q_kv_rope_triton, mla_q_kv_rope_reference):
+            with pytest.raises(ValueError) as raised:
+                call(q, kv, w, cos, sin, 1e-6, 0.0, True, True)
+            assert "\n" not in str(raised.value)
+
+
+_TRACE_ONE_LAUNCH = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from fusion_passes.lowering.mla_rope.triton import mla_q_kv_rope_triton
+
+with FakeTensorMode():
+    q = torch.empty(1, 3, 4, 24, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(1, 3, 48, dtype=torch.bfloat16, device="cuda")
+    w = torch.empty(32, dtype=torch.bfloat16, device="cuda")
+    cos = torch.empty(1, 3, 8, dtype=torch.bfloat16, device="cuda")
+launch = lambda *a: mla_q_kv_rope_triton(*a, 1e-6, 0.0, True, True, wrap=torch.library.wrap_triton)
+graph = make_fx(launch, tracing_mode="fake")(q, kv, w, cos, cos).graph
+launches = [n for n in graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+print(len(launches), launches[0].kwargs["grid"])
+"""
+
+
+def test_q_kv_rope_traces_to_one_launch_for_inductor():
+    """The launcher as Inductor inlines it on CUDA (wrap_triton, fake CUDA tensors: no GPU needed,
+    but compiled Triton, hence a process without the interpreter): one kernel launch, of the kv
+    program (16 rows of width 48) and 3 tokens x 1 block of 4 heads."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACE_ONE_LAUNCH], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "1 [(4, 1, 1)]"
