@@ -44,7 +44,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
     quant_fp8_reference,
     rms_norm_quant_fp8_reference,
 )
-from fusion_passes.lowering.rms_norm_quant_fp8.op import triton as rms_norm_quant_fp8_triton_module  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8 import triton as rms_norm_quant_fp8_triton_module  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8.triton import (  # noqa: E402
     CHUNKS_MAX,
     MANY_TOKENS,
