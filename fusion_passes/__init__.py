@@ -9,10 +9,8 @@ __version__ = "0.1.0"
 
 from fusion_passes import lowering  # noqa: E402,F401  (registers torch.ops.fusion_passes.*)
 from fusion_passes.backend import backend  # noqa: E402
+from fusion_passes.fusion import Fusion, FusionError, Spelling  # noqa: E402
 from fusion_passes.registry import (  # noqa: E402
-    Fusion,
-    FusionError,
-    Spelling,
     list_fusions,
     register_fusion,
     unregister_fusion,

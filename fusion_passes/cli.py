@@ -92,7 +92,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     table.add_column("spellings")
     table.add_column("in \"all\"")
     for f in fusion_passes.list_fusions():
-        in_all = "yes" if f.in_all else "opt-in"
+        in_all = "yes" if f.in_all else f"opt-in: {f.opt_in}"
         table.add_row(f.name, f.summary, ", ".join(s.name for s in f.spellings), in_all)
     console.print(table)
     for f in fusion_passes.list_fusions():

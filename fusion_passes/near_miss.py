@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fusion_passes.registry import Fusion, Spelling, trace_functional
+from fusion_passes.fusion import Fusion, Spelling, trace_functional
 from fusion_passes.report import NearMiss, module_path, op_name, source_location
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -28,7 +28,7 @@ import fusion_passes
 from fusion_passes.lowering.common.direct_launch import inline_triton_launches
 from fusion_passes.near_miss import find_near_misses
 from fusion_passes.regions import Region, graph_region, match_region, region_ops
-from fusion_passes.registry import (
+from fusion_passes.fusion import (
     Fusion,
     Spelling,
     match_handler,
@@ -215,6 +215,8 @@ class FusionPassManager(CustomGraphPass):
 # Modules whose code decides what a rewritten graph computes or launches.
 _FRAMEWORK_MODULES = (
     "fusion_passes.pass_manager",
+    "fusion_passes.fusion",
+    "fusion_passes.fusion_order",
     "fusion_passes.registry",
     "fusion_passes.verify",
     "fusion_passes.near_miss",

@@ -1,130 +1,23 @@
-"""The fusion registry: every fusion, built-in or user-registered, is one ``Fusion`` here.
+"""The fusion registry: every fusion, built-in or user-registered, by name, in the order they run.
 
-A fusion is a list of *spellings* (plain torch functions written the way model code writes the
-unfused computation) each paired with a *replacement* (a call of one canonical fused op). The
-spellings are traced with Inductor's pattern matcher (``register_replacement``, functionalized
-``fwd_only``) the
-first time a fusion is used, so importing the package stays cheap.
+The built-in fusions and their order come from ``fusion_passes.fusion_order`` (one list, with the
+reason for each place); a user's fusions (``register_fusion``) run after them, in registration
+order. What a fusion is, and how it is traced, is ``fusion_passes.fusion``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import hashlib
 import inspect
-import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch._inductor.decomposition import select_decomp_table
-from torch._inductor.pattern_matcher import (
-    Match,
-    PatternMatcherPass,
-    fwd_only,
-    fx_to_pattern,
-    gen_pattern,
-    is_match,
-    is_mutation_op,
-    register_replacement,
+from fusion_passes.fusion import (
+    DEFAULT_SCALAR_SENTINEL,
+    CheckFn,
+    Fusion,
+    FusionError,
+    Spelling,
 )
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-# A spelling's scalar arguments (eps, offsets) are traced with these sentinel values and become
-# pattern arguments, so one pattern matches every eps. 2**-17 is exact in fp32/bf16/fp16 (an eps
-# that went through a float32 cast, as F.rms_norm does, keeps the sentinel intact).
-DEFAULT_SCALAR_SENTINEL = 2.0**-17
-
-
-class FusionError(ValueError):
-    """A fusion was registered or requested wrongly."""
-
-
-CheckFn = Callable[[dict[str, Any]], "str | None"]
-
-
-@dataclass(frozen=True)
-class Spelling:
-    """One unfused spelling, the fused call that replaces it, and an optional extra check.
-
-    ``check(values)`` gets the matched arguments by name (fake tensors with the real shapes and
-    dtypes, and scalars) and returns ``None`` to accept or a one-line reason to reject.
-    """
-
-    name: str
-    pattern: Callable[..., Any]
-    replacement: Callable[..., Any]
-    check: CheckFn | None = None
-
-
-@dataclass
-class Fusion:
-    """A named fusion: spellings → one canonical op, with the checks a match must pass.
-
-    ``check`` applies to every spelling (see ``Spelling.check``); a rejected match keeps its
-    reason for the report.
-    """
-
-    name: str
-    summary: str
-    doc: str
-    spellings: tuple[Spelling, ...]
-    example_inputs: Callable[[], Iterable[Sequence[Any]]]
-    scalars: dict[str, float] = field(default_factory=dict)
-    check: CheckFn | None = None
-    # Ops that mark a candidate site ("aten.rsqrt.default" for norms): one left in the graph after
-    # the passes is a near miss, reported with the closest spelling and where it diverged.
-    candidate_ops: tuple[str, ...] = ()
-    # Fusions whose canonical ops this one's patterns start from: enabled along with it.
-    requires: tuple[str, ...] = ()
-    # Part of fusions="all"; False keeps a fusion opt-in (by name) until its CUDA kernel is proven.
-    in_all: bool = True
-    # Deduplicate identical subgraphs before this fusion runs (see pass_manager): its pattern needs
-    # one consumer where the model computes the same thing several times (an activation quantized
-    # once per projection). After the fusions that need a shared input kept apart (the RoPE
-    # patterns: cos.unsqueeze per layer), so they come first in application order.
-    cse_before: bool = False
-    # String arguments of the spellings that become pattern arguments (a process-group name):
-    # {name: sentinel the spelling is traced with}. The matcher compares strings literally, so the
-    # traced uses of the sentinel are pointed at the argument's placeholder. Such patterns are used
-    # as traced, without the matcher's re-trace on each candidate's values: they must hold no
-    # shapes or dtypes (start from canonical ops that carry them).
-    string_args: dict[str, str] = field(default_factory=dict)
-    # A graph rewrite run right before this fusion's patterns (once per graph): it must leave the
-    # math unchanged, only bring spellings into the patterns' shape (e.g. move a view from after
-    # a collective to before it); returns how many nodes it moved.
-    canonicalize: Callable[[Any], int] | None = None
-    builtin: bool = False
-    _pass: PatternMatcherPass | None = field(default=None, repr=False)
-
-    def source_hash(self) -> str:
-        """Hash of everything that decides what this fusion rewrites (for Inductor's cache key)."""
-        h = hashlib.sha256(self.name.encode())
-        fns = [self.example_inputs, self.check, self.canonicalize] + [
-            f for s in self.spellings for f in (s.pattern, s.replacement, s.check)
-        ]
-        for fn in fns:
-            if fn is None:
-                continue
-            h.update(_source_of(fn).encode())
-        h.update(
-            repr((sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()))).encode()
-        )
-        return h.hexdigest()
-
-
-def _source_of(fn: Callable[..., Any]) -> str:
-    """The source of ``fn`` and of the module it lives in (a spelling may call helpers)."""
-    module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    for obj in (module, fn):
-        try:
-            return inspect.getsource(obj)  # type: ignore[arg-type]
-        except (OSError, TypeError):
-            continue
-    return getattr(fn, "__qualname__", repr(fn))
-
 
 _REGISTRY: dict[str, Fusion] = {}
 
@@ -186,11 +79,6 @@ def register_fusion(
     return fusion
 
 
-def add_builtin(fusion: Fusion) -> None:
-    """Register a built-in fusion (``fusion_passes.patterns`` modules call this on import)."""
-    _REGISTRY.setdefault(fusion.name, fusion)
-
-
 def unregister_fusion(name: str) -> None:
     """Remove a fusion (tests use this to keep the registry clean)."""
     _REGISTRY.pop(name, None)
@@ -222,136 +110,18 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
     return [f for f in _REGISTRY.values() if f.name in wanted]
 
 
-MatchHandler = Callable[[Fusion, Spelling, Match], bool]
-
-
-def trace_functional(
-    fn: Callable[..., Any], args: Sequence[Any], *, get_decomp_fn=select_decomp_table, **kwargs
-) -> torch.fx.GraphModule:
-    """``fwd_only``, put in the form of Inductor's post-grad graphs: functional (some
-    decompositions mutate their temporaries: F.rms_norm adds eps with ``add_``), and with views
-    as reshapes (Inductor turns every ``view`` into ``reshape`` before its post-grad passes)."""
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
-    if any(is_mutation_op(n) for n in gm.graph.nodes if n.op == "call_function"):
-        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
-        gm.graph.eliminate_dead_code()
-    view_to_reshape(gm)
-    gm.recompile()
-    return gm
-
-
-_match_handler: contextvars.ContextVar[MatchHandler | None] = contextvars.ContextVar(
-    "fusion_passes_match_handler", default=None
-)
-
-
-@contextlib.contextmanager
-def match_handler(handler: MatchHandler):
-    """Route every match found while the block runs to ``handler`` (accept → True)."""
-    token = _match_handler.set(handler)
-    try:
-        yield
-    finally:
-        _match_handler.reset(token)
-
-
-def _on_match(fusion: Fusion, spelling: Spelling, match: Match) -> bool:
-    handler = _match_handler.get()
-    return True if handler is None else handler(fusion, spelling, match)
-
-
-def _scalars_then_on_match(fusion: Fusion, spelling: Spelling, example: list) -> Callable[[Match], bool]:
-    """The extra check: restore the scalar arguments (eps) the match may lack, then _on_match.
-
-    register_replacement re-checks a candidate with the pattern re-traced on the matched values,
-    scalars burned in; torch >= 2.12 copies the scalars over from the first match, torch 2.11 does
-    not, so there the match has no ``eps``. The generic pattern (scalars as keyword arguments),
-    matched again at the same output node, gives them back."""
-    names = [n for n in inspect.signature(spelling.pattern).parameters if n in fusion.scalars]
-    generic: list[Any] = []
-
-    def check(match: Match) -> bool:
-        missing = [n for n in names if n not in match.kwargs]
-        if missing:
-            if not generic:
-                with unset_fake_temporarily():  # the check runs under the graph's fake mode
-                    generic.append(gen_pattern(spelling.pattern, example, trace_functional, fusion.scalars))
-            again = generic[0].match(match.output_nodes()[0])
-            if not is_match(again) or any(n not in again.kwargs for n in missing):
-                return False
-            match.kwargs.update({n: again.kwargs[n] for n in missing})
-        return _on_match(fusion, spelling, match)
-
-    return check
-
-
-def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
-    """The fusion's PatternMatcherPass, traced on first use and kept.
-
-    Matches go through the handler installed by ``match_handler`` (the pass manager's), so one
-    traced pass serves every backend configuration.
-    """
-    if fusion._pass is not None:
-        return fusion._pass
-    matcher = PatternMatcherPass(pass_name=f"fusion_passes.{fusion.name}")
-    for spelling in fusion.spellings:
-        for example in fusion.example_inputs():
-            pretraced = {}
-            if fusion.string_args:
-                pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))
-            register_replacement(
-                spelling.pattern,
-                spelling.replacement,
-                list(example),
-                trace_functional,
-                matcher,
-                extra_check=_scalars_then_on_match(fusion, spelling, list(example)),
-                scalar_workaround=fusion.scalars,
-                skip_duplicates=True,
-                **pretraced,
-                **_pattern_name(f"{fusion.name}.{spelling.name}"),
-            )
-    fusion._pass = matcher
-    return matcher
-
-
-def _pattern_with_string_args(fusion: Fusion, spelling: Spelling, example: list) -> Any:
-    """The spelling's pattern with each of ``fusion.string_args`` a pattern argument: traced with
-    the sentinel, whose uses are then pointed at the argument's placeholder. No literal type is
-    ignored (register_replacement's default ignores floats and relies on its re-trace, which a
-    pre-traced pattern skips): "sum", weight_offset and the like must match exactly."""
-    argnames = list(inspect.signature(spelling.pattern).parameters)
-    gm = trace_functional(spelling.pattern, example)
-    for name, sentinel in fusion.string_args.items():
-        # make_fx names the placeholders after the arguments (group_name_1, ...).
-        placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith(name))
-        uses = 0
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            node.args = tuple(placeholder if a == sentinel else a for a in node.args)
-            uses += node.args.count(placeholder)
-        if uses == 0:
-            raise RuntimeError(f"{fusion.name}.{spelling.name}: no traced use of {name}={sentinel!r}")
-    gm.graph.eliminate_dead_code()
-    return fx_to_pattern(gm, ignore_types=(), argnames=argnames, scalar_workaround=fusion.scalars)
-
-
-def _pattern_name(name: str) -> dict[str, str]:
-    """``pattern_name`` (per-pattern telemetry) exists from torch 2.12 on; 2.11 lacks it."""
-    if "pattern_name" in inspect.signature(register_replacement).parameters:
-        return {"pattern_name": name}
-    return {}
-
-
 _BUILTINS_LOADED = False
 
 
 def _ensure_builtins() -> None:
+    """Register the built-in fusions, in ``fusion_order``'s order, before any user fusion.
+
+    Imported on first use, not at package import: the pattern modules pull in every canonical op's
+    spellings, which a user who only imports ``fusion_passes`` for its ops does not need."""
     global _BUILTINS_LOADED
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        import fusion_passes.patterns  # noqa: F401  (registers the built-in fusions)
+        from fusion_passes.fusion_order import builtin_fusions
+
+        for fusion in builtin_fusions():
+            _REGISTRY[fusion.name] = fusion

@@ -18,7 +18,7 @@ mla_indexer_k_norm_rope (DeepseekV32Indexer key)
     Unfused: k = layer_norm(wk(h)).unsqueeze(2); k_rot, k_pass = split(k, [P, D - P])
              k = cat(rope(k_rot, cos, sin), k_pass).squeeze(2)
     Fused:   k = mla_indexer_k_norm_rope(k, w, b, cos, sin, eps, interleave)
-mla_q_kv_rope (opt-in: the two MLA ops above, which share cos and sin, merged)
+mla_q_kv_rope (the two MLA ops above, which share cos and sin, merged into one launch)
     Unfused: query = mla_q_rope(q, cos, sin, ...); kv_nope, k_rot = mla_kv_norm_rope(kv, ...)
     Fused:   query, kv_nope, k_rot = mla_q_kv_rope(q, kv, w, cos, sin, eps, offset, cast, interleave)
 
@@ -47,11 +47,10 @@ from fusion_passes.lowering.mla_rope.reference import (
     check_mla_q_kv_args,
 )
 from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
-from fusion_passes.registry import (
+from fusion_passes.fusion import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,
     Spelling,
-    add_builtin,
 )
 
 # --- RoPE as transformers writes it (traced; keep the op order exactly) ---
@@ -393,7 +392,7 @@ def _q_kv_fusion(interleave: bool) -> Fusion:
 MLA_Q_KV_ROPE = _q_kv_fusion(interleave=True)
 MLA_Q_KV_ROPE_ROTATE_HALF = _q_kv_fusion(interleave=False)
 
-for _fusion in (
+FUSIONS = (
     MLA_KV_NORM_ROPE,
     MLA_KV_NORM_ROPE_ROTATE_HALF,
     # The indexer key first: its unsqueezed [B, S, 1, D] rope + cat also has the indexer q's shape.
@@ -403,5 +402,4 @@ for _fusion in (
     # After both of the ops they merge.
     MLA_Q_KV_ROPE,
     MLA_Q_KV_ROPE_ROTATE_HALF,
-):
-    add_builtin(_fusion)
+)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
-from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
+from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
 
 # The whole-row spellings' head dim is traced with this sentinel: no other int of their traced
 # graphs (example sizes, slice bounds) may equal it, or the matcher would take it for the head dim.
@@ -232,5 +232,4 @@ def _fusion(name: str) -> Fusion:
     )
 
 
-for _name in _VARIANTS:
-    add_builtin(_fusion(_name))
+FUSIONS = tuple(_fusion(name) for name in _VARIANTS)

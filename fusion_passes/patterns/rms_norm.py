@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
-from fusion_passes.registry import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling, add_builtin
+from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
 
 # --- the spellings (traced by the pattern matcher; keep them exactly as models write them) ---
 
@@ -153,5 +153,4 @@ RMS_NORM = Fusion(
 )
 
 # add_rms_norm first: it must claim a norm before the plain rms_norm pattern takes it alone.
-add_builtin(ADD_RMS_NORM)
-add_builtin(RMS_NORM)
+FUSIONS = (ADD_RMS_NORM, RMS_NORM)

@@ -1,0 +1,60 @@
+"""The built-in fusions and the order they run in: one list, each entry with why it sits there.
+
+The pass manager applies the enabled fusions in this order to each post-grad graph (as Inductor's
+own post_grad passes run in the order written in post_grad.py). A fusion whose patterns start from
+another's canonical op (``Fusion.requires``) must come after it; ``builtin_fusions`` checks that.
+Within a family, its module's ``FUSIONS`` tuple gives the order, with the reasons in that module.
+
+Adding a family: write ``patterns/<family>.py`` exporting ``FUSIONS``, and put one line here.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from fusion_passes.fusion import Fusion
+from fusion_passes.patterns import (
+    allreduce_rms_norm,
+    allreduce_rms_norm_quant_fp8,
+    mla_rope,
+    qk_norm_rope,
+    rms_norm,
+    rms_norm_quant_fp8,
+    silu_mul_quant_fp8,
+)
+
+FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
+    (rms_norm, "first: every later family except SiLU + FP8 starts from the canonical norm ops"),
+    (
+        mla_rope,
+        "after the norms (kv_a_layernorm is a canonical rms_norm); before the quantization "
+        "fusions' common-subexpression elimination, which merges the per-layer cos / sin views "
+        "that the RoPE patterns expect to find apart",
+    ),
+    (qk_norm_rope, "after the norms and before that elimination, as mla_rope"),
+    (
+        rms_norm_quant_fp8,
+        "after the norms (it matches a canonical norm followed by a quantization) and after the "
+        "RoPE families (its cse_before deduplicates q / k / v's copies of one quantization)",
+    ),
+    (silu_mul_quant_fp8, "independent of the others (the MLP's activation, no norm); kept beside the other FP8 family"),
+    (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
+    (
+        allreduce_rms_norm_quant_fp8,
+        "after the norm + FP8 family and allreduce_rms_norm: it folds the allreduce before a "
+        "canonical (add_)rms_norm_quant_fp8 into it, which the norm-only allreduce fusion "
+        "(needing a bare norm) leaves alone",
+    ),
+)
+
+
+def builtin_fusions() -> list[Fusion]:
+    """Every built-in fusion in the order they run; raises if one runs before a fusion it requires."""
+    fusions = [fusion for module, _ in FUSION_ORDER for fusion in module.FUSIONS]
+    seen: set[str] = set()
+    for fusion in fusions:
+        late = [name for name in fusion.requires if name not in seen]
+        if late:
+            raise RuntimeError(f"fusion_order: {fusion.name} requires {late[0]}, which runs after it")
+        seen.add(fusion.name)
+    return fusions
