@@ -1,18 +1,23 @@
 """FP8 linear layers as serving engines write their native (plain torch) fallback, and a helper
-that swaps a model's ``nn.Linear`` layers for them: the source of the norm -> FP8 quantization
-spellings that ``fusion_passes.patterns.rms_norm_quant_fp8`` fuses.
+that swaps a model's ``nn.Linear`` layers for them.
 
 Weights (quantized once, offline): float8_e4m3fn codes with fp32 scales,
     static     one scale for the whole weight            w = codes * ws          (ws: [])
     per_token  one scale per output channel               w[n] = codes[n] * ws[n] (ws: [N, 1])
     per_group  one scale per 128 x 128 block (DeepSeek V3's block-wise FP8)       (ws: [N/128, K/128])
-Activations (quantized in forward, the spellings of patterns.rms_norm_quant_fp8):
-    static     q = fp8(clamp(x / s, -448, 448)), s calibrated: amax of the layer's input / 448
-    per_token  s = max(amax(|x|, -1) / 448, MIN_SCALE) per row
-    per_group  the same per 128 columns
+Activations (quantized in forward; each spelling names the code it follows, see the functions):
+    static     q = fp8(clamp(f32(x) / s, -448, 448)), s calibrated: amax of the layer's input / 448
+    per_token  s = max(amax(|f32(x)|, -1) / 448, 1 / (448 * 512)) per row; q = fp8(clamp(f32(x) / s))
+    per_group  the same per 128 columns (DeepSeek V3's block-wise activations), s: [..., K / 128]
 GEMM: ``torch._scaled_mm`` on CUDA for the static (per-tensor) and per-token (row-wise) scales;
 elsewhere -- on CPU, and for the block-wise scheme -- the dequantized matmul, in fp32:
     y = ((q * s) @ (codes * ws)^T).to(x.dtype) (+ bias)
+
+This module is model code: it imports nothing from ``fusion_passes.patterns`` or
+``fusion_passes.lowering``. Where the engines' own plain-torch code differs (vLLM's
+``QuantFP8.forward_native`` takes the amax in the activation dtype with ``max(dim)`` and multiplies
+by the scale's reciprocal), the functions below say so; tests/_fp8_spellings.py holds those
+spellings too.
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from fusion_passes.patterns.rms_norm_quant_fp8 import (
-    GROUP_SIZE,
-    quant_per_group,
-    quant_per_token,
-    quant_static,
-)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+FP8_MIN = torch.finfo(FP8_DTYPE).min  # -448.0
+# vLLM (layers/quantization/input_quant_fp8.py): _FP8_MIN_SCALING_FACTOR = 1.0 / (_FP8_MAX * 512.0),
+# the floor of its dynamic scales: an all-zero row keeps finite codes.
+MIN_SCALING_FACTOR = 1.0 / (FP8_MAX * 512.0)
+GROUP_SIZE = 128  # DeepSeek V3 / V3.2 block-wise activation quantization
 
 SCHEMES = ("static", "per_token", "per_group")
 # Not quantized: MoE routers (their logits pick experts: FP8 error would move tokens between
@@ -37,18 +42,65 @@ SCHEMES = ("static", "per_token", "per_group")
 DEFAULT_SKIP = r"(^|\.)(gate|router|lm_head)$"
 
 
+# --- activation quantization ---
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static per-tensor codes: torchao's ``_quantize_affine_float8``
+    (torchao/quantization/quant_primitives.py) as written: upcast, divide, saturate, cast. (vLLM's
+    ``QuantFP8.forward_native`` multiplies by ``scale.reciprocal()`` instead: other codes where the
+    two roundings differ.)"""
+    tensor_fp32 = x.to(torch.float32)
+    tensor_scaled = tensor_fp32 / scale
+    tensor_clamped = tensor_scaled.clamp(min=-FP8_MAX, max=FP8_MAX)
+    return tensor_clamped.to(FP8_DTYPE)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token (codes, scales [..., 1]). vLLM's per-token FP8 math: ``scale = (x_max /
+    _FP8_MAX).clamp(min=_FP8_MIN_SCALING_FACTOR)``, then ``x.to(float32) / scale`` saturated to
+    +-448 (``QuantFP8PerToken.forward_native`` of vLLM 0.8; tests/kernels/quant_utils.py
+    ``ref_dynamic_per_token_quant``, fp8 branch). The amax is that of the fp32 upcast, the order of
+    DeepSeek-V3's ``act_quant`` kernel (inference/kernel.py: load as fp32, ``max(abs(x)) / 448``,
+    ``x / s``) and of vLLM's and SGLang's per-token-group Triton kernels. vLLM's torch code takes
+    ``x.abs().max(dim=-1)`` in the activation dtype: the same value (the max of bf16 numbers is
+    exact), written otherwise."""
+    x_fp32 = x.to(torch.float32)
+    x_max = x_fp32.abs().amax(dim=-1, keepdim=True)
+    scale = (x_max / FP8_MAX).clamp(min=MIN_SCALING_FACTOR)
+    out = (x_fp32 / scale).clamp(FP8_MIN, FP8_MAX).to(FP8_DTYPE)
+    return out, scale
+
+
+def quantize_per_group(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per token group of ``group_size`` columns: (codes like x, scales [..., K / group]).
+    DeepSeek-V3's ``act_quant`` (inference/kernel.py: per block of 128, fp32 upcast, ``s =
+    max(abs(x)) / 448``, ``y = x / s``) with vLLM's ``QuantFP8._quantize_group_native`` scale floor
+    (``(absmax / _FP8_MAX).clamp(min=_FP8_MIN_SCALING_FACTOR)``), saturation and scale layout.
+    vLLM's native code groups with ``x.view(-1, groups, group_size)`` and takes the amax with
+    ``max(dim)[0].float()`` in the activation dtype: the same numbers, written otherwise."""
+    x_grouped = x.to(torch.float32).unflatten(-1, (-1, group_size))
+    absmax = x_grouped.abs().amax(dim=-1, keepdim=True)
+    scales = (absmax / FP8_MAX).clamp(min=MIN_SCALING_FACTOR)
+    x_quant = (x_grouped / scales).clamp(FP8_MIN, FP8_MAX).to(FP8_DTYPE)
+    return x_quant.flatten(-2), scales.squeeze(-1)
+
+
+# --- the layer ---
+
+
 def _weight_codes(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a [N, K] weight for the scheme (see the module docstring)."""
     w32 = w.detach().to(torch.float32)
     if scheme == "static":
-        scale = (w32.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = (w32.abs().amax() / FP8_MAX).clamp(min=MIN_SCALING_FACTOR)
         return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     if scheme == "per_token":
-        scale = (w32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = (w32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALING_FACTOR)
         return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     n, k = w32.shape
     blocks = w32.reshape(n // GROUP_SIZE, GROUP_SIZE, k // GROUP_SIZE, GROUP_SIZE)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALING_FACTOR)
     codes = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes.reshape(n, k), scale
 
@@ -84,11 +136,11 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme == "static":
-            q, s = quant_static(x, self.input_scale), self.input_scale
+            q, s = quantize_static(x, self.input_scale), self.input_scale
         elif self.scheme == "per_token":
-            q, s = quant_per_token(x)
+            q, s = quantize_per_token(x)
         else:
-            q, s = quant_per_group(x)
+            q, s = quantize_per_group(x)
         if x.is_cuda and self.scheme != "per_group":
             return self._scaled_mm(q, s, x.dtype)
         return self._dequantized_mm(q, s, x.dtype)
@@ -134,7 +186,7 @@ def calibrate_input_scales(module: nn.Module, paths: Iterable[str], example_inpu
     finally:
         for h in handles:
             h.remove()
-    return {p: (a / FP8_MAX).clamp(min=MIN_SCALE) for p, a in amax.items()}
+    return {p: (a / FP8_MAX).clamp(min=MIN_SCALING_FACTOR) for p, a in amax.items()}
 
 
 def swap_fp8_linears(

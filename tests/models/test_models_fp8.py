@@ -8,8 +8,20 @@ import pytest
 import torch
 
 import fusion_passes
+from _fp8_spellings import (
+    bits,
+    torchao_quantize_affine_float8,
+    vllm_quant_fp8_group_native,
+    vllm_ref_dynamic_per_token_quant,
+)
 from fusion_passes.models import build_model
-from fusion_passes.models.fp8_linear import Fp8Linear, swap_fp8_linears
+from fusion_passes.models.fp8_linear import (
+    Fp8Linear,
+    quantize_per_group,
+    quantize_per_token,
+    quantize_static,
+    swap_fp8_linears,
+)
 from fusion_passes.numerics import compare
 
 
@@ -66,6 +78,23 @@ def test_qwen3_per_token_every_decoder_norm_fused_with_its_projections_quantizat
 
 
 @pytest.mark.slow
+def test_qwen3_per_group_fp8_linears_fuse_with_the_norm_only_fp8_projections_read():
+    """Fp8Linear's per-group activation quantization (DeepSeek V3's block-wise scheme) fuses too.
+    k_proj / v_proj (64 outputs, not a multiple of 128) stay bf16, so input_layernorm also feeds
+    unquantized projections and stays unfused; post_attention_layernorm feeds gate / up only and
+    fuses with their quantization: 1 site per layer, each after a residual add."""
+    built, swapped, report, fused, stock = _compile_both("qwen3", "per_group")
+    layers = built.config.num_hidden_layers
+    assert len(swapped) == 5 * layers
+    expected = [f"model.layers.{i}.mlp.gate_proj" for i in range(layers)]
+    assert _fused_norm_sites(report, "per_group") == expected
+    assert report.matches["add_rms_norm_quant_fp8_per_group"] == layers
+    assert report.matches["rms_norm_quant_fp8_per_group"] == 0
+    assert not report.errors and not report.rejected
+    assert report.ops_after()["fusion_passes.add_rms_norm_quant_fp8.default"] == layers
+
+
+@pytest.mark.slow
 def test_deepseek_v3_per_token_fuses_where_only_fp8_projections_read_the_norm():
     """DeepSeek V3 (MLA; layer 0 dense, layer 1 MoE): input_layernorm feeds q_a_proj and
     kv_a_proj_with_mqa, q_a_layernorm feeds q_b_proj; kv_a_layernorm goes to the MLA kv fusion;
@@ -99,6 +128,31 @@ def test_fp8_linear_matches_its_dequantized_definition():
         out, ref = fp8(x), linear(x)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert compare(out, ref, dtype=torch.bfloat16).rel_norm < 0.05, scheme  # FP8 error, not a bug's
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_linear_quantizes_activations_as_the_engines_do(dtype):
+    """Fp8Linear's activation codes and scales are, bit for bit, those of the engines' own code it
+    follows: torchao's _quantize_affine_float8 (static), vLLM's per-token reference (its amax in
+    the activation dtype, a divide by the floored scale) and vLLM's QuantFP8 group-native
+    quantization (per group of 128), on rows of every kind: an all-zero row (padding: the floor
+    keeps its codes finite), a tiny one (amax below 1/512: the floor decides the scale) and one
+    that saturates a static scale."""
+    x = torch.randn(2, 7, 256).to(dtype)
+    x[0, 3] = 0.0
+    x[1, 2] *= 1e-4 / x[1, 2].abs().max()
+    x[1, 5] *= 100.0
+    scale = torch.tensor(0.02)
+    q = quantize_static(x, scale)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(bits(q), bits(torchao_quantize_affine_float8(x, scale)))
+    q, s = quantize_per_token(x)
+    ref_q, ref_s = vllm_ref_dynamic_per_token_quant(x)
+    assert s.shape == (2, 7, 1) and torch.equal(s, ref_s) and torch.equal(bits(q), bits(ref_q))
+    q, s = quantize_per_group(x)
+    ref_q, ref_s = vllm_quant_fp8_group_native(x)
+    assert s.shape == (2, 7, 2) and torch.equal(s, ref_s) and torch.equal(bits(q), bits(ref_q))
+    assert not q.float().isnan().any() and (q[0, 3].float() == 0).all()
 
 
 @pytest.mark.parametrize(

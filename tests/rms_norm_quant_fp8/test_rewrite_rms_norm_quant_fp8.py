@@ -1,5 +1,7 @@
 """Rewrite tests of RMSNorm (+ residual add) + FP8 quantization: match counts, ops before/after,
-and codes/scales bit-exact against eager on the reference path (CPU)."""
+and codes/scales bit-exact against eager on the reference path (CPU). The norms and quantizations
+are real code bases' spellings (tests/_fp8_spellings.py names each), fused ones and the known gaps
+the patterns do not fuse today."""
 
 from __future__ import annotations
 
@@ -7,20 +9,23 @@ import pytest
 import torch
 
 import fusion_passes
-from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm
-from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static
+from _fp8_spellings import (
+    QUANT,
+    bits,
+    llama_rms_norm,
+    per_group_quant,
+    per_token_quant,
+    qwen3_next_rms_norm,
+    sglang_per_token_group_quant_fp8,
+    torchtitan_rms_norm,
+    vllm_quant_fp8_group_native,
+    vllm_quant_fp8_native,
+)
 
-NORMS = {"llama": llama_rms_norm, "offset": offset_rms_norm}
-QUANT = {
-    "static": lambda y, scale: (quant_static(y, scale),),
-    "per_token": lambda y, scale: quant_per_token(y),
-    "per_group": lambda y, scale: quant_per_group(y),
-}
+# The pattern's form name (the spelling's suffix) -> the model code written in that form.
+NORMS = {"llama": llama_rms_norm, "fp32_weight": torchtitan_rms_norm, "offset": qwen3_next_rms_norm}
 QUANT_OPS = {"aten.amax.default", "aten.clamp_max.default"}
-
-
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+_bits = bits
 
 
 # Opt-in while their CUDA kernel awaits a GPU run: enabled by name (the norm fusions come along).
@@ -45,7 +50,7 @@ def test_norm_then_quant_fuses_bit_exact(scheme, form, with_residual, dtype):
     norm, quant = NORMS[form], QUANT[scheme]
     x = torch.randn(3, 5, 256).to(dtype)
     residual = torch.randn_like(x)
-    weight = ((1.0 if form == "llama" else 0.0) + 0.3 * torch.randn(256)).to(dtype)
+    weight = ((0.0 if form == "offset" else 1.0) + 0.3 * torch.randn(256)).to(dtype)
     scale = torch.tensor(0.01)
 
     if with_residual:
@@ -82,7 +87,7 @@ def test_normed_value_used_elsewhere_is_not_fused():
 
     def fn(x, w):
         y = llama_rms_norm(x, w, 1e-6)
-        return (*quant_per_token(y), y * 2)
+        return (*per_token_quant(y), y * 2)
 
     out, expected, report = _run(fn, x, weight)
     assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1}
@@ -176,7 +181,7 @@ def test_one_activation_quantized_per_projection_fuses_once():
         y = llama_rms_norm(x, w, 1e-6)
         outs = []
         for p in projections:  # each projection quantizes y itself, then multiplies
-            q, s = quant_per_token(y)
+            q, s = per_token_quant(y)
             outs.append((q.float() * s) @ p)
         return outs
 
@@ -192,3 +197,51 @@ def test_one_activation_quantized_per_projection_fuses_once():
     assert after["fusion_passes.rms_norm_quant_fp8.default"] == 1
     for a, e in zip(out, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+# Real engines' own spellings that the patterns do not fuse today (tests/_fp8_spellings.py says
+# where each parts from the patterns), each with an op of it that stays in the graph. Widening the
+# patterns to take one flips its case: the quantization fusion then matches and the op goes.
+KNOWN_GAPS = {
+    # vLLM QuantFP8.forward_native, static: x.float() * scale.reciprocal()
+    "vllm_native_static": (lambda y, scale: vllm_quant_fp8_native(y, scale)[:1], "aten.reciprocal.default"),
+    # vLLM QuantFP8.forward_native, dynamic per token: bf16 amax by max(dim), reciprocal multiply
+    "vllm_native_per_token": (lambda y, scale: vllm_quant_fp8_native(y), "aten.max.dim"),
+    # vLLM QuantFP8._quantize_group_native: bf16 amax by max(dim), divide (the fused op's numbers)
+    "vllm_group_native": (lambda y, scale: vllm_quant_fp8_group_native(y), "aten.max.dim"),
+    # the same with DeepGEMM's power-of-two (UE8M0) scales: no pattern rounds scales to powers of 2
+    "vllm_group_native_ue8m0": (
+        lambda y, scale: vllm_quant_fp8_group_native(y, use_ue8m0=True),
+        "aten.exp2.default",
+    ),
+    # SGLang's native_per_token_group_quant_fp8: amax floored at 1e-10 before the divide
+    "sglang_per_token_group": (lambda y, scale: sglang_per_token_group_quant_fp8(y), "aten.max.dim"),
+}
+
+
+@pytest.mark.parametrize("gap", KNOWN_GAPS)
+def test_known_gap_engine_native_quantization_is_not_fused_today(gap):
+    """Known gap: the transformers Llama norm followed by a serving engine's own plain-torch
+    quantization. Today only the norm is rewritten; the quantization stays as written (its ops in
+    the graph before and after) and the compiled outputs equal eager's bit for bit."""
+    quant, kept_op = KNOWN_GAPS[gap]
+    x = torch.randn(3, 5, 256).bfloat16()
+    weight = (1.0 + 0.3 * torch.randn(256)).bfloat16()
+
+    def fn(x, w, scale):
+        return quant(llama_rms_norm(x, w, 1e-6), scale)
+
+    out, expected, report = _run(fn, x, weight, torch.tensor(0.01))
+    assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1}
+    assert not report.errors
+    (graph,) = report.graphs
+    before, after = graph.ops_before, graph.ops_after
+    assert before[kept_op] == after[kept_op] >= 1
+    assert before["aten.clamp_max.default"] == after["aten.clamp_max.default"] >= 1
+    assert "aten.rsqrt.default" in before and after["fusion_passes.rms_norm.default"] == 1
+    assert "fusion_passes.rms_norm_quant_fp8.default" not in after
+    for a, e in zip(out, expected, strict=True):
+        assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
+    if gap == "vllm_group_native":  # the fused spelling's numbers: widening may raise it to the op
+        for a, e in zip(expected, per_group_quant(llama_rms_norm(x, weight, 1e-6)), strict=True):
+            assert torch.equal(_bits(a), _bits(e))
