@@ -101,14 +101,14 @@ def ue8m0_quantization_apart(
     in [ue8m0(raw * (1 - rtol)), ue8m0(raw * (1 + rtol))] with raw = y's unrounded scales, and the
     codes are compared with y quantized by the kernel's own scales. Returns (scales ok, the most
     codes apart)."""
-    from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_MAX, quant_fp8_reference, ue8m0
+    from fusion_passes.lowering.common.fp8 import FP8_MAX, QuantFP8, quant_fp8_reference, ue8m0
 
-    raw = quant_fp8_reference(y, "per_group", group_size=group_size)[1]
+    raw = quant_fp8_reference(y, QuantFP8("per_group", group_size=group_size))[1]
     scales_ok = scales.shape == raw.shape and bool(
         torch.all((ue8m0(raw * (1 - rtol)) <= scales) & (scales <= ue8m0(raw * (1 + rtol)))).item()
     )
     if not scales_ok:
-        return False, fp8_codes_apart(q, quant_fp8_reference(y, "per_group", None, group_size, True)[0])
+        return False, fp8_codes_apart(q, quant_fp8_reference(y, QuantFP8("per_group", None, group_size, True))[0])
     groups = y.float().unflatten(-1, (-1, group_size)) / scales.unsqueeze(-1)
     expected = groups.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
     return True, fp8_codes_apart(q, expected)

@@ -1,29 +1,19 @@
-"""WHAT a fusion becomes: the canonical fused ops (torch.library), each with a plain-torch
-reference that runs on any device and a Triton kernel that runs on CUDA."""
+"""WHAT a fusion becomes: one folder per family, each with the canonical fused ops (``op.py``,
+torch.library), the plain-torch reference that states their math and runs on any device
+(``reference.py``) and the kernels that run on CUDA (``triton.py``, ``symm_mem.py``); device
+code that several families share is in ``common/``, launch rules per GPU in ``launch_tables.py``.
 
-from fusion_passes.lowering.rms_norm.op import add_rms_norm, rms_norm
-from fusion_passes.lowering.rms_norm_quant_fp8.op import add_rms_norm_quant_fp8, rms_norm_quant_fp8
-from fusion_passes.lowering.qk_norm_rope.op import qk_norm_rope
-from fusion_passes.lowering.mla_rope.op import mla_indexer_k_norm_rope, mla_kv_norm_rope, mla_q_rope
-from fusion_passes.lowering.silu_mul_quant_fp8.op import silu_mul_quant_fp8
-from fusion_passes.lowering.allreduce_rms_norm.op import allreduce_add_rms_norm, allreduce_rms_norm
-from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op import (
-    allreduce_add_rms_norm_quant_fp8,
-    allreduce_rms_norm_quant_fp8,
+Importing this package registers every family's ops (``torch.ops.fusion_passes.*``): each
+folder's ``op.py`` is imported, so a new family needs no line here.
+"""
+
+import importlib
+import pkgutil
+
+FAMILIES = tuple(
+    module.name
+    for module in pkgutil.iter_modules(__path__)
+    if module.ispkg and module.name != "common"
 )
-
-__all__ = [
-    "add_rms_norm",
-    "add_rms_norm_quant_fp8",
-    "allreduce_add_rms_norm",
-    "allreduce_add_rms_norm_quant_fp8",
-    "allreduce_rms_norm",
-    "allreduce_rms_norm_quant_fp8",
-    "mla_indexer_k_norm_rope",
-    "mla_kv_norm_rope",
-    "mla_q_rope",
-    "qk_norm_rope",
-    "rms_norm",
-    "rms_norm_quant_fp8",
-    "silu_mul_quant_fp8",
-]
+for _family in FAMILIES:
+    importlib.import_module(f"{__name__}.{_family}.op")

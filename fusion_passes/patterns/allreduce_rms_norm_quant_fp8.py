@@ -40,9 +40,11 @@ import torch
 # The fused ops' registration (the patterns' replacements call them).
 import fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op  # noqa: F401
 import fusion_passes.lowering.rms_norm_quant_fp8.op  # noqa: F401  (the canonical ops matched)
-from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op import (
+from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.reference import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
+from fusion_passes.lowering.common.fp8 import QuantFP8
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 from fusion_passes.patterns.allreduce_rms_norm import (
     GROUP_SENTINEL,
     NORM_FORMS,
@@ -165,9 +167,9 @@ def _check(offset: float, cast: bool, scheme: str, ue8m0: bool):
             return f"group name is not a constant string ({values.get('group_name')!r})"
         try:
             check_allreduce_rms_norm_quant_fp8_args(
-                values["x"], values["weight"], offset, cast, scheme, values.get("scale"),
-                GROUP_SIZE, ue8m0, values.get("residual"),
-            )  # fmt: skip
+                values["x"], values["weight"], RMSNormForm(values.get("eps", 0.0), offset, cast),
+                QuantFP8(scheme, values.get("scale"), GROUP_SIZE, ue8m0), values.get("residual"),
+            )
         except ValueError as e:
             return str(e)
         return None

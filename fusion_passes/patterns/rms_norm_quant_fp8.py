@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_MAX, MIN_SCALE, check_quant_args
+from fusion_passes.lowering.common.fp8 import FP8_MAX, MIN_SCALE, QuantFP8
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
 
 GROUP_SIZE = 128  # DeepSeek V3 / V3.2 block-wise activation quantization
@@ -110,7 +110,7 @@ def _signature(fn, scheme: str):
 def _check(scheme: str):
     def check(values: dict[str, Any]) -> str | None:
         try:
-            check_quant_args(values["x"], scheme, values.get("scale"), GROUP_SIZE)
+            QuantFP8(scheme, values.get("scale"), GROUP_SIZE).check(values["x"])
         except ValueError as e:
             return str(e)
         return None

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import check_quant_args
+from fusion_passes.lowering.common.fp8 import QuantFP8
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import check_silu_mul_args
 from fusion_passes.patterns.rms_norm_quant_fp8 import (
     GROUP_SIZE,
@@ -88,7 +88,7 @@ def _check(scheme: str):
     def check(values: dict[str, Any]) -> str | None:
         try:
             check_silu_mul_args(values["gate"], values["up"])
-            check_quant_args(values["gate"], scheme, values.get("scale"), GROUP_SIZE)
+            QuantFP8(scheme, values.get("scale"), GROUP_SIZE).check(values["gate"])
         except ValueError as e:
             return str(e)
         return None

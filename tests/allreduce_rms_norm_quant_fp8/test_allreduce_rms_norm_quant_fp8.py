@@ -31,10 +31,18 @@ import fusion_passes
 import fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op  # noqa: F401  (registers the ops)
 from _distributed import bits, compile_case, run_world
 from fusion_passes.lowering.common.direct_launch import LAUNCHERS
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from _fp8_spellings import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALING_FACTOR,
+    QUANT,
+    llama_rms_norm,
+    per_group_quant,
+    per_token_quant,
+    qwen3_next_rms_norm,
+    torchtitan_rms_norm,
+)
 from fusion_passes.numerics import fp8_codes_apart
-from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm, offset_rms_norm
-from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static
 
 WORLD = 2
 EPS = 1e-6
@@ -52,12 +60,9 @@ UNFUSED_OPS = (
     "fusion_passes.add_rms_norm_quant_fp8.default",
     "fusion_passes.rms_norm_quant_fp8.default",
 )
-NORMS = {"llama": llama_rms_norm, "fp32_weight": functional_rms_norm, "offset": offset_rms_norm}
-QUANT = {
-    "static": lambda y, scale: (quant_static(y, scale),),
-    "per_token": lambda y, scale: quant_per_token(y),
-    "per_group": lambda y, scale: quant_per_group(y),
-}
+# The pattern's form name -> the model code written in that form; QUANT: each scheme's real
+# spelling (tests/_fp8_spellings.py names the code each follows).
+NORMS = {"llama": llama_rms_norm, "fp32_weight": torchtitan_rms_norm, "offset": qwen3_next_rms_norm}
 
 
 # --- the spellings, as TP model code writes them (x: this rank's partial sum) ---
@@ -112,24 +117,24 @@ def ue8m0_canonical(x, residual, w, scale):
 def max_not_fused(x, residual, w, scale):
     s = funcol.all_reduce(x, "max", dist.group.WORLD)  # not a sum: the fused op would be wrong
     h = residual + s
-    return (*quant_per_token(llama_rms_norm(h, w, EPS)), h)
+    return (*per_token_quant(llama_rms_norm(h, w, EPS)), h)
 
 
 def sum_read_elsewhere_not_fused(x, residual, w, scale):
     s = funcol.all_reduce(x, "sum", dist.group.WORLD)  # s is read outside the pattern: it must stay
     h = residual + s
-    return (*quant_per_group(llama_rms_norm(h, w, EPS)), h, s * 3)
+    return (*per_group_quant(llama_rms_norm(h, w, EPS)), h, s * 3)
 
 
 def unclamped_scale_read_not_fused(x, residual, w, scale):
-    """The scale before its MIN_SCALE floor is read too: the quantization fusion refuses (its op
+    """The scale before its floor (vLLM's MIN_SCALING_FACTOR) is read too: the quantization fusion refuses (its op
     returns only the floored scale), so the canonical quantization op the allreduce fusion starts
     from never appears and the allreduce stays."""
     s = funcol.all_reduce(x, "sum", dist.group.WORLD)
     h = residual + s
     y32 = llama_rms_norm(h, w, EPS).to(torch.float32)
     unclamped = y32.abs().amax(-1, keepdim=True) / FP8_MAX
-    scales = unclamped.clamp(min=MIN_SCALE)
+    scales = unclamped.clamp(min=MIN_SCALING_FACTOR)
     return (y32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales, h, unclamped
 
 
@@ -429,7 +434,7 @@ class _SimulatedWorld:
 
     def __init__(self, hidden: int, dtype: torch.dtype, max_rows: int = 64, max_programs: int = 2):
         from fusion_passes.lowering.allreduce_rms_norm.symm_mem import GroupInfo, Workspace
-        from fusion_passes.lowering.rms_norm.triton import launch_config
+        from fusion_passes.lowering.common.rows import launch_config
 
         self.launch = launch_config(hidden)
         # NaN-filled: a row the kernel reads but no copy-in wrote would show in every output.
@@ -484,6 +489,8 @@ def test_one_shot_kernel_interpreted_matches_the_norm_quant_kernel(
     single-GPU kernel's on the sum torch computes, and are within one code of the reference. Group
     size 48 (240 = 5 x 48 columns) pads the quant block to [8, 64] and keeps the row blocks of
     launch_config(240)."""
+    from fusion_passes.lowering.common.fp8 import QuantFP8
+    from fusion_passes.lowering.rms_norm.reference import RMSNormForm
     from fusion_passes.lowering.rms_norm_quant_fp8.reference import (
         add_rms_norm_quant_fp8_reference,
         rms_norm_quant_fp8_reference,
@@ -499,16 +506,16 @@ def test_one_shot_kernel_interpreted_matches_the_norm_quant_kernel(
             residual = torch.randn(rows, hidden, generator=g).to(dtype) if with_residual else None
             weight = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
             scale = torch.tensor(0.02) if scheme == "static" else None
-            norm = (EPS, 0.0, dtype != torch.float32)  # eps, offset, the Llama form (fp32: the other)
-            quant = (scheme, scale, group_size, scale_ue8m0)
-            outs = world.call(xs, residual, weight, *norm, *quant)
+            norm = RMSNormForm(EPS, 0.0, dtype != torch.float32)  # the Llama form (fp32: the other)
+            quant = QuantFP8(scheme, scale, group_size, scale_ue8m0)
+            outs = world.call(xs, residual, weight, norm, quant)
             s = (xs[0].float() + xs[1].float()).to(dtype)  # one rounding of the exact sum (W = 2)
-            q, scales, r = rms_norm_quant_fp8_triton(s, weight, *norm, *quant, residual)
+            q, scales, r = rms_norm_quant_fp8_triton(s, weight, norm, quant, residual)
             r = s if r is None else r
             if with_residual:
-                ref_q, *_ = add_rms_norm_quant_fp8_reference(s, residual, weight, *norm, *quant)
+                ref_q, *_ = add_rms_norm_quant_fp8_reference(s, residual, weight, norm, quant)
             else:
-                ref_q, _ = rms_norm_quant_fp8_reference(s, weight, *norm, *quant)
+                ref_q, _ = rms_norm_quant_fp8_reference(s, weight, norm, quant)
             for rank, (q_out, scales_out, r_out) in enumerate(outs):
                 where = f"rank {rank} call {call} residual={with_residual}"
                 assert q_out.dtype == FP8_DTYPE and torch.equal(bits(q_out), bits(q)), where
@@ -526,7 +533,7 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.symm_mem import (
         _one_shot_allreduce_add_rms_norm_quant_fp8_kernel as kernel,
     )
-    from fusion_passes.lowering.rms_norm.triton import launch_config
+    from fusion_passes.lowering.common.rows import launch_config
 
     names = kernel.arg_names
     pointers = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "q_ptr": "*u8",

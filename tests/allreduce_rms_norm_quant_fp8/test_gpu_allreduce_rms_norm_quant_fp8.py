@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 import torch.distributed as dist
+from fusion_passes.lowering.common.fp8 import QuantFP8
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 from _distributed import (
     TWO_GPUS,
     assert_no_failures,
@@ -80,20 +83,17 @@ def _reference(x, residual, weight, offset, cast, quant, group_name):
     """NCCL all_reduce, then the reference: (codes, scales, new_residual or reduced, ue8m0) with
     ue8m0 = (the reference's activation y before quantization, the group size) where the scales
     are UE8M0, else None (see _case_failures)."""
-    from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op import (
+    from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.reference import (
         allreduce_add_rms_norm_quant_fp8_reference,
         allreduce_rms_norm_quant_fp8_reference,
     )
     from fusion_passes.lowering.rms_norm.reference import rms_norm_reference
 
+    norm, quant = RMSNormForm(EPS, offset, cast), QuantFP8(*quant)
     if residual is None:
-        q, scales, r = allreduce_rms_norm_quant_fp8_reference(
-            x, weight, EPS, offset, cast, *quant, group_name
-        )
+        q, scales, r = allreduce_rms_norm_quant_fp8_reference(x, weight, norm, quant, group_name)
     else:
-        q, scales, r = allreduce_add_rms_norm_quant_fp8_reference(
-            x, residual, weight, EPS, offset, cast, *quant, group_name
-        )
+        q, scales, r = allreduce_add_rms_norm_quant_fp8_reference(x, residual, weight, norm, quant, group_name)
     _scheme, _scale, group_size, scale_ue8m0 = quant
     ue8m0 = (rms_norm_reference(r, weight, EPS, offset, cast), group_size) if scale_ue8m0 else None
     return q, scales, r, ue8m0
@@ -105,14 +105,14 @@ def _fallback(x, residual, weight, offset, cast, quant, group_name):
     from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
 
     reduced = all_reduce_sum(x, group_name)
-    q, scales, r = rms_norm_quant_fp8_triton(reduced, weight, EPS, offset, cast, *quant, residual)
+    q, scales, r = rms_norm_quant_fp8_triton(reduced, weight, RMSNormForm(EPS, offset, cast), QuantFP8(*quant), residual)
     return q, scales, reduced if r is None else r
 
 
 def _ours(x, residual, weight, offset, cast, quant, group_name):
     from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.symm_mem import one_shot
 
-    return one_shot(x, residual, weight, EPS, offset, cast, *quant, group_name)
+    return one_shot(x, residual, weight, RMSNormForm(EPS, offset, cast), QuantFP8(*quant), group_name)
 
 
 def _op(x, residual, weight, offset, cast, quant, group_name):

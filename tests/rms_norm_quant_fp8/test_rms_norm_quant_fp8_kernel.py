@@ -36,25 +36,27 @@ from fusion_passes.lowering.rms_norm_quant_fp8.op import (  # noqa: E402
     add_rms_norm_quant_fp8,
     rms_norm_quant_fp8,
 )
+from fusion_passes.lowering.common.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantFP8, quant_fp8_reference  # noqa: E402
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
-    FP8_DTYPE,
-    FP8_MAX,
-    MIN_SCALE,
     add_rms_norm_quant_fp8_reference,
-    quant_fp8_reference,
     rms_norm_quant_fp8_reference,
 )
 from fusion_passes.lowering.rms_norm_quant_fp8 import triton as rms_norm_quant_fp8_triton_module  # noqa: E402
-from fusion_passes.lowering.rms_norm_quant_fp8.triton import (  # noqa: E402
-    CHUNKS_MAX,
-    MANY_TOKENS,
-    NORM_ONLY_MANY_TOKENS,
-    exact_quotient,
+from fusion_passes.lowering.common.fp8_triton import exact_quotient  # noqa: E402
+from fusion_passes.lowering.rms_norm_quant_fp8.launch import (  # noqa: E402
+    NormQuantLaunch,
+    launch_policy,
     launch_shape,
     norm_only_chunks,
-    rms_norm_quant_fp8_triton,
     takes_weight_first,
 )
+from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton  # noqa: E402
+
+# The launch rules measured on an H200 (launch_tables.py), which the launch tests exercise on any
+# device; elsewhere the default row applies (test_launch_policy_by_device).
+H200 = launch_policy("NVIDIA H200")
+MANY_TOKENS, NORM_ONLY_MANY_TOKENS, CHUNKS_MAX = H200.many_tokens, H200.norm_only_many_tokens, H200.chunks_max
 from fusion_passes.lowering.rms_norm.reference import (  # noqa: E402
     add_rms_norm_reference,
     rms_norm_reference,
@@ -162,18 +164,19 @@ def _reference_y(case, x, weight, residual):
 def _run(case, x, weight, residual):
     """(kernel outputs, reference outputs), each (codes, scales, new_residual or None)."""
     scale = None if case["scale"] is None else torch.tensor(case["scale"], device=DEVICE)
-    args = (case["eps"], case["weight_offset"], case["cast_before_weight"], case["scheme"], scale)
-    quant = (case["group_size"], case["scale_ue8m0"])
+    norm = RMSNormForm(case["eps"], case["weight_offset"], case["cast_before_weight"])
+    quant = QuantFP8(case["scheme"], scale, case["group_size"], case["scale_ue8m0"])
     out = rms_norm_quant_fp8_triton(
-        x, weight, *args, *quant, residual, chunks=case.get("chunks"), weight_first=case.get("weight_first")
+        x, weight, norm, quant, residual, chunks=case.get("chunks"), weight_first=case.get("weight_first"),
+        policy=case.get("policy"),
     )
     q, scales, new_residual = out
     assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous()
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     assert (new_residual is None) == (residual is None)
     if residual is None:
-        return out, (*rms_norm_quant_fp8_reference(x, weight, *args, *quant), None)
-    return out, add_rms_norm_quant_fp8_reference(x, residual, weight, *args, *quant)
+        return out, (*rms_norm_quant_fp8_reference(x, weight, norm, quant), None)
+    return out, add_rms_norm_quant_fp8_reference(x, residual, weight, norm, quant)
 
 
 @settings(max_examples=examples(200), deadline=None)
@@ -209,6 +212,18 @@ def test_random_inputs_within_one_code(case):
         torch.testing.assert_close(new_residual.double(), ref_residual.double(), rtol=rtol, atol=1e-5)
 
 
+def test_launch_policy_by_device():
+    """A GPU's launch table row by its name (a longer name of the same GPU too); the default row,
+    the padded block's launch at every token count, for any other GPU and for the CPU."""
+    default = NormQuantLaunch()
+    assert launch_policy("NVIDIA H200 NVL") == H200 and H200.evidence
+    assert launch_policy("NVIDIA A100-SXM4-80GB") == default == launch_policy(torch.device("cpu"))
+    for tokens in (1, 512, 4096, 16384):
+        assert norm_only_chunks(7168, "per_token", 128, tokens, default) == 1
+        assert not takes_weight_first(True, "per_token", 1, tokens, default)
+        assert launch_shape(1, 7168, tokens, True, default) == launch_shape(1, 7168, None, True, default)
+
+
 def test_launch_shape():
     """At a static token count >= MANY_TOKENS (with the residual) or >= NORM_ONLY_MANY_TOKENS
     (norm-only) the kernel takes 4 warps; at fewer tokens or a dynamic count the padded block's
@@ -219,15 +234,15 @@ def test_launch_shape():
     assert MANY_TOKENS > MAX_ROWS
     assert NORM_ONLY_MANY_TOKENS < MANY_TOKENS
     for num_groups, group in ((1, 7168), (56, 128), (1, 4096), (1, 3072)):
-        default = launch_shape(num_groups, group)
+        default = launch_shape(num_groups, group, policy=H200)
         assert default[3] >= 8  # 16 warps at 7168, 8 at 4096 and 3072
         for tokens in (None, 1, MANY_TOKENS - 1):
-            assert launch_shape(num_groups, group, tokens) == default
-        assert launch_shape(num_groups, group, MANY_TOKENS) == (*default[:3], 4)
+            assert launch_shape(num_groups, group, tokens, policy=H200) == default
+        assert launch_shape(num_groups, group, MANY_TOKENS, policy=H200) == (*default[:3], 4)
         for tokens in (None, 1, NORM_ONLY_MANY_TOKENS - 1):
-            assert launch_shape(num_groups, group, tokens, norm_only=True) == default
+            assert launch_shape(num_groups, group, tokens, True, H200) == default
         for tokens in (NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
-            assert launch_shape(num_groups, group, tokens, norm_only=True) == (*default[:3], 4)
+            assert launch_shape(num_groups, group, tokens, True, H200) == (*default[:3], 4)
 
 
 def test_norm_only_chunks():
@@ -235,16 +250,16 @@ def test_norm_only_chunks():
     is not a power of two, in chunks of >= CHUNK_MIN columns; per_group only where the padded
     block wastes >= 1/4 of its groups."""
     many = MANY_TOKENS
-    assert [norm_only_chunks(7168, s, 128, many) for s in ("static", "per_token", "per_group")] == [7, 7, 1]
-    assert [norm_only_chunks(3072, s, 128, many) for s in ("static", "per_token", "per_group")] == [3, 3, 3]
-    assert norm_only_chunks(5120, "per_group", 128, many) == 5  # 40 of 64 groups
-    assert norm_only_chunks(6144, "per_token", 128, 16384) == 3  # 3 x 2048
+    assert [norm_only_chunks(7168, s, 128, many, H200) for s in ("static", "per_token", "per_group")] == [7, 7, 1]
+    assert [norm_only_chunks(3072, s, 128, many, H200) for s in ("static", "per_token", "per_group")] == [3, 3, 3]
+    assert norm_only_chunks(5120, "per_group", 128, many, H200) == 5  # 40 of 64 groups
+    assert norm_only_chunks(6144, "per_token", 128, 16384, H200) == 3  # 3 x 2048
     for n in (4096, 2560, 1536, 2880):  # a power of two; chunks of 512 / 512 / 64 < CHUNK_MIN
-        assert norm_only_chunks(n, "per_token", 128, many) == 1
+        assert norm_only_chunks(n, "per_token", 128, many, H200) == 1
     for tokens in (None, 1, NORM_ONLY_MANY_TOKENS - 1):
-        assert norm_only_chunks(7168, "per_token", 128, tokens) == 1
-    assert norm_only_chunks(7168, "per_token", 128, NORM_ONLY_MANY_TOKENS) == 7
-    assert norm_only_chunks(3072, "per_group", 1024, many) == 1  # a chunk of one group
+        assert norm_only_chunks(7168, "per_token", 128, tokens, H200) == 1
+    assert norm_only_chunks(7168, "per_token", 128, NORM_ONLY_MANY_TOKENS, H200) == 7
+    assert norm_only_chunks(3072, "per_group", 1024, many, H200) == 1  # a chunk of one group
     assert CHUNKS_MAX >= 7
 
 
@@ -254,14 +269,14 @@ def test_takes_weight_first():
     per_token chunks (where it measured slower)."""
     for tokens in (None, 1, NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
         for scheme in ("static", "per_token", "per_group"):
-            assert takes_weight_first(True, scheme, 1, tokens)
+            assert takes_weight_first(True, scheme, 1, tokens, H200)
     for tokens in (None, 1, NORM_ONLY_MANY_TOKENS - 1):
-        assert not takes_weight_first(False, "per_token", 1, tokens)
+        assert not takes_weight_first(False, "per_token", 1, tokens, H200)
     for tokens in (NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
-        assert takes_weight_first(False, "per_token", 1, tokens)
-        assert takes_weight_first(False, "per_group", 5, tokens)
-        assert not takes_weight_first(False, "per_token", 7, tokens)
-        assert not takes_weight_first(False, "static", 3, tokens)
+        assert takes_weight_first(False, "per_token", 1, tokens, H200)
+        assert takes_weight_first(False, "per_group", 5, tokens, H200)
+        assert not takes_weight_first(False, "per_token", 7, tokens, H200)
+        assert not takes_weight_first(False, "static", 3, tokens, H200)
 
 
 @pytest.mark.parametrize(
@@ -287,7 +302,8 @@ def test_launch_takes_the_chunks(monkeypatch, tokens, scheme, residual, expected
     monkeypatch.setattr(rms_norm_quant_fp8_triton_module, "_rms_norm_quant_fp8_kernel", Recorder())
     x = torch.zeros(tokens, 7168, dtype=torch.bfloat16)
     rms_norm_quant_fp8_triton(
-        x, torch.ones(7168, dtype=torch.bfloat16), 1e-6, 0.0, True, scheme, residual=x if residual else None
+        x, torch.ones(7168, dtype=torch.bfloat16), RMSNormForm(1e-6, 0.0, True), QuantFP8(scheme),
+        residual=x if residual else None, policy=H200,
     )
     (kwargs,) = launches
     launch = ("CHUNKS", "BLOCK_GROUPS", "BLOCK_GROUP", "WEIGHT_FIRST")
@@ -305,7 +321,7 @@ def test_chunks_that_do_not_split_raise(scheme, chunks, with_residual):
     x = torch.randn(2, 256).to(DEVICE)
     with pytest.raises(ValueError) as raised:
         rms_norm_quant_fp8_triton(
-            x, torch.ones(256, device=DEVICE), 1e-6, 0.0, False, scheme, None, 128, False,
+            x, torch.ones(256, device=DEVICE), RMSNormForm(1e-6), QuantFP8(scheme),
             x if with_residual else None, chunks=chunks,
         )  # fmt: skip
     assert "\n" not in str(raised.value)
@@ -333,8 +349,8 @@ def test_at_many_tokens(scheme, rows, hidden, group_size, with_residual):
     """The default launch at many static tokens: codes within one of the reference's, scales and
     new_residual within bf16's tolerance."""
     if not with_residual:
-        assert norm_only_chunks(hidden, scheme, group_size, rows) == _NORM_ONLY_CHUNKS[hidden]
-    case = dict(shape=(rows, hidden), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+        assert norm_only_chunks(hidden, scheme, group_size, rows, H200) == _NORM_ONLY_CHUNKS[hidden]
+    case = dict(policy=H200, shape=(rows, hidden), dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
                 eps=1e-6, weight_offset=0.0, cast_before_weight=True, scheme=scheme,
                 scale=0.01 if scheme == "static" else None, group_size=group_size, scale_ue8m0=False,
                 with_residual=with_residual)  # fmt: skip
@@ -500,7 +516,7 @@ def test_ops_match_the_reference_and_fake(scheme, scale, group_size, scale_ue8m0
     torch.library.opcheck(add_rms_norm_quant_fp8, (x, residual, weight, 1e-6, 0.0, True, *quant))
     q, scales, new_residual = add_rms_norm_quant_fp8(x, residual, weight, 1e-6, 0.0, True, *quant)
     ref_q, ref_scales, ref_residual = add_rms_norm_quant_fp8_reference(
-        x, residual, weight, 1e-6, 0.0, True, *quant
+        x, residual, weight, RMSNormForm(1e-6, 0.0, True), QuantFP8(*quant)
     )
     assert scales is not scale and scales.shape == ref_scales.shape
     torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
@@ -525,9 +541,9 @@ def test_bad_arguments_raise(scheme, scale, group_size, scale_ue8m0):
     weight, scale = torch.ones(256, device=DEVICE), None if scale is None else scale.to(DEVICE)
     for call in (
         lambda: rms_norm_quant_fp8_triton(
-            x, weight, 1e-6, 0.0, False, scheme, scale, group_size, scale_ue8m0
+            x, weight, RMSNormForm(1e-6), QuantFP8(scheme, scale, group_size, scale_ue8m0)
         ),
-        lambda: quant_fp8_reference(x, scheme, scale, group_size, scale_ue8m0),
+        lambda: quant_fp8_reference(x, QuantFP8(scheme, scale, group_size, scale_ue8m0)),
     ):
         with pytest.raises(ValueError) as raised:
             call()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import fusion_passes
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import MIN_SCALE, quant_fp8_reference
+from fusion_passes.lowering.common.fp8 import MIN_SCALE, QuantFP8, quant_fp8_reference
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import (  # noqa: E402
@@ -150,7 +150,7 @@ def test_fp32_scale_has_no_floor(granularity, scheme):
     y[4] = 0.0  # a padding row: torchao 0 / 0 -> NaN codes, scale 0
     y[5] *= 1e-4 / y[5].abs().max()  # amax 1e-4 < 1/512: a scale below MIN_SCALE
     q, s = _torchao_quant(granularity)(y)
-    ref_q, ref_s = quant_fp8_reference(y, scheme, group_size=128)
+    ref_q, ref_s = quant_fp8_reference(y, QuantFP8(scheme, group_size=128))
     assert s.shape == ref_s.shape and s.dtype == ref_s.dtype == torch.float32
     assert torch.equal(_bits(q[:4]), _bits(ref_q[:4])) and torch.equal(s[:4], ref_s[:4])
     assert (s[4] == 0).all() and q[4].float().isnan().all()
@@ -163,6 +163,6 @@ def test_bf16_scale_is_rounded_to_bf16():
     y = torch.randn(64, 256).bfloat16()
     q, s = _torchao_quant("per_row")(y)
     assert torch.equal(s, (y.abs().amax(-1, keepdim=True) / 448.0).float())
-    ref_q, ref_s = quant_fp8_reference(y, "per_token")
+    ref_q, ref_s = quant_fp8_reference(y, QuantFP8("per_token"))
     assert (s != ref_s).sum() > 32  # most rows: a bf16 rounding of amax / 448 is no fp32 one
     assert not torch.equal(_bits(q), _bits(ref_q))

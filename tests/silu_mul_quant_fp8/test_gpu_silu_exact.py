@@ -1,5 +1,5 @@
 """The SiLU + FP8 kernel's silu against torch's CUDA silu on every input, in each of its forms
-(silu_triton.SILU_FORMS): all 2^32 fp32 bit patterns, and every bf16 and fp16
+(silu_mul_quant_fp8/silu.py.SILU_FORMS): all 2^32 fp32 bit patterns, and every bf16 and fp16
 value, bit for bit (NaN as any NaN).
 
 silu_quotient divides without div.rn's per-element range check and slow path; its docstring

@@ -29,12 +29,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fusion_passes.numerics import fp8_codes_apart, fp8_codes_equal, fp8_nan_codes  # noqa: E402
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
-    ue8m0,
-    FP8_DTYPE,
-    FP8_MAX,
-    MIN_SCALE,
-)
+from fusion_passes.lowering.common.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantFP8, ue8m0  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.op import silu_mul_quant_fp8  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.silu import SILU_FORMS, takes_mufu_silu  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import (  # noqa: E402
@@ -120,11 +115,11 @@ def _exact_silu_inputs(case, g):
 def _run(case, gate, up):
     """(kernel outputs, reference outputs), each (codes, scales)."""
     scale = None if case["scale"] is None else torch.tensor(case["scale"], device=DEVICE)
-    args = (case["scheme"], scale, case["group_size"], case["scale_ue8m0"])
-    q, scales = silu_mul_quant_fp8_triton(gate, up, *args, **case.get("launch", {}))
+    quant = QuantFP8(case["scheme"], scale, case["group_size"], case["scale_ue8m0"])
+    q, scales = silu_mul_quant_fp8_triton(gate, up, quant, **case.get("launch", {}))
     assert q.dtype == FP8_DTYPE and q.shape == gate.shape and q.is_contiguous()
     assert scales.dtype == torch.float32 and scales.is_contiguous()
-    return (q, scales), silu_mul_quant_fp8_reference(gate, up, *args)
+    return (q, scales), silu_mul_quant_fp8_reference(gate, up, quant)
 
 
 # numpy warns of exp(89..200) overflowing to inf: the inputs that make silu(g) = -0 exactly.
@@ -272,9 +267,9 @@ def test_silu_form():
 def test_bad_forms_raise():
     gate = torch.randn(4, 256, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="bf16_mufu silu is for bf16 inputs"):
-        silu_mul_quant_fp8_triton(gate, gate.clone(), "per_token", form="bf16_mufu")
+        silu_mul_quant_fp8_triton(gate, gate.clone(), QuantFP8("per_token"), form="bf16_mufu")
     with pytest.raises(ValueError, match="form must be one of"):
-        silu_mul_quant_fp8_triton(gate, gate.clone(), "per_token", form="fast")
+        silu_mul_quant_fp8_triton(gate, gate.clone(), QuantFP8("per_token"), form="fast")
 
 
 def test_launch_layout():
@@ -399,7 +394,7 @@ def test_op_matches_the_reference_and_fake(scheme, scale, group_size, scale_ue8m
     ):
         torch.library.opcheck(silu_mul_quant_fp8, (gate, up, *quant))
         q, scales = silu_mul_quant_fp8(gate, up, *quant)
-        ref_q, ref_scales = silu_mul_quant_fp8_reference(gate, up, *quant)
+        ref_q, ref_scales = silu_mul_quant_fp8_reference(gate, up, QuantFP8(*quant))
         assert scales is not scale and scales.shape == ref_scales.shape
         torch.testing.assert_close(scales, ref_scales, rtol=RTOL[torch.bfloat16], atol=0)
         assert fp8_codes_apart(q, ref_q) <= 1
@@ -427,5 +422,5 @@ def test_bad_arguments_raise(gate, up, scheme, scale, group_size, scale_ue8m0):
     gate, up, scale = tensor(gate), tensor(up), None if scale is None else scale.to(DEVICE)
     for fn in (silu_mul_quant_fp8_triton, silu_mul_quant_fp8_reference):
         with pytest.raises(ValueError) as raised:
-            fn(gate, up, scheme, scale, group_size, scale_ue8m0)
+            fn(gate, up, QuantFP8(scheme, scale, group_size, scale_ue8m0))
         assert "\n" not in str(raised.value)

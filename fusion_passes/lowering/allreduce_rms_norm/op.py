@@ -20,7 +20,7 @@ extends. ``allreduce_rms_norm`` also returns the sum: where no residual is added
 
 The math lives in ``allreduce_add_rms_norm_reference``: it is the implementation on every device
 and backend. On CUDA the op runs the one-shot symmetric-memory kernel
-(``allreduce_add_rms_norm_symm_mem``: reduce + add + norm in one launch) when
+(``allreduce_rms_norm/symm_mem.py``: reduce + add + norm in one launch) when
 ``symm_mem_eligible`` says the group and the rows allow it, else the fallback: the NCCL allreduce
 then the fused add_rms_norm Triton kernel. The choice depends only on what every rank shares (the group,
 x's shape, dtype and layout), so all ranks take the same path. No direct launcher is registered: a
@@ -53,9 +53,9 @@ def one_shot_module():
     path costs host time on every step."""
     global _one_shot_module
     if _one_shot_module is None:
-        from fusion_passes.lowering.allreduce_rms_norm import symm_mem as allreduce_add_rms_norm_symm_mem
+        from fusion_passes.lowering.allreduce_rms_norm import symm_mem
 
-        _one_shot_module = allreduce_add_rms_norm_symm_mem
+        _one_shot_module = symm_mem
     return _one_shot_module
 
 

@@ -1,11 +1,11 @@
 """One-shot allreduce + (residual add +) RMSNorm + FP8 quantization over symmetric memory: the CUDA
 kernel of ``fusion_passes::allreduce_add_rms_norm_quant_fp8`` / ``allreduce_rms_norm_quant_fp8``.
 
-Unfused (the NCCL fallback in allreduce_add_rms_norm_quant_fp8.py: two launches, s through HBM):
+Unfused (the NCCL fallback in allreduce_rms_norm_quant_fp8/op.py: two launches, s through HBM):
     s = all_reduce(x, "sum")                                NCCL kernel; s written to HBM
     q, scales, r = the norm + quantization kernel of rms_norm_quant_fp8_triton, reading s back
 Fused (one launch, ``_one_shot_allreduce_add_rms_norm_quant_fp8_kernel``): the protocol of
-allreduce_add_rms_norm_symm_mem (copy-in, per-program barrier, rank-order fp32 sum: its
+allreduce_rms_norm/symm_mem.py (copy-in, per-program barrier, rank-order fp32 sum: its
 @triton.jit helpers, not a copy), then the epilogue of rms_norm_quant_fp8_triton, in registers:
     s   = to_dtype(sum over ranks 0..W-1, in that order, of f32(x_rank))
     r   = to_dtype(f32(s) + f32(residual))              add form; stored (new_residual), else s
@@ -31,7 +31,7 @@ of N columns), so one reduction over the last axis gives a group's or a row's am
 for the block comes from ``one_shot_sum`` with 3-D offsets into the buffer half, whose row stride
 is N. The copy-in stays 2-D ([ROWS, next_power_of_2(N)], ``one_shot_copy_in``).
 
-Workspace: allreduce_add_rms_norm_symm_mem's, the same object (``workspaces[(group_name, device
+Workspace: allreduce_rms_norm/symm_mem.py's, the same object (``workspaces[(group_name, device
 index, dtype, hidden)]``: buffer halves, per-program epochs, peer addresses). Sharing it with the
 non-quantizing kernel is safe only because both map rows to programs alike: its protocol argument
 needs every buffer region to belong to one program index for any mix of calls. Row block i
@@ -41,11 +41,11 @@ layout: for a group size that is not a power of two the padded [GROUPS, GROUP] b
 wider than next_power_of_2(N), the same rows, only more registers. The number of warps is
 rms_norm_quant_fp8_triton's (``launch_shape``: ``launch_config`` of the padded block at every row
 count this kernel takes), so the norm's reduction tree is the fallback kernel's. One exception:
-without a residual, from ``NORM_ONLY_MANY_TOKENS`` (512) rows, the fallback kernel holds a row in
-exact chunks at 4 warps (another summation order: a code apart now and then), so there this kernel
+without a residual, from the launch table's ``norm_only_many_tokens`` (512 on an H200) rows, the
+fallback kernel holds a row in exact chunks at 4 warps (another summation order: a code apart now and then), so there this kernel
 equals that kernel's padded launch (``chunks=1`` and the default warps), not its default one.
 
-Liveness, CUDA-graph safety and the barrier are as allreduce_add_rms_norm_symm_mem's docstring
+Liveness, CUDA-graph safety and the barrier are as allreduce_rms_norm/symm_mem.py's docstring
 states them: same helpers, same grid (min(blocks, max_programs), grid-stride loop). Rows beyond
 one workspace half (MAX_ROWS) take the NCCL fallback (``symm_mem_eligible`` without ``chunked``).
 The launch goes through ``fast_launch.FastLauncher`` (the op is a dispatcher call on every step,
@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.op import (
+from fusion_passes.lowering.allreduce_rms_norm_quant_fp8.reference import (
     check_allreduce_rms_norm_quant_fp8_args,
 )
 from fusion_passes.lowering.allreduce_rms_norm.symm_mem import (
@@ -77,12 +77,11 @@ from fusion_passes.lowering.allreduce_rms_norm.symm_mem import (
     require_eligible,
 )
 from fusion_passes.lowering.common.fast_launch import FastLauncher, specialization_key
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_DTYPE
-from fusion_passes.lowering.rms_norm_quant_fp8.triton import (
-    launch_shape,
-    load_static_scale,
-    rms_norm_quantize_block,
-)
+from fusion_passes.lowering.common.fp8 import FP8_DTYPE, QuantFP8
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
+from fusion_passes.lowering.common.fp8_triton import load_static_scale
+from fusion_passes.lowering.rms_norm_quant_fp8.launch import launch_shape
+from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quantize_block
 
 
 # M and rank are not specialised (Triton would make a value of 1 a constant): every rank then runs
@@ -183,25 +182,22 @@ def launch_on_workspace(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    scheme: str,
-    scale: torch.Tensor | None,
-    group_size: int,
-    scale_ue8m0: bool,
+    norm: RMSNormForm,
+    quant: QuantFP8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernel on ``workspace`` (the group's, see launch_eligible) for checked arguments:
     returns (codes, scales, r): codes a new fp8 tensor of x's shape; scales the given scale
     (static) or new fp32 [..., 1] / [..., N / group_size]; r the new residual (residual given) or
     the reduced sum (residual None), a new tensor of x's shape and dtype. A seam for the CPU test,
     which runs the kernel under the Triton interpreter on workspaces of CPU tensors."""
+    eps, weight_offset, cast_before_weight = norm
+    scheme, scale, _, scale_ue8m0 = quant
     n = x.shape[-1]
-    num_groups, group = (n // group_size, group_size) if scheme == "per_group" else (1, n)
+    num_groups, group = quant.groups(n)
     weight = weight.contiguous()  # read at unit stride
     x_rows, stride_x, residual_rows, stride_residual = caller_rows(x, residual)
     m = x.numel() // n
-    # The kernel writes the codes as bytes (rms_norm_quant_fp8_triton's _fp8_e4m3fn_codes).
+    # The kernel writes the codes as bytes (common/fp8_triton.py's _fp8_e4m3fn_codes).
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = scale
     if scale is None:
@@ -278,46 +274,28 @@ def launch_eligible(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    scheme: str,
-    scale: torch.Tensor | None,
-    group_size: int,
-    scale_ue8m0: bool,
+    norm: RMSNormForm,
+    quant: QuantFP8,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch behind both ops, for a caller that has checked the arguments and got None from
     ``symm_mem_eligible(x, group_name)`` (which made the workspace): see launch_on_workspace."""
     workspace = workspaces[(group_name, x.device.index, x.dtype, x.shape[-1])]
-    return launch_on_workspace(
-        workspace, x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale,
-        group_size, scale_ue8m0,
-    )  # fmt: skip
+    return launch_on_workspace(workspace, x, residual, weight, norm, quant)
 
 
 def one_shot(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    scheme: str,
-    scale: torch.Tensor | None,
-    group_size: int,
-    scale_ue8m0: bool,
+    norm: RMSNormForm,
+    quant: QuantFP8,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one-shot kernel on its own (no fallback): (codes, scales, r) of the quantized
     rms_norm(r), r = s + residual or r = s without one, s = sum of x over the group (the static
     scheme's scales are the given tensor, not a copy). Raises ValueError for arguments the ops
     do not define, RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
-    check_allreduce_rms_norm_quant_fp8_args(
-        x, weight, weight_offset, cast_before_weight, scheme, scale, group_size, scale_ue8m0, residual
-    )
+    check_allreduce_rms_norm_quant_fp8_args(x, weight, norm, quant, residual)
     require_eligible(x, group_name, "allreduce_add_rms_norm_quant_fp8")
-    return launch_eligible(
-        x, residual, weight, eps, weight_offset, cast_before_weight, scheme, scale, group_size,
-        scale_ue8m0, group_name,
-    )  # fmt: skip
+    return launch_eligible(x, residual, weight, norm, quant, group_name)

@@ -2,7 +2,7 @@
 dispatch path, and the record of which path they took at run time.
 
 Why not ``torch.library.custom_op`` as the other fused ops: a collective op is always a dispatcher
-call (never inlined by Inductor as a bare Triton launch, see allreduce_add_rms_norm.py), so its
+call (never inlined by Inductor as a bare Triton launch, see allreduce_rms_norm/op.py), so its
 host cost is paid on every call, and at decode sizes that cost is the step time unless a CUDA
 graph hides it. custom_op wraps the kernel in a Python autograd layer, a dynamo-disable frame and
 an output-aliasing check: on one H200 host, 72.6 us per call against 41.3 us for the launch it

@@ -1,5 +1,5 @@
 """Launch a Triton kernel with less host time than ``kernel[grid](...)``, for ops that stay
-dispatcher calls on every step (the collective ops: see collective_ops.py).
+dispatcher calls on every step (the collective ops: see common/collective_ops.py).
 
 ``kernel[grid](*args)`` re-derives, on every call, the specialization of every argument (Triton's
 binder: dtype, 16-byte alignment of each pointer, 1 / multiple-of-16 / int32-range of each

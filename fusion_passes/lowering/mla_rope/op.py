@@ -106,50 +106,38 @@ def mla_indexer_k_norm_rope(
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
 @mla_kv_norm_rope.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_kv_norm_rope.default)
-def _mla_kv_norm_rope_cuda(
-    kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
-    *, wrap=None,
-):  # fmt: skip
+def _mla_kv_norm_rope_cuda(*args, wrap=None):
     from fusion_passes.lowering.mla_rope.triton import mla_kv_norm_rope_triton
 
-    return mla_kv_norm_rope_triton(
-        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, wrap=wrap
-    )
+    return mla_kv_norm_rope_triton(*args, wrap=wrap)
 
 
 @mla_q_rope.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_q_rope.default)
-def _mla_q_rope_cuda(q, cos, sin, rope_first=False, interleave=True, heads_first=True, *, wrap=None):
+def _mla_q_rope_cuda(*args, wrap=None):
     from fusion_passes.lowering.mla_rope.triton import mla_q_rope_triton
 
-    return mla_q_rope_triton(q, cos, sin, rope_first, interleave, heads_first, wrap=wrap)
+    return mla_q_rope_triton(*args, wrap=wrap)
 
 
 @mla_q_kv_rope.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_q_kv_rope.default)
-def _mla_q_kv_rope_cuda(
-    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True,
-    *, wrap=None,
-):  # fmt: skip
+def _mla_q_kv_rope_cuda(*args, wrap=None):
     from fusion_passes.lowering.mla_rope.triton import mla_q_kv_rope_triton
 
-    return mla_q_kv_rope_triton(
-        q, kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, wrap=wrap
-    )
+    return mla_q_kv_rope_triton(*args, wrap=wrap)
 
 
 @mla_indexer_k_norm_rope.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_indexer_k_norm_rope.default)
-def _mla_indexer_k_norm_rope_cuda(k, weight, bias, cos, sin, eps, interleave=False, *, wrap=None):
+def _mla_indexer_k_norm_rope_cuda(*args, wrap=None):
     from fusion_passes.lowering.mla_rope.triton import mla_indexer_k_norm_rope_triton
 
-    return mla_indexer_k_norm_rope_triton(k, weight, bias, cos, sin, eps, interleave, wrap=wrap)
+    return mla_indexer_k_norm_rope_triton(*args, wrap=wrap)
 
 
 @mla_kv_norm_rope.register_fake
-def _mla_kv_norm_rope_fake(
-    kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True
-):
+def _mla_kv_norm_rope_fake(kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True):
     p = rope_dim(cos, interleave)
     lead = kv.shape[:-1]
     return kv.new_empty((*lead, kv.shape[-1] - p)), kv.new_empty((*lead, p))
@@ -164,15 +152,11 @@ def _mla_q_rope_fake(q, cos, sin, rope_first=False, interleave=True, heads_first
 
 
 @mla_q_kv_rope.register_fake
-def _mla_q_kv_rope_fake(
-    q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True
-):
-    normed, k_pe = _mla_kv_norm_rope_fake(
-        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
-    )
+def _mla_q_kv_rope_fake(q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True):
+    normed, k_pe = _mla_kv_norm_rope_fake(kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave)
     return _mla_q_rope_fake(q, cos, sin, False, interleave, True), normed, k_pe
 
 
 @mla_indexer_k_norm_rope.register_fake
-def _mla_indexer_k_norm_rope_fake(k, weight, bias, cos, sin, eps, interleave=False):
+def _mla_indexer_k_norm_rope_fake(k, *args):
     return k.new_empty(k.shape)

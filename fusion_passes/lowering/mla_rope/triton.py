@@ -1,4 +1,4 @@
-"""Triton kernels of the DeepSeek V3 / V3.2 pre-attention ops (see mla_rope_reference.py).
+"""Triton kernels of the DeepSeek V3 / V3.2 pre-attention ops (see mla_rope/reference.py).
 
 Unfused (stock Inductor): the kv branch is an RMSNorm kernel on the latent plus a RoPE kernel on
     k_pe (each reading its slice of kv_a_proj_with_mqa's output); the q branch a RoPE + cat kernel

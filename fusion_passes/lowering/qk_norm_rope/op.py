@@ -47,26 +47,10 @@ def qk_norm_rope(
 # The CUDA kernel doubles as the direct launcher (`wrap` given when Inductor inlines the launch).
 @qk_norm_rope.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.qk_norm_rope.default)
-def _qk_norm_rope_cuda(
-    q,
-    k,
-    q_weight,
-    k_weight,
-    cos,
-    sin,
-    eps,
-    weight_offset=0.0,
-    cast_before_weight=True,
-    norm_per_head=True,
-    *,
-    wrap=None,
-):
+def _qk_norm_rope_cuda(*args, wrap=None):
     from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_triton
 
-    return qk_norm_rope_triton(
-        q, k, q_weight, k_weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head,
-        wrap=wrap,
-    )  # fmt: skip
+    return qk_norm_rope_triton(*args, wrap=wrap)
 
 
 def _transposed_output(x: torch.Tensor) -> torch.Tensor:
@@ -75,19 +59,6 @@ def _transposed_output(x: torch.Tensor) -> torch.Tensor:
 
 
 @qk_norm_rope.register_fake
-def _qk_norm_rope_fake(
-    q,
-    k,
-    q_weight,
-    k_weight,
-    cos,
-    sin,
-    eps,
-    weight_offset=0.0,
-    cast_before_weight=True,
-    norm_per_head=True,
-):
-    check_qk_norm_rope_args(
-        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head
-    )
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, cos, sin, eps, *form):
+    check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin, *form)
     return _transposed_output(q), _transposed_output(k)

@@ -38,9 +38,9 @@ def check_qk_norm_rope_args(
     k_weight: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    weight_offset: float,
-    cast_before_weight: bool,
-    norm_per_head: bool,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    norm_per_head: bool = True,
 ) -> None:
     """Raise ValueError (one line) for inputs the canonical op does not define."""
     if q.dim() != 4 or k.dim() != 4:

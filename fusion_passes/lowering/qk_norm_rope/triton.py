@@ -9,7 +9,7 @@ Fused:   one grid; programs [0, q_programs) take q rows, the rest k rows. Each p
     dims and the pass-through dims, so rotate_half needs no data movement: full RoPE, and the
     whole-row norm, whose steps of heads are all held at once), or as a whole-head tile and a
     rotary tile with shifted partner loads that L1 serves (partial RoPE); it reduces the squares
-    in fp32 and writes each output element once, rounding exactly where qk_norm_rope_reference.py
+    in fp32 and writes each output element once, rounding exactly where qk_norm_rope/reference.py
     does:
         y        = to_x_dtype(scaled norm)                      (rms_norm's two rounding forms)
         out[:R/2]  = to_x_dtype(to_x_dtype(y1 * c1) - to_x_dtype(y2 * s1))
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
-from fusion_passes.lowering.rms_norm.triton import scale_by_weight
+from fusion_passes.lowering.common.norm_triton import scale_by_weight
 
 # Per-head mode: elements one program handles (ROWS heads of D). Small enough that a decode step
 # (1 token, 64 + 4 heads of 128) still spreads over several programs, large enough that 16k-token

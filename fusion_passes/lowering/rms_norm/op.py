@@ -55,28 +55,26 @@ def add_rms_norm(
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
 @rms_norm.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.rms_norm.default)
-def _rms_norm_cuda(x, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap=None):
+def _rms_norm_cuda(x, weight, *norm, wrap=None):
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight, wrap=wrap)[0]
+    return rms_norm_triton(x, weight, *norm, wrap=wrap)[0]
 
 
 @add_rms_norm.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.add_rms_norm.default)
-def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset=0.0, cast_before_weight=False, *, wrap=None):
+def _add_rms_norm_cuda(x, residual, weight, *norm, wrap=None):
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
 
-    return rms_norm_triton(
-        x, weight, eps, weight_offset, cast_before_weight, residual=residual, wrap=wrap
-    )
+    return rms_norm_triton(x, weight, *norm, residual=residual, wrap=wrap)
 
 
 @rms_norm.register_fake
-def _rms_norm_fake(x, weight, eps, weight_offset=0.0, cast_before_weight=False):
+def _rms_norm_fake(x, weight, *norm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @add_rms_norm.register_fake
-def _add_rms_norm_fake(x, residual, weight, eps, weight_offset=0.0, cast_before_weight=False):
+def _add_rms_norm_fake(x, residual, weight, *norm):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -15,9 +15,21 @@ In fp32 graphs the two forms coincide.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class RMSNormForm(NamedTuple):
+    """The scalars that say how a spelling normalises and rounds, in the ops' schema order (so
+    ``op(x, weight, *norm)`` calls an op with them): the ops that extend a norm (FP8
+    quantization, the allreduce) take them as one value."""
+
+    eps: float  # added to mean(r^2) before the rsqrt
+    weight_offset: float = 0.0  # the (1 + w) form's 1.0 (fp32-weight form only)
+    cast_before_weight: bool = False  # Llama form: n rounded to x.dtype before the weight
 
 
 def check_rms_norm_args(

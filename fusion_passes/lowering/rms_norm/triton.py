@@ -2,7 +2,7 @@
 
 Unfused: r = x + residual (rounded to x.dtype), then rms_norm(r): two passes over the rows,
     reading x, residual, writing r, then reading r again and writing y.
-Fused:   one pass per row, all math in fp32, rounding exactly where rms_norm_reference.py does:
+Fused:   one pass per row, all math in fp32, rounding exactly where rms_norm/reference.py does:
     r   = to_x_dtype(f32(x) + f32(residual))          stored as new_residual (add form only)
     n   = f32(r) * rsqrt(sum(f32(r)^2) / N + eps)
     cast_before_weight (Llama form):  y = to_x_dtype(f32(to_x_dtype(n)) * f32(weight))
@@ -20,27 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_passes.lowering.common.norm_triton import scale_by_weight
+from fusion_passes.lowering.common.rows import as_rows, launch_config
 from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
-
-# Elements one program works on at once (ROWS_PER_PROGRAM * BLOCK_N): rows narrower than 4096 are
-# packed several to a program, so small hidden sizes do not launch one tiny program per row.
-_ELEMENTS_PER_PROGRAM = 4096
-# Threads per program: the most warps that still leave each thread 16 to 32 real (unmasked)
-# elements. Measured on an H200 (bf16 Llama-form RMSNorm, 4096 tokens, CUDA graph): hidden 7168
-# ran 30.8 us at 8 warps (28 per thread) against 32.4 at 16; hidden 3072 13.8 us at 4 warps (24)
-# against 14.6 at 8; hidden 4096 18.5 us at 8 warps (16) against 18.7 at 4.
-_ELEMENTS_PER_WARP = 16 * 32
-_MAX_WARPS = 32  # 1024 threads, the most a program may have
-
-
-@triton.jit
-def scale_by_weight(n, w, weight_offset, dtype, CAST_BEFORE_WEIGHT: tl.constexpr):
-    """The two rounding forms of the reference, in fp32 (shared by every norm kernel):
-    Llama rounds n to x.dtype before scaling; the fp32-weight form scales by w + weight_offset."""
-    if CAST_BEFORE_WEIGHT:
-        return n.to(dtype).to(tl.float32) * w
-    return n * (w + weight_offset)
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -87,23 +69,6 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(r * r, axis=1) / N + eps)
     y = scale_by_weight(r * rstd[:, None], w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
     tl.store(out_ptr + rows * N + cols[None, :], y.to(dtype), mask=mask)
-
-
-def launch_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS_PER_PROGRAM, num_warps) for rows of n elements; independent of the row count,
-    so a dynamic token count never re-specialises the kernel."""
-    block_n = triton.next_power_of_2(n)
-    rows_per_program = max(1, _ELEMENTS_PER_PROGRAM // block_n)
-    warps_for_16_per_thread = max(1, rows_per_program * n // _ELEMENTS_PER_WARP)
-    # Round down to a power of two: between 16 and 32 real elements per thread.
-    num_warps = min(_MAX_WARPS, 1 << (warps_for_16_per_thread.bit_length() - 1))
-    return block_n, rows_per_program, num_warps
-
-
-def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View t as [M, N] rows with unit column stride (copying only when no such view exists)."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def rms_norm_triton(

@@ -23,55 +23,26 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import (
-    FP8_DTYPE,
-    FP8_MAX,
-    MIN_SCALE,
-    check_quant_args,
+from fusion_passes.lowering.common.fp8 import FP8_DTYPE, QuantFP8
+from fusion_passes.lowering.common.fp8_triton import (
+    load_static_scale,
+    max_keeping_nan,
+    scales_of,
+    store_codes,
+    store_quantized,
+    store_scales,
 )
-from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
-from fusion_passes.lowering.rms_norm.triton import as_rows, launch_config, scale_by_weight
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
-# fp32(1 / 448), rounded once as torch's CUDA division by a scalar rounds it (448 = 7 * 2^6).
-_RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
-
-
-@triton.jit
-def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
-    """The float8_e4m3fn bit patterns (as uint8) of fp32 values |v| <= 448, rounded to nearest,
-    ties to even: the integer steps of c10's fp8e4m3fn_from_fp32_value, which torch's
-    .to(torch.float8_e4m3fn) runs, less its NaN and overflow branches.
-
-    Why not v.to(tl.float8e4nv): Triton 3.6's interpreter converts fp32 to fp8 with its own bit
-    arithmetic, which rounds ties away from zero, flushes the fp8 subnormals (|v| < 2^-6) to zero
-    and ORs a mantissa rounded up past 7 into the exponent (probed: 1e-3 gave 0, not 2^-9; 100.0
-    gave 104.0, not 96.0; 7.9 gave 4.0, not 8.0). These integer steps give torch's codes in the
-    interpreter and compiled alike, and need no fp8 type in either: the kernel stores bytes.
-
-    A NaN gives torch's NaN code, 0x7F with v's sign bit.
-
-    HW_CONVERT (compiled for a GPU): the hardware conversion instead (cvt.rn.satfinite, round to
-    nearest even, subnormals kept, NaN to NaN: the same codes), one instruction per two values
-    where the integer steps take about a dozen per value: at 16384 x 7168 that is ~1.4G
-    instructions. satfinite also saturates |v| > 448 to +-448, so the caller's clamp is not
-    needed on this path."""
-    if HW_CONVERT:
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    # |v| < 2^-6, the subnormals (steps of 2^-9): fp32's ulp at 2^14 is 2^-9, so the fp32 sum
-    # 2^14 + |v| rounds |v| to the nearest step, ties to even; its low bits count the steps.
-    sum_bits = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
-    subnormal = sum_bits - (141 << 23)
-    # Normal: rebias the exponent (127 to 7) and round off 20 mantissa bits to nearest even; a
-    # mantissa that rounds up past 7 carries into the exponent.
-    normal = (magnitude - (120 << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
-    code = tl.where(magnitude < (121 << 23), subnormal, normal)
-    return (tl.where(magnitude > 0x7F800000, 0x7F, code) | sign).to(tl.uint8)
-
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm, check_rms_norm_args
+from fusion_passes.lowering.rms_norm_quant_fp8.launch import (
+    NormQuantLaunch,
+    check_chunks_override,
+    launch_policy,
+    launch_shape,
+    norm_only_chunks,
+    takes_weight_first,
+)
+from fusion_passes.lowering.common.rows import as_rows
+from fusion_passes.lowering.common.norm_triton import scale_by_weight
 
 @triton.jit
 def after_weight(x, w, N):
@@ -90,172 +61,6 @@ def after_weight(x, w, N):
     w_bits = w.to(tl.int16 if w.dtype.primitive_bitwidth == 16 else tl.int32, bitcast=True).to(bits)
     zero = tl.cast(N >> 31, bits)  # tl.cast: N is a Python int where specialised (N == 1)
     return (x.to(bits, bitcast=True) | (w_bits & zero)).to(x.dtype, bitcast=True)
-
-
-@triton.jit
-def max_keeping_nan(a, b):
-    """max.NaN: a NaN operand gives NaN (tl.reduce's combine for an amax that keeps NaN)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def exact_quotient(y, scale):
-    """y / scale[:, :, None] rounded to nearest even, as div_rn gives it, for the computed scales
-    (positive, or NaN from a NaN row) and static ones of 2^-100..2^100 in magnitude (either
-    sign), by Markstein's theorem: with rcp = RN(1 / scale),
-    q0 = RN(y * rcp) lies within one ulp of y / scale, the residual y - scale * q0 is exact in
-    one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient, while everything
-    stays in fp32's normal range: |y| >= 2^-100 (the residual, ~2^-24 |y|, must not underflow)
-    and 2^-100 <= |y / scale| <= 2^100, which holds the kernels' quotients (at most 448: |y| <=
-    amax = 448 * scale). Smaller y or quotients give a signed fp8 zero either way. One
-    division per group, then one multiply and two fmas per element, where div.rn costs a range
-    check (FCHK) and a Newton sequence per element, and a slow-path call per zero numerator.
-
-    The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign for a positive
-    scale: -0 gives -0, as -0 / scale does (a negative scale would give +0 for both zeros).
-    Negation is a multiply by -1: Triton's unary minus is 0 - x, which turns -0 into +0. An
-    infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale, leaving q0 = y * 0 (a
-    signed zero; NaN for an infinite y), as y / inf gives it.
-    Compiled for a GPU only: the interpreter's fma rounds the product first."""
-    # != inf, not < inf: a NaN scale must stay NaN (rcp NaN gives NaN codes, as NaN / NaN).
-    not_inf = scale != float("inf")
-    rcp = tl.where(not_inf, tl.div_rn(1.0, scale), 0.0)[:, :, None]
-    fma_scale = tl.where(not_inf, scale, 0.0)[:, :, None]
-    q0 = y * rcp
-    neg_residual = tl.fma(q0, fma_scale, y * -1.0)
-    return tl.fma(neg_residual * -1.0, rcp, q0)
-
-
-@triton.jit
-def _static_quotient(y, given, scale, mask):
-    """y / scale[:, :, None] for the given (static) scale, as far as the clamp to +-448 can tell:
-    exact_quotient for a scale of 2^-100 <= |scale| <= 2^100, with |y| first bounded by
-    449 |scale| (a larger quotient clamps to +-448 either way; the bound keeps the quotient in
-    exact_quotient's range); any other scale (0, subnormal, huge, NaN: a caller's mistake) takes
-    div.rn, with masked lanes dividing 1, not their 0 (a zero numerator is div.rn's slow path)."""
-    s = tl.abs(given)
-    if (s >= 2.0**-100) & (s <= 2.0**100):
-        bound = 449.0 * s
-        y = tl.minimum(tl.maximum(y, -bound, propagate_nan=tl.PropagateNan.ALL), bound,
-                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-        # exact_quotient keeps a zero's sign for positive scales only: divide -y by |scale|
-        # (y / -3 = -y / 3 exactly, +0 / -3 = -0 included).
-        if given < 0:
-            y = y * -1.0
-        q = exact_quotient(y, tl.abs(scale))
-    else:
-        q = tl.div_rn(tl.where(mask, y, 1.0), scale[:, :, None])
-    return q
-
-
-@triton.jit
-def load_static_scale(scale_ptr, STATIC: tl.constexpr):
-    """The given scale of the static scheme (1.0, unused, otherwise). Kernels load it first: read
-    where it is used, it sat behind the row reduction's two bar.sync in the norm kernel's SASS,
-    one dependent load latency more on every call (the whole kernel at decode sizes)."""
-    if STATIC:
-        given = tl.load(scale_ptr)
-    else:
-        given = 1.0
-    return given
-
-
-@triton.jit
-def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constexpr):
-    """scale = max(amax / 448, MIN_SCALE), rounded up to a power of two under SCALE_UE8M0."""
-    # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
-    # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
-    # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
-    # division on NVIDIA GPUs (div.full.f32, 2 ulp).
-    if AMAX_TIMES_RECIPROCAL:
-        scale = amax * _RECIPROCAL_FP8_MAX
-    else:
-        scale = tl.div_rn(amax, _FP8_MAX)
-    scale = tl.maximum(scale, _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
-    if SCALE_UE8M0:
-        # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one
-        # (a NaN's would carry out of the exponent: it stays NaN).
-        scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-        scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
-    return scale
-
-
-@triton.jit
-def store_scales(
-    amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0: tl.constexpr,
-    AMAX_TIMES_RECIPROCAL: tl.constexpr,
-):  # fmt: skip
-    """scales_of(amax) per group, stored at scale_ptr[rows * num_groups + groups] and returned
-    [ROWS, GROUPS] (store_quantized's computed scales; arguments as there)."""
-    scale = scales_of(amax, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL)
-    tl.store(scale_ptr + rows[:, None] * num_groups + groups[None, :], scale, mask=group_mask)
-    return scale
-
-
-@triton.jit
-def store_quantized(
-    y,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the model's activation (rounded to its dtype)
-    q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
-    scale_ptr,  # *fp32 [M, num_groups]: the computed scales (written; not used when STATIC)
-    given,  # fp32: the static scale (load_static_scale), used when STATIC
-    rows,  # int64 [ROWS]: this program's rows
-    groups,  # [BLOCK_GROUPS]: group indices
-    rows_3d,  # rows[:, None, None]
-    cols,  # [1, BLOCK_GROUPS, BLOCK_GROUP]: column of each element
-    N,  # row length
-    num_groups,  # groups per row (1 unless per_group)
-    group_mask,  # [ROWS, BLOCK_GROUPS]: real rows and groups
-    mask,  # [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: real elements
-    more_amax,  # fp32 [ROWS, BLOCK_GROUPS] or 0.0: the amax of the groups' columns not in y
-    ROWS: tl.constexpr,
-    BLOCK_GROUPS: tl.constexpr,
-    STATIC: tl.constexpr,
-    SCALE_UE8M0: tl.constexpr,
-    AMAX_TIMES_RECIPROCAL: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-):
-    """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
-    then codes = fp8(clamp(y / scale, -448, 448)); returns the scales [ROWS, BLOCK_GROUPS] so a
-    caller holding a group in two blocks quantizes the other with store_codes. Shared by every
-    "... + FP8 quantization" kernel. NaN propagates as in torch: a NaN in a group makes its amax,
-    its scale and so all its codes NaN (tl.max and tl.maximum would drop it: PTX max.f32 returns
-    the operand that is not NaN)."""
-    if STATIC:
-        scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
-    else:
-        # Masked elements hold 0: nothing to the amax.
-        amax = max_keeping_nan(tl.reduce(tl.abs(y), 2, max_keeping_nan), more_amax)
-        scale = store_scales(amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0,
-                             AMAX_TIMES_RECIPROCAL)  # fmt: skip
-    store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT, SCALE_UE8M0)
-    return scale
-
-
-@triton.jit
-def store_codes(
-    y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC: tl.constexpr, HW_CONVERT: tl.constexpr,
-    SCALE_UE8M0: tl.constexpr,
-):  # fmt: skip
-    """codes = fp8(clamp(y / scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
-    (store_quantized's second half, arguments as there)."""
-    if not HW_CONVERT:
-        q = tl.div_rn(y, scale[:, :, None])
-    elif STATIC:
-        q = _static_quotient(y, given, scale, mask)
-    elif SCALE_UE8M0:
-        # A computed UE8M0 scale is a power of two (2^-17 .. 2^120), inf or NaN, so 1 / scale is
-        # exact and y * (1 / scale) is y / scale exactly: exact_quotient's two fmas add nothing
-        # (on one H200, norm-only per_group 1.00-1.06x, 1.03-1.06x at >= 4096 tokens; add+norm
-        # 1.00-1.04x; silu 1.00-1.02x; codes and scales equal bit for bit). The product rounds
-        # only below 2^-126, where every quotient is a signed fp8 zero anyway (|q| < 2^-10); an
-        # infinite scale gives y * 0, a signed zero (NaN for an infinite y) as y / inf does.
-        q = y * tl.div_rn(1.0, scale)[:, :, None]
-    else:
-        q = exact_quotient(y, scale)
-    if not HW_CONVERT:  # cvt.rn.satfinite saturates to +-448 itself (2 instructions an element)
-        q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
-                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
 
 
 @triton.jit
@@ -440,113 +245,11 @@ def _rms_norm_quant_fp8_kernel(
     )  # fmt: skip
 
 
-# Static token counts from which the residual form takes MANY_TOKENS_WARPS warps (norm-only rows:
-# from NORM_ONLY_MANY_TOKENS). Measured on one H200 (bf16, the kernel alone in a CUDA graph), 4
-# warps against the default:
-# - norm-only, default 16 / 8 / 8 warps at hidden 7168 / 4096 / 3072: 27.65 / 16.14 / 14.00 us
-#   against 32.42 / 21.17 / 19.51 at 4096 tokens, 1.11-1.20x at 16384; at 512-2048 tokens 4 warps
-#   with chunks (below) 1.03-1.56x (7168 per_token 6.08 / 9.41 / 14.78 us against 7.10 / 10.50 /
-#   17.99 at 512 / 1024 / 2048, 5120 static 11.00 against 17.14 at 2048), 4 warps alone (4096,
-#   7168 per_group) 0.99-1.09x; at 256 tokens 0.93-1.12x (7168 static 4.54 against 4.24), so not;
-# - with the residual, 4096 / 16384 tokens: hidden 7168 (default 16) per_group 55.87 / 211.48 us
-#   against 52.67 / 195.75, static and per_token within 1%; 5120 (16) 1.01-1.12x; 3072 (8)
-#   1.00-1.03x. At 1024-2048 tokens 8 warps were 1.00-1.11x the default and 4 up to 0.96x; the
-#   one-shot allreduce kernel (<= MAX_ROWS = 2048 rows) takes this kernel's default warps to equal
-#   its fallback bit for bit, so the residual form keeps the default below MANY_TOKENS.
-# At 1-64 tokens the default was best.
-MANY_TOKENS = 4096
-NORM_ONLY_MANY_TOKENS = 512
-MANY_TOKENS_WARPS = 4
-
-
-# Norm-only rows at >= NORM_ONLY_MANY_TOKENS static tokens are held in N / CHUNK exact chunks
-# of CHUNK = N's largest power-of-two factor (7168 = 7 x 1024, 3072 = 3 x 1024, 5120 = 5 x 1024),
-# not one padded block. Measured on one H200 (bf16, the kernel alone in a CUDA graph), chunks
-# against the padded block at 4096 / 16384 tokens: 7168 per_token 1.07x / 1.09x, static 1.15x /
-# 1.15x, per_group 0.95x / 0.94x (a prototype); 3072 1.17x / 1.16x, 1.25x / 1.29x, 1.12x / 1.14x;
-# 5120 and 6144 1.15-1.52x; at 512-2048 tokens as in the warps comment above; at 1-64 tokens
-# 0.85-1.02x (not taken there). With the residual 0.75-0.85x at 7168 (per_group 70.64 us against
-# 52.67 at 4096 tokens), 0.95-1.05x at 3072 and 5120: the residual form keeps the padded block.
-# Per_group takes chunks only where the padded block wastes >= 1/4 of its groups (3072's 24 of 32
-# groups, not 7168's 56 of 64: 0.97x / 1.00x at 4096 / 16384 tokens, with the scales stored
-# once). A chunk is at least CHUNK_MIN columns (8 bf16 a thread at 4 warps, one 16-byte load) and
-# a row at most CHUNKS_MAX chunks (each chunk is unrolled code).
-CHUNK_MIN = 1024
-CHUNKS_MAX = 16
-
-
-def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None) -> int:
-    """Chunks the norm-only kernel holds a row of n columns in at a static token count (None:
-    dynamic): 1 (one padded block) unless the comment above takes chunks."""
-    if tokens is None or tokens < NORM_ONLY_MANY_TOKENS:
-        return 1
-    chunk = n & -n
-    if (
-        chunk == n
-        or chunk < CHUNK_MIN
-        or n // chunk > CHUNKS_MAX
-        or _chunk_problem(n, scheme, group_size, n // chunk)
-    ):
-        return 1
-    groups = n // group_size
-    if scheme == "per_group" and 4 * groups > 3 * triton.next_power_of_2(groups):
-        return 1
-    return n // chunk
-
-
-# Where the kernel makes the row depend on the weight (after_weight, WEIGHT_FIRST). Measured on
-# one H200 (bf16, the kernel alone in a CUDA graph, codes equal bit for bit), with against
-# without, in two runs of the Llama form:
-# - with the residual: hidden 5120 (a padded block of 8192) 1.02-1.07x at 512 tokens, 1.02-1.12x
-#   at 2048, 1.09-1.12x at 4096-16384 (static 41.97 -> 38.04 us at 4096); 7168 1.02-1.11x at
-#   512-2048, 1.02x at 4096, 0.99-1.00x at 16384; 4096 and 3072 1.00-1.09x; 0.98-1.02x at 1 and
-#   64 tokens. Taken at every token count;
-# - norm-only in one padded block (hidden 4096; 7168 per_group) 1.00-1.11x at 512-4096 tokens
-#   (4096 per_token 16.08 -> 15.04), 0.96-1.02x at 16384 (where the two runs spread by 5%);
-#   per_group in chunks (5120, 3072) 1.00-1.06x; static and per_token in chunks (7168, 5120,
-#   3072) 0.92-1.01x (3072 static 12.32 -> 13.25 at 4096), the LOP3s only adding instructions
-#   where ptxas had issued most loads early. 0.97-1.01x at 1 and 64 tokens. Taken for norm-only
-#   from NORM_ONLY_MANY_TOKENS static tokens, except static and per_token rows in chunks;
-# - Qwen3-Next's form (fp32 weight, offset 1) at 4096 tokens: per_group 1.12x (7168 norm-only),
-#   1.20-1.21x (add+norm 7168 and 5120: 65.31 -> 54.02 us at 7168); add+norm 5120 static 0.97x,
-#   per_token 0.99x; the others 0.99-1.01x.
-
-
-def takes_weight_first(residual: bool, scheme: str, chunks: int, tokens: int | None) -> bool:
-    """Whether the kernel's rows depend on the weight's loads (the comment above): with the
-    residual, or norm-only from NORM_ONLY_MANY_TOKENS static tokens unless a static or per_token
-    row is held in chunks (tokens None: dynamic)."""
-    if residual:
-        return True
-    if tokens is None or tokens < NORM_ONLY_MANY_TOKENS:
-        return False
-    return chunks == 1 or scheme == "per_group"
-
-
-def launch_shape(
-    num_groups: int, group: int, tokens: int | None = None, norm_only: bool = False
-) -> tuple[int, int, int, int]:
-    """(BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, num_warps) for rows quantized in num_groups
-    groups of group columns, with the residual or without (norm_only): the padded block's
-    rms_norm_triton.launch_config, but at most MANY_TOKENS_WARPS warps at a static token count
-    >= MANY_TOKENS, or >= NORM_ONLY_MANY_TOKENS for norm_only (None: dynamic)."""
-    block_groups, block_group = triton.next_power_of_2(num_groups), triton.next_power_of_2(group)
-    _, rows, num_warps = launch_config(block_groups * block_group)
-    if tokens is not None and tokens >= (NORM_ONLY_MANY_TOKENS if norm_only else MANY_TOKENS):
-        num_warps = min(num_warps, MANY_TOKENS_WARPS)
-    return block_groups, block_group, rows, num_warps
-
-
 def rms_norm_quant_fp8_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    scheme: str,
-    scale: torch.Tensor | None = None,
-    group_size: int = 128,
-    scale_ue8m0: bool = False,
+    norm: RMSNormForm,
+    quant: QuantFP8,
     residual: torch.Tensor | None = None,
     *,
     wrap: Callable | None = None,
@@ -554,26 +257,30 @@ def rms_norm_quant_fp8_triton(
     num_warps: int | None = None,
     chunks: int | None = None,
     weight_first: bool | None = None,
+    policy: NormQuantLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x (or of x + residual) over the last dim, quantized to float8_e4m3fn, as
-    rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
+    reference.rms_norm_quant_fp8_reference / add_rms_norm_quant_fp8_reference compute it. Returns
     (codes, scales, new_residual): codes a new contiguous fp8 tensor of x's shape; scales the
     given scale (static), else new fp32 [..., 1] (per_token) or [..., N / group_size] (per_group);
     new_residual = x + residual in x.dtype, or None when residual is None. `wrap` (e.g.
     torch.library.wrap_triton) is applied to the kernel before launch so make_fx can trace it.
     ``rows`` / ``num_warps`` / ``chunks`` / ``weight_first`` override the launch (rows per program,
     warps, a norm-only row's chunks: norm_only_chunks; rows made to depend on the weight:
-    takes_weight_first) for sweeps (benchmarks/tune_rms_norm_quant_fp8.py) and tests; default:
-    launch_shape's, norm_only_chunks' and takes_weight_first's (weight_first changes no bit of
+    takes_weight_first) for sweeps (tools/tune_rms_norm_quant_fp8.py) and tests; default:
+    launch_shape's, norm_only_chunks' and takes_weight_first's under ``policy``, the launch table
+    row of x's device (launch.launch_policy) unless given (weight_first changes no bit of
     the results)."""
+    eps, weight_offset, cast_before_weight = norm
+    scheme, scale, group_size, scale_ue8m0 = quant
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
-    check_quant_args(x, scheme, scale, group_size, scale_ue8m0)
+    quant.check(x)
     weight = weight.contiguous()  # the kernel reads weight at unit stride
     n = x.shape[-1]
-    num_groups, group = (n // group_size, group_size) if scheme == "per_group" else (1, n)
+    num_groups, group = quant.groups(n)
     x_rows = as_rows(x)
     m = x_rows.shape[0]
-    # The kernel writes the codes as bytes (see _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
+    # The kernel writes the codes as bytes (see common/fp8_triton.py's _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if scale is None:
         scales = torch.empty((*x.shape[:-1], num_groups), dtype=torch.float32, device=x.device)
@@ -587,16 +294,17 @@ def rms_norm_quant_fp8_triton(
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tokens = math.prod(x.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # None: a dynamic count (tracing)
+    policy = policy or launch_policy(x.device)
     block_groups, block_group, default_rows, default_warps = launch_shape(
-        num_groups, group, tokens, norm_only=residual is None
+        num_groups, group, tokens, residual is None, policy
     )
     rows_per_program, num_warps = rows or default_rows, num_warps or default_warps
     if chunks is None:  # norm_only_chunks only takes splits the kernel holds
-        chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens)
+        chunks = 1 if residual is not None else norm_only_chunks(n, scheme, group_size, tokens, policy)
     elif chunks > 1:
-        _check_chunks_override(n, scheme, group_size, chunks, residual)
+        check_chunks_override(n, scheme, group_size, chunks, residual)
     if weight_first is None:
-        weight_first = takes_weight_first(residual is not None, scheme, chunks, tokens)
+        weight_first = takes_weight_first(residual is not None, scheme, chunks, tokens, policy)
     if chunks > 1:  # a chunk's [groups, group columns]
         chunk = n // chunks
         block_groups, block_group = (chunk // group_size, group_size) if scheme == "per_group" else (1, chunk)
@@ -630,24 +338,3 @@ def rms_norm_quant_fp8_triton(
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales, residual_out
-
-
-def _chunk_problem(n: int, scheme: str, group_size: int, chunks: int) -> str | None:
-    """Why a norm-only row of n columns cannot be held in `chunks` exact chunks (None: it can)."""
-    chunk = n // chunks
-    if chunk * chunks != n or chunk & (chunk - 1):
-        return f"chunks={chunks}: a row of {n} columns splits only into chunks of a power-of-two width"
-    if scheme == "per_group" and (chunk % group_size or chunk == group_size):
-        return f"chunks={chunks}: a per_group chunk of {chunk} columns must hold >= 2 groups of {group_size}"
-    return None
-
-
-def _check_chunks_override(
-    n: int, scheme: str, group_size: int, chunks: int, residual: torch.Tensor | None
-) -> None:
-    """ValueError where a `chunks=` override asks for a split the kernel cannot hold."""
-    if residual is not None:
-        raise ValueError(f"chunks={chunks}: only a norm-only row (no residual) is held in chunks")
-    problem = _chunk_problem(n, scheme, group_size, chunks)
-    if problem:
-        raise ValueError(problem)

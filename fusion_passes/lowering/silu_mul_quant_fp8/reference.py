@@ -8,11 +8,11 @@ Fused:   one pass; the math is the same, in this order:
 
     s   = to_dtype(f32(gate) / (1 + exp(-f32(gate))))      F.silu: fp32 math, rounded to the dtype
     y   = to_dtype(f32(s) * f32(up))                        the product, rounded again
-    q, scales = quant_fp8_reference(y, scheme, scale, group_size, scale_ue8m0)
+    q, scales = quant_fp8_reference(y, quant)
 
-The quantization is rms_norm_quant_fp8_reference's ``quant_fp8_reference`` (static, per_token,
-per_group; FP8_MAX 448, MIN_SCALE floor, optional UE8M0 scales): one statement for every
-"... + FP8 quantization" op.
+The quantization is common/fp8.py's ``quant_fp8_reference`` (static, per_token, per_group;
+FP8_MAX 448, MIN_SCALE floor, optional UE8M0 scales): one statement for every "... + FP8
+quantization" op.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import check_quant_args, quant_fp8_reference
+from fusion_passes.lowering.common.fp8 import QuantFP8, quant_fp8_reference
 
 # The dtypes the kernel loads and rounds to (its fp32 math covers them; fp64 it would not).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,14 +51,9 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_quant_fp8_reference(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    scheme: str,
-    scale: torch.Tensor | None = None,
-    group_size: int = 128,
-    scale_ue8m0: bool = False,
+    gate: torch.Tensor, up: torch.Tensor, quant: QuantFP8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference SiLU-and-mul + FP8 quantization along the last dim: returns (codes, scales)."""
     check_silu_mul_args(gate, up)
-    check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
-    return quant_fp8_reference(silu_mul_reference(gate, up), scheme, scale, group_size, scale_ue8m0)
+    quant.check(gate)
+    return quant_fp8_reference(silu_mul_reference(gate, up), quant)

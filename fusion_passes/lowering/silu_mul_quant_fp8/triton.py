@@ -3,14 +3,14 @@
 Unfused: silu(gate) * up writes y in the input dtype, an amax reduction reads y, and a
     scale-and-cast kernel reads y again to write the fp8 codes (the down projection's input).
 Fused:   gate and up read once, codes and scales written once; all math in fp32, rounding where
-    silu_mul_quant_fp8_reference.py (eager) rounds:
+    silu_mul_quant_fp8/reference.py (eager) rounds:
     s     = to_dtype(f32(gate) / (1 + exp(-f32(gate))))        F.silu's own formula
     y32   = f32(to_dtype(f32(s) * f32(up)))
     scale = the given one (static), or max(amax(|y32|) / 448, MIN_SCALE) per row (per_token) or
             per group of G columns (per_group), rounded up to a power of two under scale_ue8m0
     q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448)), stored with the computed scales
 
-The silu is silu_triton.silu_rounded: on a GPU eager's bit for bit, in one of three forms
+The silu is silu_mul_quant_fp8/silu.py.silu_rounded: on a GPU eager's bit for bit, in one of three forms
 (silu_form picks it: bf16_mufu for bf16 on sm_90, else expf with div.rn, or with silu_quotient
 where registers bind), each checked on every fp32 / bf16 / fp16 input. Under the CPU
 interpreter exp is numpy's, torch's CPU silu uses its own vectorised exp: the fp32 silu differs
@@ -35,14 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.rms_norm_quant_fp8.reference import FP8_DTYPE, check_quant_args
-from fusion_passes.lowering.rms_norm_quant_fp8.triton import (
+from fusion_passes.lowering.common.fp8 import FP8_DTYPE, QuantFP8
+from fusion_passes.lowering.common.fp8_triton import (
     load_static_scale,
     max_keeping_nan,
     store_codes,
     store_quantized,
 )
-from fusion_passes.lowering.rms_norm.triton import as_rows, launch_config
+from fusion_passes.lowering.common.rows import as_rows, launch_config
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import check_silu_mul_args
 from fusion_passes.lowering.silu_mul_quant_fp8.silu import SILU_FORMS, round_to, silu_rounded, takes_mufu_silu
 
@@ -185,7 +185,7 @@ class LaunchLayout(NamedTuple):
 
 def silu_form(layout: LaunchLayout, tokens: int | None, mufu_silu: bool) -> str:
     """How the launch computes silu (SILU_FORMS; every form gives eager's bits): "bf16_mufu" with
-    mufu_silu (silu_triton.takes_mufu_silu); otherwise "silu_quotient" where
+    mufu_silu (silu_mul_quant_fp8/silu.py.takes_mufu_silu); otherwise "silu_quotient" where
     divides_without_slow_path, else "div_rn"."""
     if mufu_silu:
         return "bf16_mufu"
@@ -257,10 +257,7 @@ def launch_layout(
 def silu_mul_quant_fp8_triton(
     gate: torch.Tensor,
     up: torch.Tensor,
-    scheme: str,
-    scale: torch.Tensor | None = None,
-    group_size: int = 128,
-    scale_ue8m0: bool = False,
+    quant: QuantFP8,
     *,
     wrap: Callable | None = None,
     rows: int | None = None,
@@ -279,7 +276,8 @@ def silu_mul_quant_fp8_triton(
     ``form`` picks how silu is computed (SILU_FORMS, the same bits each; default: silu_form's
     for the launch and device)."""
     check_silu_mul_args(gate, up)
-    check_quant_args(gate, scheme, scale, group_size, scale_ue8m0)
+    quant.check(gate)
+    scheme, scale, group_size, scale_ue8m0 = quant
     n = gate.shape[-1]
     tokens = math.prod(gate.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # a SymInt: dynamic
@@ -299,7 +297,7 @@ def silu_mul_quant_fp8_triton(
     form = form or silu_form(layout, tokens, mufu)
     gate_rows, up_rows = as_rows(gate), as_rows(up)
     m = gate_rows.shape[0]
-    # The kernel writes the codes as bytes (see rms_norm_quant_fp8_triton._fp8_e4m3fn_codes); the fp8 tensor is a view of them.
+    # The kernel writes the codes as bytes (see common/fp8_triton.py's _fp8_e4m3fn_codes); the fp8 tensor is a view of them.
     codes = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     if scale is None:
         scales = torch.empty((*gate.shape[:-1], layout.num_groups), dtype=torch.float32, device=gate.device)

@@ -1,0 +1,222 @@
+"""Device code of FP8 (float8_e4m3fn) quantization shared by every "... + FP8 quantization"
+kernel (norm, SiLU, the one-shot allreduce): the scales from a block's amax, the exact quotient,
+and the codes, computed as common/fp8.py's quant_fp8_reference computes them.
+
+Unfused: an amax reduction over y, then a scale-and-cast pass writing the codes.
+Fused:   the epilogue of a kernel that holds y in registers: store_quantized(y, ...) computes the
+    scales per group (or takes the static one), stores them, and stores fp8(clamp(y / scale)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.common.fp8 import FP8_MAX, MIN_SCALE
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+# fp32(1 / 448), rounded once as torch's CUDA division by a scalar rounds it (448 = 7 * 2^6).
+_RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
+
+
+@triton.jit
+def _fp8_e4m3fn_codes(v, HW_CONVERT: tl.constexpr):
+    """The float8_e4m3fn bit patterns (as uint8) of fp32 values |v| <= 448, rounded to nearest,
+    ties to even: the integer steps of c10's fp8e4m3fn_from_fp32_value, which torch's
+    .to(torch.float8_e4m3fn) runs, less its NaN and overflow branches.
+
+    Why not v.to(tl.float8e4nv): Triton 3.6's interpreter converts fp32 to fp8 with its own bit
+    arithmetic, which rounds ties away from zero, flushes the fp8 subnormals (|v| < 2^-6) to zero
+    and ORs a mantissa rounded up past 7 into the exponent (probed: 1e-3 gave 0, not 2^-9; 100.0
+    gave 104.0, not 96.0; 7.9 gave 4.0, not 8.0). These integer steps give torch's codes in the
+    interpreter and compiled alike, and need no fp8 type in either: the kernel stores bytes.
+
+    A NaN gives torch's NaN code, 0x7F with v's sign bit.
+
+    HW_CONVERT (compiled for a GPU): the hardware conversion instead (cvt.rn.satfinite, round to
+    nearest even, subnormals kept, NaN to NaN: the same codes), one instruction per two values
+    where the integer steps take about a dozen per value: at 16384 x 7168 that is ~1.4G
+    instructions. satfinite also saturates |v| > 448 to +-448, so the caller's clamp is not
+    needed on this path."""
+    if HW_CONVERT:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    # |v| < 2^-6, the subnormals (steps of 2^-9): fp32's ulp at 2^14 is 2^-9, so the fp32 sum
+    # 2^14 + |v| rounds |v| to the nearest step, ties to even; its low bits count the steps.
+    sum_bits = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
+    subnormal = sum_bits - (141 << 23)
+    # Normal: rebias the exponent (127 to 7) and round off 20 mantissa bits to nearest even; a
+    # mantissa that rounds up past 7 carries into the exponent.
+    normal = (magnitude - (120 << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
+    code = tl.where(magnitude < (121 << 23), subnormal, normal)
+    return (tl.where(magnitude > 0x7F800000, 0x7F, code) | sign).to(tl.uint8)
+
+
+@triton.jit
+def max_keeping_nan(a, b):
+    """max.NaN: a NaN operand gives NaN (tl.reduce's combine for an amax that keeps NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def exact_quotient(y, scale):
+    """y / scale[:, :, None] rounded to nearest even, as div_rn gives it, for the computed scales
+    (positive, or NaN from a NaN row) and static ones of 2^-100..2^100 in magnitude (either
+    sign), by Markstein's theorem: with rcp = RN(1 / scale),
+    q0 = RN(y * rcp) lies within one ulp of y / scale, the residual y - scale * q0 is exact in
+    one fma, and RN(q0 + residual * rcp) is the correctly rounded quotient, while everything
+    stays in fp32's normal range: |y| >= 2^-100 (the residual, ~2^-24 |y|, must not underflow)
+    and 2^-100 <= |y / scale| <= 2^100, which holds the kernels' quotients (at most 448: |y| <=
+    amax = 448 * scale). Smaller y or quotients give a signed fp8 zero either way. One
+    division per group, then one multiply and two fmas per element, where div.rn costs a range
+    check (FCHK) and a Newton sequence per element, and a slow-path call per zero numerator.
+
+    The residual is carried negated (fma(q0, scale, -y)) so a zero y keeps its sign for a positive
+    scale: -0 gives -0, as -0 / scale does (a negative scale would give +0 for both zeros).
+    Negation is a multiply by -1: Triton's unary minus is 0 - x, which turns -0 into +0. An
+    infinite scale (amax overflowed) takes rcp = 0 and a zero fma scale, leaving q0 = y * 0 (a
+    signed zero; NaN for an infinite y), as y / inf gives it.
+    Compiled for a GPU only: the interpreter's fma rounds the product first."""
+    # != inf, not < inf: a NaN scale must stay NaN (rcp NaN gives NaN codes, as NaN / NaN).
+    not_inf = scale != float("inf")
+    rcp = tl.where(not_inf, tl.div_rn(1.0, scale), 0.0)[:, :, None]
+    fma_scale = tl.where(not_inf, scale, 0.0)[:, :, None]
+    q0 = y * rcp
+    neg_residual = tl.fma(q0, fma_scale, y * -1.0)
+    return tl.fma(neg_residual * -1.0, rcp, q0)
+
+
+@triton.jit
+def _static_quotient(y, given, scale, mask):
+    """y / scale[:, :, None] for the given (static) scale, as far as the clamp to +-448 can tell:
+    exact_quotient for a scale of 2^-100 <= |scale| <= 2^100, with |y| first bounded by
+    449 |scale| (a larger quotient clamps to +-448 either way; the bound keeps the quotient in
+    exact_quotient's range); any other scale (0, subnormal, huge, NaN: a caller's mistake) takes
+    div.rn, with masked lanes dividing 1, not their 0 (a zero numerator is div.rn's slow path)."""
+    s = tl.abs(given)
+    if (s >= 2.0**-100) & (s <= 2.0**100):
+        bound = 449.0 * s
+        y = tl.minimum(tl.maximum(y, -bound, propagate_nan=tl.PropagateNan.ALL), bound,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+        # exact_quotient keeps a zero's sign for positive scales only: divide -y by |scale|
+        # (y / -3 = -y / 3 exactly, +0 / -3 = -0 included).
+        if given < 0:
+            y = y * -1.0
+        q = exact_quotient(y, tl.abs(scale))
+    else:
+        q = tl.div_rn(tl.where(mask, y, 1.0), scale[:, :, None])
+    return q
+
+
+@triton.jit
+def load_static_scale(scale_ptr, STATIC: tl.constexpr):
+    """The given scale of the static scheme (1.0, unused, otherwise). Kernels load it first: read
+    where it is used, it sat behind the row reduction's two bar.sync in the norm kernel's SASS,
+    one dependent load latency more on every call (the whole kernel at decode sizes)."""
+    if STATIC:
+        given = tl.load(scale_ptr)
+    else:
+        given = 1.0
+    return given
+
+
+@triton.jit
+def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constexpr):
+    """scale = max(amax / 448, MIN_SCALE), rounded up to a power of two under SCALE_UE8M0."""
+    # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
+    # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
+    # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
+    # division on NVIDIA GPUs (div.full.f32, 2 ulp).
+    if AMAX_TIMES_RECIPROCAL:
+        scale = amax * _RECIPROCAL_FP8_MAX
+    else:
+        scale = tl.div_rn(amax, _FP8_MAX)
+    scale = tl.maximum(scale, _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    if SCALE_UE8M0:
+        # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one
+        # (a NaN's would carry out of the exponent: it stays NaN).
+        scale_bits = (scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        scale = tl.where(scale == scale, scale_bits.to(tl.float32, bitcast=True), scale)
+    return scale
+
+
+@triton.jit
+def store_scales(
+    amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,
+):  # fmt: skip
+    """scales_of(amax) per group, stored at scale_ptr[rows * num_groups + groups] and returned
+    [ROWS, GROUPS] (store_quantized's computed scales; arguments as there)."""
+    scale = scales_of(amax, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL)
+    tl.store(scale_ptr + rows[:, None] * num_groups + groups[None, :], scale, mask=group_mask)
+    return scale
+
+
+@triton.jit
+def store_quantized(
+    y,  # fp32 [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: the model's activation (rounded to its dtype)
+    q_ptr,  # *uint8 [M, N] contiguous: the float8_e4m3fn codes
+    scale_ptr,  # *fp32 [M, num_groups]: the computed scales (written; not used when STATIC)
+    given,  # fp32: the static scale (load_static_scale), used when STATIC
+    rows,  # int64 [ROWS]: this program's rows
+    groups,  # [BLOCK_GROUPS]: group indices
+    rows_3d,  # rows[:, None, None]
+    cols,  # [1, BLOCK_GROUPS, BLOCK_GROUP]: column of each element
+    N,  # row length
+    num_groups,  # groups per row (1 unless per_group)
+    group_mask,  # [ROWS, BLOCK_GROUPS]: real rows and groups
+    mask,  # [ROWS, BLOCK_GROUPS, BLOCK_GROUP]: real elements
+    more_amax,  # fp32 [ROWS, BLOCK_GROUPS] or 0.0: the amax of the groups' columns not in y
+    ROWS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    STATIC: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+):
+    """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
+    then codes = fp8(clamp(y / scale, -448, 448)); returns the scales [ROWS, BLOCK_GROUPS] so a
+    caller holding a group in two blocks quantizes the other with store_codes. Shared by every
+    "... + FP8 quantization" kernel. NaN propagates as in torch: a NaN in a group makes its amax,
+    its scale and so all its codes NaN (tl.max and tl.maximum would drop it: PTX max.f32 returns
+    the operand that is not NaN)."""
+    if STATIC:
+        scale = tl.broadcast_to(given, (ROWS, BLOCK_GROUPS))
+    else:
+        # Masked elements hold 0: nothing to the amax.
+        amax = max_keeping_nan(tl.reduce(tl.abs(y), 2, max_keeping_nan), more_amax)
+        scale = store_scales(amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0,
+                             AMAX_TIMES_RECIPROCAL)  # fmt: skip
+    store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT, SCALE_UE8M0)
+    return scale
+
+
+@triton.jit
+def store_codes(
+    y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC: tl.constexpr, HW_CONVERT: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+):  # fmt: skip
+    """codes = fp8(clamp(y / scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
+    (store_quantized's second half, arguments as there)."""
+    if not HW_CONVERT:
+        q = tl.div_rn(y, scale[:, :, None])
+    elif STATIC:
+        q = _static_quotient(y, given, scale, mask)
+    elif SCALE_UE8M0:
+        # A computed UE8M0 scale is a power of two (2^-17 .. 2^120), inf or NaN, so 1 / scale is
+        # exact and y * (1 / scale) is y / scale exactly: exact_quotient's two fmas add nothing
+        # (on one H200, norm-only per_group 1.00-1.06x, 1.03-1.06x at >= 4096 tokens; add+norm
+        # 1.00-1.04x; silu 1.00-1.02x; codes and scales equal bit for bit). The product rounds
+        # only below 2^-126, where every quotient is a signed fp8 zero anyway (|q| < 2^-10); an
+        # infinite scale gives y * 0, a signed zero (NaN for an infinite y) as y / inf does.
+        q = y * tl.div_rn(1.0, scale)[:, :, None]
+    else:
+        q = exact_quotient(y, scale)
+    if not HW_CONVERT:  # cvt.rn.satfinite saturates to +-448 itself (2 instructions an element)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
