@@ -127,9 +127,9 @@ def sum_read_elsewhere_not_fused(x, residual, w, scale):
 
 
 def unclamped_scale_read_not_fused(x, residual, w, scale):
-    """The scale before its floor (vLLM's MIN_SCALING_FACTOR) is read too: the quantization fusion refuses (its op
-    returns only the floored scale), so the canonical quantization op the allreduce fusion starts
-    from never appears and the allreduce stays."""
+    """The scale before its floor (vLLM's MIN_SCALING_FACTOR) is read too: the quantization fusion
+    refuses (its op returns only the floored scale), so the canonical quantization op the allreduce
+    fusion starts from never appears and the allreduce stays."""
     s = funcol.all_reduce(x, "sum", dist.group.WORLD)
     h = residual + s
     y32 = llama_rms_norm(h, w, EPS).to(torch.float32)
