@@ -27,51 +27,34 @@ runs the one-shot kernel in launches of MAX_ROWS rows (two ranks; the path colum
 
 With --quant per_token|per_group the block ends in an FP8 linear: the norm is followed by the
 dynamic FP8 quantization (float8_e4m3fn, one scale per row or per 128 columns), written as
-serving engines write it (benchmarks/bench_rms_norm_quant_fp8.eager_fn), and ours is
+serving engines write it (benchmarks.bench_rms_norm_quant_fp8.eager_fn), and ours is
 fusion_passes::allreduce_add_rms_norm_quant_fp8 (reduce + add + norm + quantize in one launch);
 each call returns (codes, scales, r), checked as codes at most one fp8 code apart from nccl's.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_allreduce_rms_norm.py [--hidden 7168 4096 3072]
+    torchrun --nproc-per-node 2 -m benchmarks.bench_allreduce_rms_norm [--hidden 7168 4096 3072]
         [--tokens 1 8 64 256 512 2048 16384] [--max-rows N] [--quant per_token|per_group]
         [--out bench_allreduce_rms_norm.md]
         [--json bench_allreduce_rms_norm.json]
-    python benchmarks/bench_allreduce_rms_norm.py --smoke   # CPU, gloo, 2 spawned ranks: fallback only
+    python -m benchmarks.bench_allreduce_rms_norm --smoke   # CPU, gloo, 2 spawned ranks: fallback only
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import sys
-import tempfile
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    # No GPU: Triton (imported by the package) must be in its CPU interpreter before it loads.
-    os.environ["TRITON_INTERPRET"] = "1"
-# No NVLink multicast on shared machines: NCCL NVLS and symmetric-memory multicast stay off.
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+from benchmarks import common
+from benchmarks import distributed  # first: no multicast, the smoke run's interpreter, before triton
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import triton  # noqa: E402
 
-# Run as a script from anywhere: the package lives one level up.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rms_norm_quant_fp8 (--quant)
-
 import fusion_passes  # noqa: E402, F401 - registers the ops
-from fusion_passes.lowering.common.collective_ops import runtime_fallbacks  # noqa: E402
-from fusion_passes.lowering.allreduce_rms_norm.reference import all_reduce_sum  # noqa: E402
 from fusion_passes.lowering.allreduce_rms_norm import symm_mem as one_shot_module  # noqa: E402
+from fusion_passes.lowering.allreduce_rms_norm.reference import all_reduce_sum  # noqa: E402
 from fusion_passes.lowering.allreduce_rms_norm.symm_mem import symm_mem_eligible  # noqa: E402
+from fusion_passes.lowering.common.collective_ops import runtime_fallbacks  # noqa: E402
 from fusion_passes.numerics import compare, fp8_codes_apart  # noqa: E402
 from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
 
@@ -80,11 +63,6 @@ TOKENS = (1, 8, 64, 256, 512, 2048, 16384)
 SMOKE_HIDDEN, SMOKE_TOKENS = (256,), (1, 4)  # 256: two quantization groups of 128
 DTYPE = torch.bfloat16
 EPS = 1e-6
-PLAIN_ITERS, PLAIN_WARMUP = 200, 20
-# Calls per captured graph, each on its own input set (decode-sized sets stay in L2 together, as a
-# model's activations do), and replays timed; the same fixed counts on every rank.
-GRAPH_CALLS, GRAPH_REPLAYS, GRAPH_WARMUP = 20, 30, 3
-SMOKE_ITERS = 3
 IMPLS = ("nccl", "symm_mem", "ours")
 
 
@@ -104,7 +82,7 @@ def unfused_after_allreduce(s, residual, weight, eps):
     quantization as serving engines write it; returns (normed, r) or (codes, scales, r)."""
     if QUANT is None:
         return add_rms_norm(s, residual, weight, eps)
-    from bench_rms_norm_quant_fp8 import eager_fn
+    from benchmarks.bench_rms_norm_quant_fp8 import eager_fn
 
     return eager_fn("add_rms_norm", QUANT)(s, residual, weight, None)
 
@@ -154,67 +132,6 @@ def make_calls(impl, input_sets, group_name, norm, symm_buffer):
     return [lambda s=s: call(s) for s in input_sets]
 
 
-def time_plain_us(fn, device) -> float:
-    """Median microseconds per call: CUDA events around each of PLAIN_ITERS calls (host clock on
-    a CPU smoke run). Every rank makes the same calls between two barriers."""
-    cuda = device.type == "cuda"
-    iters, warmup = (PLAIN_ITERS, PLAIN_WARMUP) if cuda else (SMOKE_ITERS, 1)
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    if not cuda:
-        samples = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e6)
-        dist.barrier()
-        return statistics.median(samples)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends, strict=True):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    dist.barrier()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
-
-
-def time_graph_us(calls, device) -> float | None:
-    """Median microseconds per call of the calls replayed from one CUDA graph (None on a CPU)."""
-    if device.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()  # warm up off the capture stream, as torch.cuda.graphs asks
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(GRAPH_WARMUP):
-        graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(GRAPH_REPLAYS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(GRAPH_REPLAYS)]
-    for start, end in zip(starts, ends, strict=True):
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    dist.barrier()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-    del graph
-    return ms * 1e3 / len(calls)
-
-
 def random_inputs(hidden, tokens, device, rank, seed) -> dict:
     """x differs per rank (each holds a partial sum); residual and weight are replicated; weight
     near 1 as in trained norms."""
@@ -227,13 +144,6 @@ def random_inputs(hidden, tokens, device, rank, seed) -> dict:
     }
 
 
-def same_on_every_rank(t) -> bool:
-    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, t.contiguous())
-    bits = [g.view(torch.uint8) for g in gathered]
-    return all(torch.equal(b, bits[0]) for b in bits[1:])
-
-
 def check_ours(inputs, group_name, norm) -> dict:
     """Ours against nccl (bf16 tolerance; fp8 codes at most one code apart) and the same bits on
     every rank."""
@@ -244,7 +154,7 @@ def check_ours(inputs, group_name, norm) -> dict:
         codes_apart = fp8_codes_apart(out[0], ref[0])
         out, ref = out[1:], ref[1:]
     comparisons = [compare(o, r, DTYPE) for o, r in zip(out, ref, strict=True)]  # scales: y's rounding
-    identical = all(same_on_every_rank(o) for o in out)
+    identical = all(distributed.same_on_every_rank(o) for o in out)
     return {
         "correct": all(c.ok for c in comparisons) and codes_apart <= 1,
         "identical_across_ranks": identical,
@@ -255,7 +165,7 @@ def check_ours(inputs, group_name, norm) -> dict:
 
 def bench_shape(hidden, tokens, device, rank, group_name, norm_for_shape) -> dict:
     """Check ours, then time the three implementations on fresh inputs of one shape."""
-    sets = GRAPH_CALLS if device.type == "cuda" else 1
+    sets = distributed.GRAPH_CALLS if device.type == "cuda" else 1
     input_sets = [random_inputs(hidden, tokens, device, rank, seed) for seed in range(sets)]
     norm = norm_for_shape()
     # Path first: the gate is collective at its first call per shape, on every rank alike.
@@ -274,18 +184,10 @@ def bench_shape(hidden, tokens, device, rank, group_name, norm_for_shape) -> dic
     record["plain_us"], record["graph_us"] = {}, {}
     for impl in IMPLS:
         calls = make_calls(impl, input_sets, group_name, norm, symm_buffer)
-        record["plain_us"][impl] = None if calls is None else time_plain_us(calls[0], device)
-        record["graph_us"][impl] = None if calls is None else time_graph_us(calls, device)
+        record["plain_us"][impl] = None if calls is None else distributed.time_plain_us(calls[0], device)
+        record["graph_us"][impl] = None if calls is None else distributed.time_graph_us(calls, device)
     del symm_buffer
     return record
-
-
-def _us(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _speedup(baseline, ours) -> str:
-    return "-" if baseline is None or ours is None else f"{baseline / ours:.2f}x"
 
 
 def table(records, mode) -> list[str]:
@@ -295,9 +197,10 @@ def table(records, mode) -> list[str]:
     ]
     for r in records:
         t = r[f"{mode}_us"]
+        times = " | ".join(common.us(t[i]) for i in IMPLS)
         lines.append(
-            f"| {r['hidden']} | {r['tokens']} | {_us(t['nccl'])} | {_us(t['symm_mem'])} | {_us(t['ours'])} "
-            f"| {_speedup(t['nccl'], t['ours'])} | {_speedup(t['symm_mem'], t['ours'])} | {r['path']} |"
+            f"| {r['hidden']} | {r['tokens']} | {times} "
+            f"| {common.ratio(t['nccl'], t['ours'])} | {common.ratio(t['symm_mem'], t['ours'])} | {r['path']} |"
         )
     return lines
 
@@ -312,9 +215,9 @@ def report(records, device_name, world_size, symm_note) -> str:
         f"MAX_ROWS {one_shot_module.MAX_ROWS}; NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.",
         "",
         "- Times: median microseconds per call on rank 0 (every rank makes the same calls). plain: "
-        f"CUDA events around each of {PLAIN_ITERS} calls (host launch time included where it "
-        f"dominates). graph: {GRAPH_CALLS} calls on their own input sets in one CUDA graph, median of "
-        f"{GRAPH_REPLAYS} replays, per call. Compare by the graph columns."
+        f"CUDA events around each of {distributed.PLAIN_ITERS} calls (host launch time included where it "
+        f"dominates). graph: {distributed.GRAPH_CALLS} calls on their own input sets in one CUDA graph, "
+        f"median of {distributed.GRAPH_REPLAYS} replays, per call. Compare by the graph columns."
         + (" (This CPU smoke run: a host clock over 3 calls; no graphs; the op's CPU path is "
            "its reference.)" if device_name.startswith("CPU") else ""),
         "- nccl: NCCL all_reduce + torch.compile (stock Inductor) add+RMSNorm. symm_mem: "
@@ -336,8 +239,6 @@ def run(rank, world_size, args, device) -> int:
         # past the default bound, to find where it stops winning.
         one_shot_module.MAX_ROWS = args.max_rows
     group_name = dist.group.WORLD.group_name
-    hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
-    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
     global QUANT
     QUANT = args.quant
     one_shot, fused_copy = _symm_mem_one_shot()
@@ -356,25 +257,24 @@ def run(rank, world_size, args, device) -> int:
 
     records = []
     with torch.no_grad():
-        for h in hidden:
-            for t in tokens:
+        for h in args.hidden:
+            for t in args.tokens:
                 records.append(bench_shape(h, t, device, rank, group_name, norm_for_shape))
                 r = records[-1]
                 if rank == 0:
                     print(
                         f"hidden={h} tokens={t} [{r['path']}] plain "
-                        + ", ".join(f"{i} {_us(r['plain_us'][i])}" for i in IMPLS)
-                        + " | graph " + ", ".join(f"{i} {_us(r['graph_us'][i])}" for i in IMPLS),
+                        + ", ".join(f"{i} {common.us(r['plain_us'][i])}" for i in IMPLS)
+                        + " | graph " + ", ".join(f"{i} {common.us(r['graph_us'][i])}" for i in IMPLS),
                         flush=True,
                     )
                     if not (r["correct"] and r["identical_across_ranks"]):
                         print(f"CORRECTNESS FAILURE: hidden={h} tokens={t} {r}", flush=True)
     status = 1 if any(not (r["correct"] and r["identical_across_ranks"]) for r in records) else 0
     if rank == 0:
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
+        device_name = distributed.device_name(device)
         text = report(records, device_name, world_size, symm_note)
-        Path(args.out).write_text(text)
-        Path(args.json).write_text(json.dumps({
+        common.finish(args, text, {
             "device": device_name,
             "world_size": world_size,
             "dtype": str(DTYPE),
@@ -382,77 +282,31 @@ def run(rank, world_size, args, device) -> int:
             "quant": QUANT,
             "max_rows": one_shot_module.MAX_ROWS,
             "symm_mem_baseline": symm_note,
-            "plain_iters": PLAIN_ITERS,
-            "graph_calls": GRAPH_CALLS,
-            "graph_replays": GRAPH_REPLAYS,
+            "plain_iters": distributed.PLAIN_ITERS,
+            "graph_calls": distributed.GRAPH_CALLS,
+            "graph_replays": distributed.GRAPH_REPLAYS,
             "runtime_fallbacks": {op: dict(g) for op, g in runtime_fallbacks.items()},
             "records": records,
-        }, indent=1))
-        print(text)
+        })  # fmt: skip
     return status
 
 
-def init_distributed(rank, world_size, init_method) -> torch.device:
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=300), device_id=device)
-        return device
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
-    return torch.device("cpu")
-
-
-def _spawned_rank(rank, world_size, tmp, run, args) -> None:
-    """A rank of the smoke run's own 2-process world (when not started by torchrun)."""
-    device = init_distributed(rank, world_size, f"file://{os.path.join(tmp, 'store')}")
-    try:
-        status = run(rank, world_size, args, device)
-    finally:
-        dist.destroy_process_group()
-    if status:
-        raise SystemExit(status)
-
-
-def launch_ranks(run, args, parser) -> int:
-    """Run ``run(rank, world_size, args, device)`` on every rank and return the exit status: the
-    ranks torchrun started (NCCL on GPUs; gloo only with --smoke), or, for a --smoke run outside
-    torchrun, 2 spawned gloo ranks. Shared by the distributed benchmarks."""
-    if "RANK" in os.environ:  # started by torchrun
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if not torch.cuda.is_available() and not args.smoke:
-            parser.error("no CUDA device: only --smoke runs on a CPU")
-        device = init_distributed(rank, world_size, "env://")
-        try:
-            return run(rank, world_size, args, device)
-        finally:
-            dist.destroy_process_group()
-    if not args.smoke:
-        parser.error("run under torchrun --nproc-per-node 2 (only --smoke spawns its own ranks)")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_spawned_rank, args=(2, tmp, run, args), nprocs=2, join=True)
-        except mp.ProcessExitedException:
-            return 1
-    return 0
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_allreduce_rms_norm.md", help="markdown report path")
-    parser.add_argument("--json", default="bench_allreduce_rms_norm.json", help="raw numbers path")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only")
-    parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {HIDDEN})")
-    parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
-    parser.add_argument("--max-rows", type=int,
-                        help=f"override MAX_ROWS (default {one_shot_module.MAX_ROWS}) for this run")
-    parser.add_argument("--quant", choices=("per_token", "per_group"),
-                        help="end in dynamic FP8 quantization: time allreduce_add_rms_norm_quant_fp8")
-    args = parser.parse_args()
-    return launch_ranks(run, args, parser)
+    smoke = "tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only"
+    parser = common.parser(__doc__, "bench_allreduce_rms_norm", smoke=smoke)
+    common.add_sizes(parser, "--hidden", HIDDEN, SMOKE_HIDDEN, "hidden sizes")
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
+    parser.add_argument(
+        "--max-rows", type=int, help=f"override MAX_ROWS (default {one_shot_module.MAX_ROWS}) for this run"
+    )
+    parser.add_argument(
+        "--quant",
+        choices=("per_token", "per_group"),
+        help="end in dynamic FP8 quantization: time allreduce_add_rms_norm_quant_fp8",
+    )
+    args = common.parse(parser)
+    return distributed.launch_ranks(run, args, parser)
+
 
 if __name__ == "__main__":
     sys.exit(main())

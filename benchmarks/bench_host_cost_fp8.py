@@ -7,15 +7,16 @@ wall time of many back-to-back calls with one synchronize at the end (the GPU qu
 dry, so the figure is the host's cost per call), for stock Inductor, fusion_passes and our
 launcher called from Python, each on the same unfused spelling.
 
-    python benchmarks/bench_host_cost_fp8.py [--hidden 7168] [--tokens 1] [--code DIR] [--profile PATH]
+    python -m benchmarks.bench_host_cost_fp8 [--hidden 7168] [--tokens 1] [--code DIR] [--profile PATH]
+        [--json PATH]
 
 --code writes each compiled graph's generated code (Inductor's and ours) to DIR; --profile writes
-cProfile's top functions of fusion_passes' calls to PATH.
+cProfile's top functions of fusion_passes' calls to PATH; --json the table's numbers, with their
+provenance.
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -24,40 +25,30 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import fusion_passes  # noqa: E402
-from bench_rms_norm_quant_fp8 import (  # noqa: E402
-    OPS,
-    SCHEMES,
-    eager_fn,
-    fusion_name,
-    kernel_fn,
-    random_inputs,
-)
-from timing import host_us  # noqa: E402
+import fusion_passes
+from benchmarks import common, sweep
+from benchmarks.bench_rms_norm_quant_fp8 import OPS, SCHEMES, eager_fn, fusion_name, kernel_fn, random_inputs
+from benchmarks.timing import host_us
 
 ITERS = 3000
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser(__doc__, "bench_host_cost_fp8", md=False, json_default=False)
     parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1])
+    common.add_sizes(parser, "--tokens", [1], what="token counts")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--code", help="write the generated code of each compile to this folder")
     parser.add_argument("--profile", help="write cProfile's top functions of fusion_passes' calls here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU: the host cost of a launch is what it measures")
+    args = common.parse(parser)
+    common.require_cuda(parser, "the host cost of a launch is what it measures")
     from torch._inductor.utils import run_and_get_code
 
     # A cache hit generates no code to capture (--code); the compiles here are few.
     torch._inductor.config.fx_graph_cache = False
 
-    profile_text = []
+    profile_text, records = [], []
     print("| op | scheme | tokens | inductor | fusion_passes | kernel | fusion_passes - inductor |")
     print("|---|---|---:|---:|---:|---:|---:|")
     with torch.no_grad():
@@ -65,19 +56,11 @@ def main() -> int:
             for scheme in args.schemes:
                 for tokens in args.tokens:
                     inputs = random_inputs(op, scheme, args.hidden, tokens, "cuda")
-                    eager = eager_fn(op, scheme)
                     torch._dynamo.reset()
-                    fns = {
-                        "inductor": torch.compile(eager, dynamic=False),
-                        "fusion_passes": torch.compile(
-                            eager,
-                            dynamic=False,
-                            backend=fusion_passes.backend(
-                                fusions=["add_rms_norm", "rms_norm", fusion_name(op, scheme)]
-                            ),
-                        ),
-                        "kernel": kernel_fn(op, scheme),
-                    }
+                    fusions = ["add_rms_norm", "rms_norm", fusion_name(op, scheme)]
+                    compiled = sweep.compiled_variants(eager_fn(op, scheme), fusions, fusion_passes.Report())
+                    fns = {impl: compiled[impl] for impl in ("inductor", "fusion_passes")}
+                    fns["kernel"] = kernel_fn(op, scheme)
                     us = {}
                     for impl, fn in fns.items():
                         if args.code and impl != "kernel":
@@ -86,6 +69,8 @@ def main() -> int:
                             Path(args.code).mkdir(parents=True, exist_ok=True)
                             Path(args.code, name).write_text("\n\n".join(code))
                         us[impl] = host_us(lambda fn=fn: fn(*inputs), ITERS, 100)
+                    records.append({"op": op, "scheme": scheme, "hidden": args.hidden, "tokens": tokens,
+                                    "host_us": us})  # fmt: skip
                     print(
                         f"| {op} | {scheme} | {tokens} | {us['inductor']:.1f} | {us['fusion_passes']:.1f} "
                         f"| {us['kernel']:.1f} | {us['fusion_passes'] - us['inductor']:+.1f} |",
@@ -104,6 +89,9 @@ def main() -> int:
                         profile_text.append(f"{title}\n{text.getvalue()}")
     if args.profile:
         Path(args.profile).write_text("\n".join(profile_text))
+    if args.json:
+        device = torch.cuda.get_device_name()
+        common.write_json(args.json, {"device": device, "iters": ITERS, "records": records})
     return 0
 
 

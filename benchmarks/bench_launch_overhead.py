@@ -10,20 +10,19 @@ fuses all 16 row-local norms of a 1-token chain into a single kernel). All three
 number of kernels, so the difference per layer is host cost. Timed per call with plain launches
 (host-bound at these sizes) and as a CUDA-graph replay.
 
-    python benchmarks/bench_launch_overhead.py --layers 16 --tokens 1 4 64 --hidden 7168
+    python -m benchmarks.bench_launch_overhead --layers 16 --tokens 1 4 64 --hidden 7168
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
+import sys
 
 import torch
-import triton.testing
-from timing import host_us
 
 import fusion_passes
+from benchmarks import common
+from benchmarks.timing import host_us, kernels_per_call, time_graph_us
 from fusion_passes.patterns.rms_norm import llama_rms_norm
 
 
@@ -34,30 +33,13 @@ def chain(x, residual, down, up, *weights):
     return x, residual
 
 
-def graph_us(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
-
-
-def kernels_per_call(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = common.parser(__doc__, "bench_launch_overhead", md=False, json_default=False)
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 64])
+    common.add_sizes(parser, "--tokens", [1, 4, 64], what="token counts")
     parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = common.parse(parser)
+    common.require_cuda(parser, "the host cost of a launch is what it measures")
     rows = []
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
@@ -87,7 +69,7 @@ def main() -> None:
                     "variant": name,
                     "kernels": kernels_per_call(run),
                     "plain_us": host_us(run),
-                    "graph_us": graph_us(run),
+                    "graph_us": time_graph_us([run]),
                     "max_abs_err_vs_eager": err,
                 }
             )
@@ -105,9 +87,10 @@ def main() -> None:
             f"{r['plain_us'] / args.layers:.2f} | {r['graph_us']:.1f} |"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"layers": args.layers, "hidden": args.hidden, "rows": rows}, f, indent=2)
+        common.write_json(args.json, {"device": torch.cuda.get_device_name(), "layers": args.layers,
+                                      "hidden": args.hidden, "rows": rows})  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,39 +18,37 @@ over the time is reported in GB/s and as a percent of the device's copy bandwidt
 The ratios to stock Inductor are reported for both of ours; the two columns of ours place the
 merge's token bound (patterns/mla_rope.py).
 
-    python benchmarks/bench_mla_rope.py [--out bench_mla_rope.md] [--json bench_mla_rope.json]
-    python benchmarks/bench_mla_rope.py --smoke     # tiny sizes; on a CPU via Triton's interpreter
+    python -m benchmarks.bench_mla_rope [--out bench_mla_rope.md] [--json bench_mla_rope.json]
+    python -m benchmarks.bench_mla_rope --smoke     # tiny sizes; on a CPU via Triton's interpreter
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # chosen before triton loads
+from benchmarks import common
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
+common.interpret_smoke_run()  # before triton is imported
 
 import fusion_passes  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    copy_bandwidth_gbps,
+    kernels_per_call,
+    time_graph_us,
+    time_plain_us,
+)
 from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
     mla_kv_norm_rope_reference,
     mla_q_rope_reference,
 )
-from fusion_passes.patterns.mla_rope import ONE_LAUNCH_MAX_TOKENS  # noqa: E402
 from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
     mla_kv_norm_rope_triton,
     mla_q_kv_rope_triton,
     mla_q_rope_triton,
 )
-
-from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
+from fusion_passes.patterns.mla_rope import ONE_LAUNCH_MAX_TOKENS  # noqa: E402
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
@@ -161,10 +159,6 @@ def bench(tokens, dims, device, g) -> dict:
     return record
 
 
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
 def report(records, copy_gbps, device_name) -> str:
     ours = tuple(OURS)
     head = " | ".join(IMPLS) + " | " + " | ".join(f"{o} vs inductor" for o in ours)
@@ -182,14 +176,14 @@ def report(records, copy_gbps, device_name) -> str:
         ]  # fmt: skip
         for r in records:
             t = r[mode]
-            speedups = [f"{t['inductor'] / t[o]:.2f}x" if t[o] and t["inductor"] else "-" for o in ours]
+            speedups = [common.ratio(t["inductor"], t[o]) for o in ours]
             bandwidth = [
                 f"{r['bytes'] / t[o] / 1e3:.0f} ({100 * r['bytes'] / t[o] / 1e3 / copy_gbps:.0f}%)"
-                if t[o] and r["tokens"] >= 4096 else "-"
+                if t[o] and r["tokens"] >= 4096 else "—"
                 for o in ours
             ]  # fmt: skip
             lines.append(
-                f"| {r['tokens']} | " + " | ".join(_fmt(t[i]) for i in IMPLS) + " | "
+                f"| {r['tokens']} | " + " | ".join(common.us(t[i]) for i in IMPLS) + " | "
                 + " | ".join(speedups) + " | " + "/".join(str(r["kernels"][i]) for i in IMPLS)
                 + " | " + " / ".join(bandwidth) + " |"
             )  # fmt: skip
@@ -198,34 +192,25 @@ def report(records, copy_gbps, device_name) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_mla_rope.md")
-    parser.add_argument("--json", default="bench_mla_rope.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes; CPU under TRITON_INTERPRET=1")
-    parser.add_argument("--tokens", type=int, nargs="+")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        parser.error("no CUDA device: only --smoke runs on a CPU")
+    parser = common.parser(__doc__, "bench_mla_rope", smoke="tiny sizes; CPU under TRITON_INTERPRET=1")
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
+    args = common.parse(parser)
+    device = common.device(parser, args.smoke)
     dims = SMOKE if args.smoke else V3
-    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    device_name = common.device_name(device)
     copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else 1 << 20, device)
     g = torch.Generator().manual_seed(0)
     records = []
     with torch.no_grad():
-        for t in tokens:
+        for t in args.tokens:
             records.append(bench(t, dims, device, g))
             print(
-                f"tokens={t}: " + ", ".join(f"{i} {_fmt(records[-1]['plain_us'][i])}" for i in IMPLS),
+                f"tokens={t}: " + ", ".join(f"{i} {common.us(records[-1]['plain_us'][i])}" for i in IMPLS),
                 flush=True,
             )
     text = report(records, copy_gbps, device_name)
-    Path(args.out).write_text(text)
-    Path(args.json).write_text(
-        json.dumps({"device": device_name, "dims": dims, "records": records}, indent=1)
-    )
-    print(text)
+    payload = {"device": device_name, "dims": dims, "copy_gbps": copy_gbps, "records": records}
+    common.finish(args, text, payload)
     bad = [r["tokens"] for r in records if not r["correct"]]
     if bad:
         print(

@@ -3,49 +3,44 @@ eager vs stock Inductor vs fusion_passes, with plain launches and in a CUDA grap
 
 Kernels are counted with the CUDA profiler and classified (GEMM, attention, MoE / grouped GEMM,
 everything else); "other per layer" is the number vLLM reports for DeepSeek V3.2 (about 33 -> 10
-kernels per layer outside attention and MoE).
+kernels per layer outside attention and MoE). Times as in benchmarks/timing.py: plain is
+do_bench's median, graph one forward captured in a CUDA graph, the replay's median.
 
-    python benchmarks/bench_models.py --models deepseek-v3.2 qwen3.5-moe minimax-m2 --tokens 1 4096
-    python benchmarks/bench_models.py --smoke    # tiny widths on a CPU: the code path, no timings
+    python -m benchmarks.bench_models --models deepseek-v3.2 qwen3.5-moe minimax-m2 --tokens 1 4096
+    python -m benchmarks.bench_models --smoke    # tiny widths on a CPU: the code path, no timings
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 
 import torch
-import triton.testing
 
 import fusion_passes
+from benchmarks import common
+from benchmarks.timing import time_graph_us, time_plain_us
 from fusion_passes.kernels import KERNEL_CLASSES, profile_kernel_classes
 from fusion_passes.models import build_model
 
 
 def forward_us(fn, inputs, graph: bool) -> float | None:
+    """Median microseconds of one forward (None without a GPU)."""
     if not torch.cuda.is_available():
         return None
     fn(*inputs)
     torch.cuda.synchronize()
-    if not graph:
-        return triton.testing.do_bench(lambda: fn(*inputs), warmup=25, rep=200, return_mode="median") * 1e3
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(*inputs)
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    return time_graph_us([lambda: fn(*inputs)]) if graph else time_plain_us(lambda: fn(*inputs))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = common.parser(__doc__, "bench_models", md=False, json_default=False,
+                           smoke="tiny widths on a CPU, no timings")  # fmt: skip
     parser.add_argument("--models", nargs="+", default=["deepseek-v3.2", "qwen3.5-moe", "minimax-m2"])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4096])
+    common.add_sizes(parser, "--tokens", [1, 4096], what="token counts")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--smoke", action="store_true", help="tiny widths on a CPU, no timings")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        parser.error("no CUDA device: only --smoke runs on a CPU")
+    args = common.parse(parser)
+    device = common.device(parser, args.smoke)
     size = "tiny" if args.smoke else "real"
     rows = []
     for name in args.models:
@@ -70,6 +65,7 @@ def main() -> None:
                     err = (fn(*inputs).float() - expected).norm().item() / expected.norm().item()
                     row = {
                         "model": name,
+                        "layers": args.layers,
                         "tokens": tokens,
                         "variant": label,
                         "kernels": kernels,
@@ -85,21 +81,18 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.json:  # as it goes: a run cut short keeps what it measured
-                        with open(args.json, "w") as f:
-                            json.dump(rows, f, indent=2)
+                        common.write_json(args.json, {"layers": args.layers, "rows": rows})
     print("\n| model | tokens | variant | kernels | " + " | ".join(KERNEL_CLASSES)
-          + " | other / layer | plain (us) | CUDA graph (us) |")
+          + " | other / layer | plain (us) | CUDA graph (us) |")  # fmt: skip
     print("|---|---|---|---|" + "---|" * len(KERNEL_CLASSES) + "---|---|---|")
     for r in rows:
         if r["kernels"] is None:  # smoke run: nothing measured
             continue
         classes = " | ".join(str(r["kernels"][c]) for c in KERNEL_CLASSES)
         print(f"| {r['model']} | {r['tokens']} | {r['variant']} | {r['total_kernels']} | {classes} | "
-              f"{r['other_per_layer']:.1f} | {r['plain_us']:.0f} | {r['graph_us']:.0f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+              f"{r['other_per_layer']:.1f} | {r['plain_us']:.0f} | {r['graph_us']:.0f} |")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,32 +10,30 @@ CUDA graph (see timing.py); kernels per call counted with torch.profiler. The fe
 q, k, weights, cos, sin once, write q and k once; at >= 4096 tokens reported as GB/s and % of the
 device's copy bandwidth.
 
-    python benchmarks/bench_qk_norm_rope.py [--out bench_qk_norm_rope.md] [--json ...]
-    python benchmarks/bench_qk_norm_rope.py --smoke     # tiny sizes; on a CPU via Triton's interpreter
+    python -m benchmarks.bench_qk_norm_rope [--out bench_qk_norm_rope.md] [--json ...]
+    python -m benchmarks.bench_qk_norm_rope --smoke     # tiny sizes; on a CPU via Triton's interpreter
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton loads
+from benchmarks import common
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
+common.interpret_smoke_run()  # before triton is imported
 
 import fusion_passes  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    copy_bandwidth_gbps,
+    kernels_per_call,
+    time_graph_us,
+    time_plain_us,
+)
 from fusion_passes.lowering.qk_norm_rope.reference import qk_norm_rope_reference  # noqa: E402
 from fusion_passes.patterns.qk_norm_rope import rope_full, rope_partial  # noqa: E402
 from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm  # noqa: E402
-
-from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 
 DTYPE, EPS = torch.bfloat16, 1e-6
 # name: (q heads, kv heads, head dim, rotary dim, per-head norm, q+gate projection, norm form)
@@ -135,10 +133,6 @@ def bench(name, model, tokens, device):
     return record
 
 
-def _us(v):
-    return "—" if v is None else f"{v:.1f}"
-
-
 def report_md(records, copy_gbps, device_name):
     lines = [f"# QK-norm + RoPE prelude, bf16, {device_name}", "",
              f"copy bandwidth {copy_gbps:.0f} GB/s", "",
@@ -147,32 +141,26 @@ def report_md(records, copy_gbps, device_name):
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
         g, p, kn = r["graph_us"], r["plain_us"], r["kernels"]
-        speed = "—" if g["ours"] is None else f"{g['inductor'] / g['ours']:.2f}x"
+        speed = common.ratio(g["inductor"], g["ours"])
         best = g["ours"] if g["ours"] is not None else p["ours"]
         gbps = r["bytes"] / best / 1e3
         lines.append(
             f"| {r['model']} | {r['tokens']} | {r['fused_sites']} | "
-            f"{'/'.join(str(kn[i]) for i in IMPLS)} | {'/'.join(_us(p[i]) for i in IMPLS)} | "
-            f"{'/'.join(_us(g[i]) for i in IMPLS)} | {speed} | "
+            f"{'/'.join(str(kn[i]) for i in IMPLS)} | {'/'.join(common.us(p[i]) for i in IMPLS)} | "
+            f"{'/'.join(common.us(g[i]) for i in IMPLS)} | {speed} | "
             f"{gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_qk_norm_rope.md")
-    parser.add_argument("--json", default="bench_qk_norm_rope.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes; CPU interpreter")
-    parser.add_argument("--tokens", type=int, nargs="+")
+    parser = common.parser(__doc__, "bench_qk_norm_rope", smoke="tiny sizes; CPU interpreter")
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
     parser.add_argument("--models", nargs="+", choices=list(MODELS))
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        parser.error("no CUDA device: only --smoke runs on a CPU")
+    args = common.parse(parser)
+    device = common.device(parser, args.smoke)
     models = SMOKE_MODELS if args.smoke else MODELS
-    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    device_name = common.device_name(device)
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(2**31 if device == "cuda" else 2**20, device)
     records = []
@@ -180,13 +168,11 @@ def main() -> int:
         for name, model in models.items():
             if args.models and name not in args.models:
                 continue
-            for t in tokens:
+            for t in args.tokens:
                 records.append(bench(name, model, t, device))
                 print(name, t, records[-1]["graph_us"], records[-1]["plain_us"], flush=True)
     text = report_md(records, copy_gbps, device_name)
-    Path(args.out).write_text(text)
-    Path(args.json).write_text(json.dumps({"device": device_name, "records": records}, indent=1))
-    print(text)
+    common.finish(args, text, {"device": device_name, "copy_gbps": copy_gbps, "records": records})
     return 1 if any(not r["correct"] or not r["fused_sites"] for r in records) else 0
 
 

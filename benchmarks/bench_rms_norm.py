@@ -15,39 +15,28 @@ move: read x (and residual) and weight once, write y (and r); at >= 4096 tokens 
 is reported in GB/s and as a percent of the device's own copy bandwidth, measured here on a 2 GB
 device-to-device copy (bytes read + written). Ours is checked against the reference first.
 
-    python benchmarks/bench_rms_norm.py [--out bench_rms_norm.md] [--json bench_rms_norm.json]
-    python benchmarks/bench_rms_norm.py --smoke     # tiny sizes; on a CPU via Triton's interpreter
+    python -m benchmarks.bench_rms_norm [--out bench_rms_norm.md] [--json bench_rms_norm.json]
+    python -m benchmarks.bench_rms_norm --smoke     # tiny sizes; on a CPU via Triton's interpreter
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    # No GPU: run Triton kernels in the CPU interpreter, which must be chosen before triton loads.
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from benchmarks import common
+
+INTERPRETED = common.interpret_smoke_run()  # before triton is imported
 
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
-# Run as a script from anywhere: the package lives one level up.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
-
+from benchmarks.timing import copy_bandwidth_gbps, time_graph_us, time_plain_us  # noqa: E402
 from fusion_passes.lowering.rms_norm.reference import (  # noqa: E402
     add_rms_norm_reference,
     rms_norm_reference,
 )
 from fusion_passes.lowering.rms_norm.triton import rms_norm_triton  # noqa: E402
-
-from timing import copy_bandwidth_gbps, time_graph_us, time_plain_us  # noqa: E402
 
 try:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -192,14 +181,6 @@ def bench_shape(op: str, hidden: int, tokens: int, device: str) -> dict:
     return record
 
 
-def _us(value) -> str:
-    return "—" if value is None else f"{value:.1f}"
-
-
-def _ratio(slow, fast) -> str:
-    return "—" if slow is None or fast is None else f"{slow / fast:.2f}x"
-
-
 def latency_table(records: list[dict], mode: str) -> list[str]:
     """Microseconds per call, one row per shape, plus compile's time over ours."""
     lines = [
@@ -208,7 +189,7 @@ def latency_table(records: list[dict], mode: str) -> list[str]:
     ]
     for r in records:
         t = r[f"{mode}_us"]
-        cells = [_us(t[i]) for i in IMPLS] + [_ratio(t["compile"], t["ours"])]
+        cells = [common.us(t[i]) for i in IMPLS] + [common.ratio(t["compile"], t["ours"])]
         lines.append(f"| {r['hidden']} | {r['tokens']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -273,23 +254,14 @@ def report(records: list[dict], copy_gbps: float, copy_bytes: int, device_name: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_rms_norm.md", help="markdown report path")
-    parser.add_argument("--json", default="bench_rms_norm.json", help="raw numbers path")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny sizes to catch bugs; runs on a CPU under TRITON_INTERPRET=1",
+    parser = common.parser(
+        __doc__, "bench_rms_norm", smoke="tiny sizes to catch bugs; runs on a CPU under TRITON_INTERPRET=1"
     )
-    parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {HIDDEN})")
-    parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts (default {TOKENS})")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        parser.error("no CUDA device: only --smoke runs on a CPU")
-    hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
-    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    common.add_sizes(parser, "--hidden", HIDDEN, SMOKE_HIDDEN, "hidden sizes")
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
+    args = common.parse(parser)
+    device = common.device(parser, args.smoke)
+    device_name = common.device_name(device)
 
     torch.manual_seed(0)
     copy_bytes = COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES
@@ -298,31 +270,24 @@ def main() -> int:
     records = []
     with torch.no_grad():
         for op in OPS:
-            for h in hidden:
-                for t in tokens:
+            for h in args.hidden:
+                for t in args.tokens:
                     records.append(bench_shape(op, h, t, device))
                     print(
                         f"{op} hidden={h} tokens={t}: "
-                        + ", ".join(f"{i} {_us(records[-1]['plain_us'][i])}" for i in IMPLS),
+                        + ", ".join(f"{i} {common.us(records[-1]['plain_us'][i])}" for i in IMPLS),
                         flush=True,
                     )
     text = report(records, copy_gbps, copy_bytes, device_name)
-    Path(args.out).write_text(text)
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "device": device_name,
-                "dtype": str(DTYPE),
-                "eps": EPS,
-                "copy_gbps": copy_gbps,
-                "graph_calls": GRAPH_CALLS,
-                "liger_missing": LIGER_MISSING,
-                "records": records,
-            },
-            indent=1,
-        )
-    )
-    print(text)
+    common.finish(args, text, {
+        "device": device_name,
+        "dtype": str(DTYPE),
+        "eps": EPS,
+        "copy_gbps": copy_gbps,
+        "graph_calls": GRAPH_CALLS,
+        "liger_missing": LIGER_MISSING,
+        "records": records,
+    })  # fmt: skip
     return 1 if any(not r["correct"] for r in records) else 0
 
 

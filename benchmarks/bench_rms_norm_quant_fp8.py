@@ -26,71 +26,51 @@ tokens that over the time is given in GB/s and as a percent of the device's copy
 Every shape first checks the kernel against the reference: codes at most one fp8 code apart,
 scales and r to bf16 rounding.
 
-    python benchmarks/bench_rms_norm_quant_fp8.py [--out PATH.md] [--json PATH.json]
-    python benchmarks/bench_rms_norm_quant_fp8.py --smoke    # tiny sizes; CPU via the interpreter
-    python benchmarks/bench_rms_norm_quant_fp8.py --shard 0/2 --json a.json   # half the shapes
-    python benchmarks/bench_rms_norm_quant_fp8.py --merge a.json b.json       # one report of both
+    python -m benchmarks.bench_rms_norm_quant_fp8 [--out PATH.md] [--json PATH.json]
+    python -m benchmarks.bench_rms_norm_quant_fp8 --smoke    # tiny sizes; CPU via the interpreter
+    python -m benchmarks.bench_rms_norm_quant_fp8 --shard 0/2 --json a.json   # half the shapes
+    python -m benchmarks.bench_rms_norm_quant_fp8 --merge a.json b.json       # one report of both
 
---compile-only fills Inductor's caches first, several shards at once (benchmarks/sweep.py).
+--compile-only fills Inductor's caches first, several shards at once (benchmarks/sweep.py,
+benchmarks/run_gpu_sweep.sh).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import itertools
 import sys
-from pathlib import Path
 
 import torch
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from benchmarks import common
 
-import triton  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
+INTERPRETED = common.interpret_smoke_run()  # before triton is imported
 
 import fusion_passes  # noqa: E402
-from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
+from benchmarks import sweep  # noqa: E402
+from benchmarks.no_math import no_math_fn  # noqa: E402
+from benchmarks.sweep import BANDWIDTH_MIN_TOKENS, FP8_DTYPE, GRAPH_CALLS, SCHEMES, pct_of_copy  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
-    FP8_DTYPE,
     add_rms_norm_quant_fp8_reference,
     rms_norm_quant_fp8_reference,
 )
 from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton  # noqa: E402
+from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
 from fusion_passes.patterns.rms_norm import llama_rms_norm  # noqa: E402
-from fusion_passes.patterns.rms_norm_quant_fp8 import (  # noqa: E402
-    GROUP_SIZE,
-    quant_per_group,
-    quant_per_token,
-    quant_static,
-)
-from no_math import no_math_fn  # noqa: E402
-from sweep import add_sweep_args, failures, merged, run_shapes, shard_of  # noqa: E402
-from timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
+from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Qwen 3 8B, Llama 3.2 3B
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 SMOKE_HIDDEN, SMOKE_TOKENS = (256,), (1, 64)
-SCHEMES = ("static", "per_token", "per_group")
 OPS = ("rms_norm", "add_rms_norm")
 IMPLS = ("eager", "inductor", "fusion_passes", "kernel", "same_traffic", "no_math")
-BANDWIDTH_MIN_TOKENS = 4096
 DTYPE, EPS = torch.bfloat16, 1e-6
-GRAPH_CALLS = 20  # calls per captured graph (see bench_rms_norm.py: >= 4096 tokens come from HBM)
-COPY_BYTES, SMOKE_COPY_BYTES = 2 * 10**9, 2 * 10**6
+SMOKE_HELP = "tiny sizes; CPU under TRITON_INTERPRET=1"
 
 
 def eager_fn(op: str, scheme: str):
     """The unfused spelling: (x, [residual,] weight, scale) -> (q, scales[, r])."""
-
-    def quant(y, scale):
-        if scheme == "static":
-            return quant_static(y, scale), scale
-        return quant_per_token(y) if scheme == "per_token" else quant_per_group(y)
-
+    quant = sweep.quantize(scheme)
     if op == "rms_norm":
         return lambda x, weight, scale: quant(llama_rms_norm(x, weight, EPS), scale)
 
@@ -160,10 +140,6 @@ def check_kernel(op: str, scheme: str, args: tuple) -> dict:
     return {"correct": ok, "max_code_diff": max_code_diff, "max_scale_rel_err": scale_rel}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
-
-
 def min_bytes(op: str, scheme: str, tokens: int, hidden: int) -> int:
     rows = tokens * hidden
     read = rows * DTYPE.itemsize * (2 if op == "add_rms_norm" else 1) + hidden * DTYPE.itemsize
@@ -181,45 +157,16 @@ def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str, tim
     record.update(check_kernel(op, scheme, sets[0]))
     torch._dynamo.reset()  # static shapes: one compile per shape, clear of the recompile limit
     report = fusion_passes.Report()
-    eager = eager_fn(op, scheme)
+    fusion = fusion_name(op, scheme)
     fns = {
-        "eager": eager,
-        "inductor": torch.compile(eager, dynamic=False),
-        "fusion_passes": torch.compile(
-            eager,
-            dynamic=False,
-            backend=fusion_passes.backend(
-                fusions=["add_rms_norm", "rms_norm", fusion_name(op, scheme)], report=report
-            ),
-        ),
+        **sweep.compiled_variants(eager_fn(op, scheme), ["add_rms_norm", "rms_norm", fusion], report),
         "kernel": kernel_fn(op, scheme),
         "same_traffic": torch.compile(same_traffic_fn(op), dynamic=False),
         "no_math": no_math_fn(op),
     }
-    record["plain_us"], record["graph_us"], record["kernels"] = {}, {}, {}
-    for impl, fn in fns.items():
-        calls = [lambda s=s, fn=fn: fn(*s) for s in sets]
-        out = calls[0]()  # compiles
-        if impl == "fusion_passes":
-            record["fused"] = report.matches[fusion_name(op, scheme)]
-            # On a GPU both run the same kernel: equal bit for bit. On a CPU the compiled graph
-            # runs the reference and the kernel the interpreter (checked above instead).
-            record["fusion_passes_equals_kernel"] = device != "cuda" or all(
-                torch.equal(_bits(a), _bits(b)) for a, b in zip(out, fns["kernel"](*sets[0]), strict=True)
-            )
-        if not timed:
-            continue
-        record["kernels"][impl] = kernels_per_call(calls[0])
-        record["plain_us"][impl] = time_plain_us(calls[0])
-        record["graph_us"][impl] = time_graph_us(calls)
-    if not timed:  # a record without times: compiled and checked only (sweep.py's --compile-only)
-        del record["plain_us"], record["graph_us"], record["kernels"]
+    sweep.measure(record, fns, sets, fusion, report, device, timed)
     record["bytes"] = min_bytes(op, scheme, tokens, hidden)
     return record
-
-
-def _us(v) -> str:
-    return "—" if v is None else f"{v:.1f}"
 
 
 def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
@@ -231,17 +178,14 @@ def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
     ]
     for r in records:
         t = r[f"{mode}_us"]
-        ratio = "—" if t["fusion_passes"] is None else f"{t['inductor'] / t['fusion_passes']:.2f}x"
-        fastest_no_math = None if t["fusion_passes"] is None else min(t["same_traffic"], t["no_math"])
-        traffic = "—" if fastest_no_math is None else f"{fastest_no_math / t['fusion_passes']:.2f}x"
-        bw = "—"
-        if r["tokens"] >= BANDWIDTH_MIN_TOKENS and t["fusion_passes"] is not None:
-            bw = f"{100 * r['bytes'] / t['fusion_passes'] / 1e3 / copy_gbps:.0f}%"
+        ours = t["fusion_passes"]
+        fastest_no_math = None if ours is None else min(t["same_traffic"], t["no_math"])
         k = r["kernels"]
         lines.append(
             f"| {r['hidden']} | {r['tokens']} | {k['inductor']} / {k['fusion_passes']} | "
-            + " | ".join(_us(t[i]) for i in IMPLS)
-            + f" | {ratio} | {traffic} | {bw} |"
+            + " | ".join(common.us(t[i]) for i in IMPLS)
+            + f" | {common.ratio(t['inductor'], ours)} | {common.ratio(fastest_no_math, ours)}"
+            f" | {pct_of_copy(r, ours, copy_gbps)} |"
         )
     return lines
 
@@ -268,90 +212,46 @@ def summary(records: list[dict], copy_gbps: float) -> list[str]:
                     if not g or g["fusion_passes"] is None:
                         row.append("—")
                         continue
-                    cell = f"{g['inductor'] / g['fusion_passes']:.2f}x"
+                    cell = common.ratio(g["inductor"], g["fusion_passes"])
                     if t >= BANDWIDTH_MIN_TOKENS:
-                        cell += f" ({100 * r['bytes'] / g['fusion_passes'] / 1e3 / copy_gbps:.0f}%)"
+                        cell += f" ({pct_of_copy(r, g['fusion_passes'], copy_gbps)})"
                     row.append(cell)
                 lines.append(f"| {op} | {scheme} | {hidden} | " + " | ".join(row) + " |")
     return lines
 
 
 def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
-    failed = failures(records)
-    lines = [
-        "# RMSNorm + FP8 quantization benchmark (Llama form, bf16 -> float8_e4m3fn)",
-        "",
-        f"Device: {device_name}; torch {torch.__version__}; triton {triton.__version__}; "
-        f"copy bandwidth {copy_gbps:.0f} GB/s; eps {EPS}; group size {GROUP_SIZE}.",
-        "",
-        "- us per call, median. plain: do_bench (L2 flushed before each call); graph: "
-        f"{GRAPH_CALLS} calls in one CUDA graph, each on its own inputs, per call.",
-        "- fusion_passes: torch.compile with the fusion (our kernel launched from Inductor's code); "
-        "kernel: our launcher called from Python. kernels: CUDA kernels per call (profiler).",
-        f"- Checks (kernel vs reference; one fused site per compile; compiled output equal to the "
-        f"kernel's): {'all shapes pass' if not failed else f'{len(failed)} FAILURES'}.",
-    ]
+    title = "RMSNorm + FP8 quantization benchmark (Llama form, bf16 -> float8_e4m3fn)"
+    lines = sweep.report_head(title, records, copy_gbps, device_name, f"eps {EPS}; group size {GROUP_SIZE}")
     lines += ["", "## Summary: CUDA graph, stock Inductor / fusion_passes (% of copy from 4096 tokens)", ""]
     lines += summary(records, copy_gbps)
     for op in OPS:
         for scheme in SCHEMES:
             rows = [r for r in records if r["op"] == op and r["scheme"] == scheme]
-            if not rows:
-                continue
-            lines += ["", f"## {fusion_name(op, scheme)}"]
-            for mode, title in (("graph", "CUDA graph"), ("plain", "Plain launches")):
-                lines += ["", f"### {title}", "", *table(rows, mode, copy_gbps)]
+            lines += sweep.report_section(fusion_name(op, scheme), rows, table, copy_gbps)
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_rms_norm_quant_fp8.md")
-    parser.add_argument("--json", default="bench_rms_norm_quant_fp8.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes; CPU under TRITON_INTERPRET=1")
-    parser.add_argument("--hidden", type=int, nargs="+")
-    parser.add_argument("--tokens", type=int, nargs="+")
+    parser = common.parser(__doc__, "bench_rms_norm_quant_fp8", smoke=SMOKE_HELP)
+    common.add_sizes(parser, "--hidden", HIDDEN, SMOKE_HIDDEN, "hidden sizes")
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    add_sweep_args(parser)
-    args = parser.parse_args()
-    if args.merge:
-        records, copy_gbps, device_name = merged(args.merge)
-        return write_report(records, copy_gbps, device_name, args.out)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        parser.error("no CUDA device: only --smoke runs on a CPU")
-    hidden = args.hidden or (SMOKE_HIDDEN if args.smoke else HIDDEN)
-    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
-    shapes = shard_of(
-        [(op, s, h, t) for op in args.ops for s in args.schemes for h in hidden for t in tokens], args.shard
+    sweep.add_sweep_args(parser)
+    args = common.parse(parser)
+    shapes = list(itertools.product(args.ops, args.schemes, args.hidden, args.tokens))
+    return sweep.main(
+        parser,
+        args,
+        shapes,
+        bench_shape,
+        lambda r: f"{fusion_name(r['op'], r['scheme'])} hidden={r['hidden']} tokens={r['tokens']} "
+        f"correct={r['correct']} fused={r['fused']} equal={r['fusion_passes_equals_kernel']}",
+        IMPLS,
+        report,
+        "hidden",
     )
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
-    torch.manual_seed(0)
-    copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES, device)
-    with torch.no_grad():
-        records = run_shapes(
-            shapes,
-            lambda op, scheme, h, t, timed: bench_shape(op, scheme, h, t, device, timed),
-            lambda r: f"{fusion_name(r['op'], r['scheme'])} hidden={r['hidden']} tokens={r['tokens']} "
-            f"correct={r['correct']} fused={r['fused']} equal={r['fusion_passes_equals_kernel']}",
-            IMPLS,
-            args.json,
-            {"device": device_name, "copy_gbps": copy_gbps},
-            timed=not args.compile_only,
-        )
-    if args.compile_only:
-        return 1 if failures(records) else 0
-    return write_report(records, copy_gbps, device_name, args.out)
-
-
-def write_report(records: list[dict], copy_gbps: float, device_name: str, out: str) -> int:
-    """The report of records (in the sweep's order: hidden as listed, then tokens) to out and stdout."""
-    records = sorted(records, key=lambda r: (-r["hidden"], r["tokens"]))
-    text = report(records, copy_gbps, device_name)
-    Path(out).write_text(text)
-    print(text)
-    return 1 if failures(records) else 0
 
 
 if __name__ == "__main__":

@@ -25,44 +25,29 @@ on, and the exit status is 1):
 Then, per variant (every rank makes the same fixed number of calls between barriers: a collective
 must be called equally often everywhere; rank 0 reports):
   kernels  CUDA kernels per step, by class (fusion_passes.kernels.profile_kernel_classes)
-  plain    median of CUDA events around each of PLAIN_ITERS steps, after warm-up (time_plain_us of
-           bench_allreduce_rms_norm.py); at decode sizes it mostly measures the host
+  plain    median of CUDA events around each of PLAIN_ITERS steps, after warm-up
+           (benchmarks/distributed.py); at decode sizes it mostly measures the host
   graph    GRAPH_CALLS steps, each on its own input_ids, captured in one CUDA graph after a warm-up
            on a side stream (NCCL communicators and the one-shot workspace exist by then: the
-           variant's first call, the check, made them), median replay per step (time_graph_us,
-           same file)
+           variant's first call, the check, made them), median replay per step
+           (benchmarks/distributed.py)
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp_decoder_layer.py [--model qwen3] [--size real]
+    torchrun --nproc-per-node 2 -m benchmarks.bench_tp_decoder_layer [--model qwen3] [--size real]
         [--layers 1] [--tokens 1 8] [--out bench_tp_decoder_layer.md] [--json bench_tp_decoder_layer.json]
-    python benchmarks/bench_tp_decoder_layer.py --smoke   # CPU, gloo, 2 spawned ranks, tiny qwen3:
+    python -m benchmarks.bench_tp_decoder_layer --smoke   # CPU, gloo, 2 spawned ranks, tiny qwen3:
                                                           # the code path and the checks, no GPU times
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-# Run as a script from anywhere: the package lives one level up, the sibling benchmark next to us.
-# The sibling sets TRITON_INTERPRET (CPU smoke run) and the no-multicast variables on import, before
-# anything imports triton.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks import common
+from benchmarks import distributed  # first: no multicast, the smoke run's interpreter, before triton
 
 import torch.distributed as dist  # noqa: E402
-from bench_allreduce_rms_norm import (  # noqa: E402
-    GRAPH_CALLS,
-    GRAPH_REPLAYS,
-    PLAIN_ITERS,
-    launch_ranks,
-    same_on_every_rank,
-    time_graph_us,
-    time_plain_us,
-)
 
 import fusion_passes  # noqa: E402
 from fusion_passes.kernels import KERNEL_CLASSES, classify_kernel, profile_kernel_names  # noqa: E402
@@ -109,7 +94,7 @@ def build_sharded(args, device, mesh):
 def weights_agree(module) -> bool:
     """Every weight of the unsharded build is the same on every rank (a checksum per tensor)."""
     sums = [p.sum(dtype=torch.float64) for p in module.parameters()]
-    return same_on_every_rank(torch.stack(sums))
+    return distributed.same_on_every_rank(torch.stack(sums))
 
 
 def input_ids(vocab, tokens, seed, device) -> torch.Tensor:
@@ -142,7 +127,7 @@ def check_variant(variant, out, expected, report, layers, group_name) -> dict:
         "rel_norm_vs_eager": comparison.rel_norm,
         "max_abs_vs_eager": comparison.max_abs,
         "elementwise_ok": comparison.ok,
-        "identical_across_ranks": same_on_every_rank(out),
+        "identical_across_ranks": distributed.same_on_every_rank(out),
     }
     if variant != "fusion_passes":
         return record
@@ -180,7 +165,7 @@ def bench_tokens(built, tokens, device, group_name) -> dict:
     """Check and time every variant at one token count."""
     module, layers = built.module, built.config.num_hidden_layers
     vocab = built.config.vocab_size
-    calls_per_graph = GRAPH_CALLS if device.type == "cuda" else 1
+    calls_per_graph = distributed.GRAPH_CALLS if device.type == "cuda" else 1
     inputs = [input_ids(vocab, tokens, seed, device) for seed in range(calls_per_graph)]
     expected = module(inputs[0])
     record = {"tokens": tokens, "variants": {}}
@@ -199,22 +184,14 @@ def bench_tokens(built, tokens, device, group_name) -> dict:
             result["kernel_names"] = names  # in the json: which kernels a variant adds or saves
         else:
             result["kernels"] = None
-        result["plain_us"] = time_plain_us(lambda fn=fn: fn(inputs[0]), device)
+        result["plain_us"] = distributed.time_plain_us(lambda fn=fn: fn(inputs[0]), device)
         try:
-            result["graph_us"] = time_graph_us([lambda fn=fn, x=x: fn(x) for x in inputs], device)
+            result["graph_us"] = distributed.time_graph_us([lambda fn=fn, x=x: fn(x) for x in inputs], device)
         except RuntimeError as error:  # every rank fails the capture alike: report it, go on
             result["graph_us"], result["graph_error"] = None, f"{type(error).__name__}: {error}"
             dist.barrier()
         record["variants"][variant] = result
     return record
-
-
-def _us(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _ratio(baseline, value) -> str:
-    return "-" if baseline is None or value is None else f"{baseline / value:.2f}x"
 
 
 def table(records) -> list[str]:
@@ -232,9 +209,10 @@ def table(records) -> list[str]:
             delta = "-" if k is None else f"{k['total'] - kb['total']:+d}"
             classes = " | ".join("-" if k is None else str(k[c]) for c in KERNEL_CLASSES)
             lines.append(
-                f"| {record['tokens']} | {variant} | {total} | {delta} | {classes} | {_us(r['plain_us'])} "
-                f"| {_us(r['graph_us'])} | {_ratio(base['plain_us'], r['plain_us'])} "
-                f"| {_ratio(base['graph_us'], r['graph_us'])} |"
+                f"| {record['tokens']} | {variant} | {total} | {delta} | {classes} "
+                f"| {common.us(r['plain_us'])} | {common.us(r['graph_us'])} "
+                f"| {common.ratio(base['plain_us'], r['plain_us'])} "
+                f"| {common.ratio(base['graph_us'], r['graph_us'])} |"
             )
     return lines
 
@@ -253,9 +231,10 @@ def report_text(records, args, device_name, world_size) -> str:
         "TORCH_SYMM_MEM_DISABLE_MULTICAST=1. One step = one forward of `tokens` tokens (no KV cache).",
         "",
         "- Times: median microseconds per step on rank 0 (every rank makes the same calls). plain: CUDA "
-        f"events around each of {PLAIN_ITERS} steps. graph: {GRAPH_CALLS} steps in one CUDA graph, median "
-        f"of {GRAPH_REPLAYS} replays, per step. Speedup = stock Inductor's time / the variant's. Compare "
-        "by the graph columns: plain launches at decode sizes mostly measure the host."
+        f"events around each of {distributed.PLAIN_ITERS} steps. graph: {distributed.GRAPH_CALLS} steps in "
+        f"one CUDA graph, median of {distributed.GRAPH_REPLAYS} replays, per step. Speedup = stock "
+        "Inductor's time / the variant's. Compare by the graph columns: plain launches at decode sizes "
+        "mostly measure the host."
         + (" (This CPU smoke run: a host clock over 3 calls, no graphs, no kernel counts.)" if smoke else ""),
         "- Kernels: CUDA kernels per step by class (fusion_passes.kernels); 'vs inductor' is the "
         "difference in the total. NCCL and the one-shot kernel count as 'other'.",
@@ -318,9 +297,9 @@ def run(rank, world_size, args, device) -> int:
                 print(
                     f"tokens={tokens}: fusion_passes matches {fused['matches']}, op path: {fused['path']}, "
                     f"runtime_fallbacks {fused['runtime_fallbacks']}\n  plain "
-                    + ", ".join(f"{v} {_us(r[v]['plain_us'])}" for v in VARIANTS)
+                    + ", ".join(f"{v} {common.us(r[v]['plain_us'])}" for v in VARIANTS)
                     + " | graph "
-                    + ", ".join(f"{v} {_us(r[v]['graph_us'])}" for v in VARIANTS),
+                    + ", ".join(f"{v} {common.us(r[v]['graph_us'])}" for v in VARIANTS),
                     flush=True,
                 )
                 for line in fused["summary"].splitlines():  # rejections, near misses, failures:
@@ -330,52 +309,38 @@ def run(rank, world_size, args, device) -> int:
                     print(f"CORRECTNESS FAILURE tokens={tokens}: {problem}", flush=True)
     status = 1 if failures(records) else 0
     if rank == 0:
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
+        device_name = distributed.device_name(device)
         text = report_text(records, args, device_name, world_size)
-        Path(args.out).write_text(text)
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "size": args.size,
-                    "layers": args.layers,
-                    "dtype": str(DTYPE),
-                    "device": device_name,
-                    "world_size": world_size,
-                    "torch": torch.__version__,
-                    "fusions": fused_fusions(),
-                    "plain_iters": PLAIN_ITERS,
-                    "graph_calls": GRAPH_CALLS,
-                    "graph_replays": GRAPH_REPLAYS,
-                    "records": records,
-                },
-                indent=1,
-            )
-        )
-        print(text)
+        common.finish(args, text, {
+            "model": args.model,
+            "size": args.size,
+            "layers": args.layers,
+            "dtype": str(DTYPE),
+            "device": device_name,
+            "world_size": world_size,
+            "fusions": fused_fusions(),
+            "plain_iters": distributed.PLAIN_ITERS,
+            "graph_calls": distributed.GRAPH_CALLS,
+            "graph_replays": distributed.GRAPH_REPLAYS,
+            "records": records,
+        })  # fmt: skip
     return status
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    smoke = "tiny qwen3; on a CPU: gloo, 2 ranks (spawned unless under torchrun), no GPU times"
+    parser = common.parser(__doc__, "bench_tp_decoder_layer", smoke=smoke)
     parser.add_argument("--model", default="qwen3", choices=MODEL_NAMES, help="a dense model with a TP plan")
     parser.add_argument(
         "--size", choices=("tiny", "real"), help="config width (default real; tiny with --smoke)"
     )
     parser.add_argument("--layers", type=int, help=f"decoder layers (default 1; {SMOKE_LAYERS} with --smoke)")
-    parser.add_argument("--tokens", type=int, nargs="+", help=f"tokens per step (default {TOKENS})")
-    parser.add_argument("--out", default="bench_tp_decoder_layer.md", help="markdown report path")
-    parser.add_argument("--json", default="bench_tp_decoder_layer.json", help="raw numbers path")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny qwen3; on a CPU: gloo, 2 ranks (spawned unless under torchrun), no GPU times",
-    )
-    args = parser.parse_args()
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "tokens per step")
+    args = common.parse(parser)
     args.size = args.size or ("tiny" if args.smoke else "real")
     args.layers = args.layers or (SMOKE_LAYERS if args.smoke else 1)
-    args.tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
-    return launch_ranks(run, args, parser)
+    return distributed.launch_ranks(run, args, parser)
+
 
 if __name__ == "__main__":
     sys.exit(main())

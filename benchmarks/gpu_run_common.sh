@@ -1,9 +1,9 @@
-# Sourced by run_gpu.sh and run_gpu_x2.sh (repository root): $OUT made, the project importable,
-# NVLink multicast off, the versions logged, and run NAME CMD... which logs CMD's output to
-# $OUT/NAME.log and sets status=1 when it fails.
+# Sourced by run_gpu.sh, run_gpu_x2.sh and run_gpu_sweep.sh (run from the repository root, where
+# python -m finds fusion_passes and benchmarks): $OUT made, NVLink multicast off, the versions
+# logged, and run NAME CMD... which logs CMD's output to $OUT/NAME.log and sets status=1 when it fails.
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 - <<'PY' | tee "$OUT/versions.txt"

@@ -5,23 +5,25 @@
 # extra arguments for a benchmark go in QUANT_ARGS / SILU_ARGS / QK_ARGS / MLA_ARGS / MODELS_ARGS
 # (e.g. MODELS_ARGS="--models qwen3.5-moe", QK_ARGS="--tokens 1 64 4096").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
+# Each benchmark writes $OUT/bench_NAME.json (its numbers and their provenance); copied over
+# benchmarks/results/bench_NAME.json, python -m benchmarks.render puts them into BENCHMARKS.md.
 set -uo pipefail
 source "$(dirname "$0")/gpu_run_common.sh"
 [ "${TESTS:-1}" = 1 ] && run gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   tests/rms_norm/test_rms_norm_kernel.py tests/rms_norm_quant_fp8/test_rms_norm_quant_fp8_kernel.py tests/qk_norm_rope/test_qk_norm_rope_kernel.py \
   tests/mla_rope/test_mla_rope_kernel.py tests/silu_mul_quant_fp8/test_silu_mul_quant_fp8_kernel.py tests/silu_mul_quant_fp8/test_gpu_silu_exact.py
-[ "${LAUNCH:-1}" = 1 ] && run launch_overhead python3 benchmarks/bench_launch_overhead.py --layers 16 \
-  --tokens 1 4 64 --json "$OUT/launch_overhead.json"
-[ "${RMS_NORM:-1}" = 1 ] && run bench_rms_norm python3 benchmarks/bench_rms_norm.py \
+[ "${LAUNCH:-1}" = 1 ] && run bench_launch_overhead python3 -m benchmarks.bench_launch_overhead --layers 16 \
+  --tokens 1 4 64 --json "$OUT/bench_launch_overhead.json"
+[ "${RMS_NORM:-1}" = 1 ] && run bench_rms_norm python3 -m benchmarks.bench_rms_norm \
   --out "$OUT/bench_rms_norm.md" --json "$OUT/bench_rms_norm.json"
-[ "${QUANT:-1}" = 1 ] && run bench_rms_norm_quant_fp8 python3 benchmarks/bench_rms_norm_quant_fp8.py \
+[ "${QUANT:-1}" = 1 ] && run bench_rms_norm_quant_fp8 python3 -m benchmarks.bench_rms_norm_quant_fp8 \
   --out "$OUT/bench_rms_norm_quant_fp8.md" --json "$OUT/bench_rms_norm_quant_fp8.json" ${QUANT_ARGS:-}
-[ "${SILU:-1}" = 1 ] && run bench_silu_mul_quant_fp8 python3 benchmarks/bench_silu_mul_quant_fp8.py \
+[ "${SILU:-1}" = 1 ] && run bench_silu_mul_quant_fp8 python3 -m benchmarks.bench_silu_mul_quant_fp8 \
   --out "$OUT/bench_silu_mul_quant_fp8.md" --json "$OUT/bench_silu_mul_quant_fp8.json" ${SILU_ARGS:-}
-[ "${QK:-1}" = 1 ] && run bench_qk_norm_rope python3 benchmarks/bench_qk_norm_rope.py \
+[ "${QK:-1}" = 1 ] && run bench_qk_norm_rope python3 -m benchmarks.bench_qk_norm_rope \
   --out "$OUT/bench_qk_norm_rope.md" --json "$OUT/bench_qk_norm_rope.json" ${QK_ARGS:-}
-[ "${MLA:-1}" = 1 ] && run bench_mla_rope python3 benchmarks/bench_mla_rope.py \
+[ "${MLA:-1}" = 1 ] && run bench_mla_rope python3 -m benchmarks.bench_mla_rope \
   --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json" ${MLA_ARGS:-}
-[ "${MODELS:-1}" = 1 ] && run bench_models python3 benchmarks/bench_models.py \
+[ "${MODELS:-1}" = 1 ] && run bench_models python3 -m benchmarks.bench_models \
   --json "$OUT/bench_models.json" ${MODELS_ARGS:-}
 exit $status

@@ -9,14 +9,15 @@ source "$(dirname "$0")/gpu_run_common.sh"
 torchrun2() { torchrun --nproc-per-node 2 "$@"; }
 [ "${TESTS:-1}" = 1 ] && run gpu_x2_tests python3 -m pytest -q -p no:cacheprovider \
   tests/allreduce_rms_norm/test_gpu_allreduce_rms_norm.py tests/allreduce_rms_norm_quant_fp8/test_gpu_allreduce_rms_norm_quant_fp8.py
-[ "${ALLREDUCE:-1}" = 1 ] && run bench_allreduce torchrun2 benchmarks/bench_allreduce_rms_norm.py \
-  --out "$OUT/bench_allreduce.md" --json "$OUT/bench_allreduce.json" ${ALLREDUCE_ARGS:-}
+[ "${ALLREDUCE:-1}" = 1 ] && run bench_allreduce_rms_norm torchrun2 -m benchmarks.bench_allreduce_rms_norm \
+  --out "$OUT/bench_allreduce_rms_norm.md" --json "$OUT/bench_allreduce_rms_norm.json" ${ALLREDUCE_ARGS:-}
 if [ "${QUANT:-1}" = 1 ]; then
   for scheme in per_token per_group; do
-    run "bench_allreduce_$scheme" torchrun2 benchmarks/bench_allreduce_rms_norm.py --quant "$scheme" \
-      --out "$OUT/bench_allreduce_$scheme.md" --json "$OUT/bench_allreduce_$scheme.json" ${QUANT_ARGS:-}
+    name="bench_allreduce_rms_norm_quant_fp8_$scheme"
+    run "$name" torchrun2 -m benchmarks.bench_allreduce_rms_norm --quant "$scheme" \
+      --out "$OUT/$name.md" --json "$OUT/$name.json" ${QUANT_ARGS:-}
   done
 fi
-[ "${LAYER:-1}" = 1 ] && run bench_tp_decoder_layer torchrun2 benchmarks/bench_tp_decoder_layer.py \
+[ "${LAYER:-1}" = 1 ] && run bench_tp_decoder_layer torchrun2 -m benchmarks.bench_tp_decoder_layer \
   --out "$OUT/bench_tp_decoder_layer.md" --json "$OUT/bench_tp_decoder_layer.json" ${LAYER_ARGS:-}
 exit $status

@@ -1,5 +1,6 @@
-"""Running a benchmark's sweep of shapes in parts, shared by bench_rms_norm_quant_fp8.py and
-bench_silu_mul_quant_fp8.py.
+"""What the FP8 benchmarks share (bench_rms_norm_quant_fp8, bench_silu_mul_quant_fp8): the
+quantization as serving engines write it, the variants they compile and time, and their sweep of
+shapes, run in parts.
 
 A full sweep is 72-144 shapes, each compiled three times. On the H200 machine a shape took
 about 18 s of one process to compile cold (72 shapes in 2.8 minutes over 8 processes, beside the
@@ -19,6 +20,110 @@ import argparse
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
+import triton
+
+import fusion_passes
+from benchmarks import common
+from benchmarks.timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us
+from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCHEMES = ("static", "per_token", "per_group")
+BANDWIDTH_MIN_TOKENS = 4096  # below this, launch latency, not HBM, sets the time
+GRAPH_CALLS = 20  # calls per captured graph (see bench_rms_norm.py: >= 4096 tokens come from HBM)
+COPY_BYTES, SMOKE_COPY_BYTES = 2 * 10**9, 2 * 10**6
+
+
+def quantize(scheme: str):
+    """(y, scale) -> (codes, scales): the FP8 quantization of ``scheme`` as serving engines write
+    their native fallback (amax, clamp, divide, cast); the static scheme takes the given scale."""
+
+    def quant(y, scale):
+        if scheme == "static":
+            return quant_static(y, scale), scale
+        return quant_per_token(y) if scheme == "per_token" else quant_per_group(y)
+
+    return quant
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits, comparable with torch.equal (fp8 codes as bytes)."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def compiled_variants(eager, fusions: list[str], report: fusion_passes.Report) -> dict:
+    """The unfused spelling three ways: eager, stock Inductor, and fusion_passes with ``fusions``
+    (filling ``report``); static shapes, one compile per shape (compiled at the first call)."""
+    return {
+        "eager": eager,
+        "inductor": torch.compile(eager, dynamic=False),
+        "fusion_passes": torch.compile(
+            eager, dynamic=False, backend=fusion_passes.backend(fusions=fusions, report=report)
+        ),
+    }
+
+
+def measure(record: dict, fns: dict, sets: list, fusion: str, report, device: str, timed: bool) -> dict:
+    """Run every implementation of fns once on each input set (compiling it), note for
+    fusion_passes the sites ``fusion`` rewrote and whether its outputs equal the kernel's bit for
+    bit (on a GPU both run the same kernel; on a CPU the compiled graph runs the reference, the
+    kernel the interpreter), then, when timed, its kernels per call and its plain and CUDA-graph
+    times. A record without times was compiled and checked only (--compile-only)."""
+    record["plain_us"], record["graph_us"], record["kernels"] = {}, {}, {}
+    for impl, fn in fns.items():
+        calls = [lambda s=s, fn=fn: fn(*s) for s in sets]
+        out = calls[0]()  # compiles
+        if impl == "fusion_passes":
+            record["fused"] = report.matches[fusion]
+            record["fusion_passes_equals_kernel"] = device != "cuda" or all(
+                torch.equal(bits(a), bits(b)) for a, b in zip(out, fns["kernel"](*sets[0]), strict=True)
+            )
+        if not timed:
+            continue
+        record["kernels"][impl] = kernels_per_call(calls[0])
+        record["plain_us"][impl] = time_plain_us(calls[0])
+        record["graph_us"][impl] = time_graph_us(calls)
+    if not timed:
+        del record["plain_us"], record["graph_us"], record["kernels"]
+    return record
+
+
+def pct_of_copy(record: dict, us: float | None, copy_gbps: float) -> str:
+    """The fewest bytes over the time as a percent of the copy bandwidth, from 4096 tokens on."""
+    if us is None or record["tokens"] < BANDWIDTH_MIN_TOKENS:
+        return "—"
+    return f"{100 * record['bytes'] / us / 1e3 / copy_gbps:.0f}%"
+
+
+def report_head(title: str, records: list[dict], copy_gbps: float, device_name: str, settings: str,
+                checks: str = "") -> list[str]:  # fmt: skip
+    """The opening of an FP8 benchmark's report: the setup, what the columns are, the checks."""
+    failed = failures(records)
+    return [
+        f"# {title}",
+        "",
+        f"Device: {device_name}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"copy bandwidth {copy_gbps:.0f} GB/s; {settings}.",
+        "",
+        "- us per call, median. plain: do_bench (L2 flushed before each call); graph: "
+        f"{GRAPH_CALLS} calls in one CUDA graph, each on its own inputs, per call.",
+        "- fusion_passes: torch.compile with the fusion (our kernel launched from Inductor's code); "
+        "kernel: our launcher called from Python. kernels: CUDA kernels per call (profiler).",
+        f"- Checks (kernel vs reference; one fused site per compile; compiled output equal to the "
+        f"kernel's): {'all shapes pass' if not failed else f'{len(failed)} FAILURES'}{checks}.",
+    ]
+
+
+def report_section(heading: str, rows: list[dict], table: Callable, copy_gbps: float) -> list[str]:
+    """One fusion's section of a report: its CUDA-graph table, then its plain-launch table."""
+    if not rows:
+        return []
+    lines = ["", f"## {heading}"]
+    for mode, title in (("graph", "CUDA graph"), ("plain", "Plain launches")):
+        lines += ["", f"### {title}", "", *table(rows, mode, copy_gbps)]
+    return lines
 
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -61,27 +166,63 @@ def failures(records: list[dict]) -> list[dict]:
 
 def run_shapes(
     shapes: list[tuple],
-    measure: Callable[..., dict],
+    measure_shape: Callable[..., dict],
     describe: Callable[[dict], str],
     impls: Sequence[str],
     json_path: str,
     meta: dict,
     timed: bool,
 ) -> list[dict]:
-    """measure(*shape, timed=timed) for every shape, one line printed for each (describe's, then
-    the CUDA-graph times of impls), and the records written to json_path (with meta) after every
-    shape: a run cut short by a time limit keeps what it measured."""
+    """measure_shape(*shape, timed=timed) for every shape, one line printed for each (describe's,
+    then the CUDA-graph times of impls), and the records written to json_path (with meta and the
+    provenance) after every shape: a run cut short by a time limit keeps what it measured."""
     records = []
     for shape in shapes:
-        record = measure(*shape, timed=timed)
+        record = measure_shape(*shape, timed=timed)
         records.append(record)
         times = ""
         if timed:
-            times = " graph_us=" + ", ".join(f"{i} {_us(record['graph_us'][i])}" for i in impls)
+            times = " graph_us=" + ", ".join(f"{i} {common.us(record['graph_us'][i])}" for i in impls)
         print(describe(record) + times, flush=True)
-        Path(json_path).write_text(json.dumps({**meta, "records": records}, indent=1))
+        common.write_json(json_path, {**meta, "records": records})
     return records
 
 
-def _us(v: float | None) -> str:
-    return "—" if v is None else f"{v:.1f}"
+def main(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    shapes: list[tuple],
+    measure_shape: Callable[..., dict],
+    describe: Callable[[dict], str],
+    impls: Sequence[str],
+    report: Callable[[list[dict], float, str], str],
+    size: str,
+) -> int:
+    """An FP8 benchmark's run: the report of --merge's records; or every shape of its --shard
+    measured (measure_shape(*shape, device, timed)) and checked, and, unless --compile-only, its
+    report (records in the sweep's order: ``size`` as listed, then tokens) to args.out and
+    stdout. The exit status is 1 where a shape failed a check."""
+    if args.merge:
+        records, copy_gbps, device_name = merged(args.merge)
+    else:
+        device = common.device(parser, args.smoke)
+        device_name = common.device_name(device)
+        torch.manual_seed(0)
+        copy_gbps = copy_bandwidth_gbps(COPY_BYTES if device == "cuda" else SMOKE_COPY_BYTES, device)
+        with torch.no_grad():
+            records = run_shapes(
+                shard_of(shapes, args.shard),
+                lambda *shape, timed: measure_shape(*shape, device, timed),
+                describe,
+                impls,
+                args.json,
+                {"device": device_name, "copy_gbps": copy_gbps},
+                timed=not args.compile_only,
+            )
+        if args.compile_only:
+            return 1 if failures(records) else 0
+    records = sorted(records, key=lambda r: (-r[size], r["tokens"]))
+    text = report(records, copy_gbps, device_name)
+    Path(args.out).write_text(text)
+    print(text)
+    return 1 if failures(records) else 0

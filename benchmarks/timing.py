@@ -43,21 +43,28 @@ def host_us(fn, iters: int = 2000, warmup: int = 50) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def time_graph_us(calls: list) -> float | None:
-    """Median microseconds per call of the calls (one per input set) replayed from one graph."""
-    if not torch.cuda.is_available():
-        return None
-    # Warm up on a side stream before capture, as torch.cuda.graphs asks (compiles, allocations).
+def capture(calls: list, warmup: list) -> torch.cuda.CUDAGraph:
+    """The calls captured back to back in one CUDA graph, after the warmup calls ran on a side
+    stream, as torch.cuda.graphs asks (compiles, allocations, communicators happen there)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for call in calls[:3]:
+        for call in warmup:
             call()
     torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for call in calls:
             call()
+    return graph
+
+
+def time_graph_us(calls: list) -> float | None:
+    """Median microseconds per call of the calls (one per input set) replayed from one graph."""
+    if not torch.cuda.is_available():
+        return None
+    graph = capture(calls, warmup=calls[:3])
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
     return ms * 1e3 / len(calls)
 

@@ -3,9 +3,9 @@
 (timing.time_graph_us), the revision timed twice (their spread is the noise), codes and scales
 compared bit for bit. --sweep times the working tree's kernel for each silu form and warp count.
 
-    python benchmarks/ab_silu_mul_quant_fp8.py --rev 47ff024 [--intermediate 18432 2048]
+    python -m tools.ab_silu_mul_quant_fp8 --rev 47ff024 [--intermediate 18432 2048]
         [--tokens 1 64 256 4096 16384] [--schemes static per_token per_group]
-    python benchmarks/ab_silu_mul_quant_fp8.py --sweep --schemes per_token --intermediate 2048
+    python -m tools.ab_silu_mul_quant_fp8 --sweep --schemes per_token --intermediate 2048
         --tokens 16 64 256 --warps 4 8 16 --forms div_rn bf16_mufu
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -20,47 +21,58 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import time_graph_us
+from fusion_passes.lowering.silu_mul_quant_fp8 import triton as current
+from fusion_passes.lowering.silu_mul_quant_fp8.silu import SILU_FORMS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import fusion_passes.lowering.silu_mul_quant_fp8.triton as current  # noqa: E402
-from fusion_passes.lowering.silu_mul_quant_fp8.silu import SILU_FORMS  # noqa: E402
-from timing import time_graph_us  # noqa: E402
-
-KERNEL = "fusion_passes/lowering/silu_mul_quant_fp8/triton.py"
+LOWERING = "fusion_passes/lowering"
+# The kernel module under lowering/: in a folder per family since the layout change, flat before.
+KERNELS = ("silu_mul_quant_fp8/triton.py", "silu_mul_quant_fp8_triton.py")
 STATIC_SCALE = 0.02
 INPUT_BYTES = 16e9  # input sets per shape: as many as fit in this (2 to 20)
 
 
 def _revision_files(rev: str) -> dict[str, str]:
-    """fusion_passes/lowering/*.py at rev: a git revision, or a directory holding that
-    revision's fusion_passes (e.g. from git archive REV fusion_passes | tar -x -C DIR, for a
-    machine without the repository's history)."""
+    """fusion_passes/lowering/**.py at rev, by path under lowering/: rev is a git revision, or a
+    directory holding that revision's fusion_passes (e.g. from git archive REV fusion_passes | tar
+    -x -C DIR, for a machine without the repository's history)."""
     if Path(rev).is_dir():
-        return {p.name: p.read_text() for p in sorted((Path(rev) / "fusion_passes" / "lowering").glob("*.py"))}
+        lowering = Path(rev) / LOWERING
+        return {str(p.relative_to(lowering)): p.read_text() for p in sorted(lowering.rglob("*.py"))}
     names = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "fusion_passes/lowering/"],
+        ["git", "ls-tree", "-r", "--name-only", rev, f"{LOWERING}/"],
         cwd=ROOT, check=True, capture_output=True, text=True,
     ).stdout.split()  # fmt: skip
+    names = [n for n in names if n.endswith(".py")]
     show = [subprocess.run(["git", "show", f"{rev}:{n}"], cwd=ROOT, check=True, capture_output=True, text=True) for n in names]
-    return {Path(n).name: r.stdout for n, r in zip(names, show, strict=True) if n.endswith(".py")}
+    return {str(Path(n).relative_to(LOWERING)): r.stdout for n, r in zip(names, show, strict=True)}
 
 
 def _load_revision(rev: str):
     """The kernel module as it was at rev, with the kernel helpers it imports (the norm kernel's
-    quantization, the silu forms) as they were at rev too: the revision's fusion_passes/lowering
-    under the package name fusion_passes_at_rev, its __init__ files empty (they register the
-    custom ops, which the working tree has registered already)."""
-    root = Path(tempfile.mkdtemp())
-    package = root / "fusion_passes_at_rev" / "lowering"
-    package.mkdir(parents=True)
-    (package.parent / "__init__.py").write_text("")
-    for name, text in _revision_files(rev).items():
-        body = "" if name == "__init__.py" else text.replace("fusion_passes.", "fusion_passes_at_rev.")
-        (package / name).write_text(body)
-    sys.path.insert(0, str(root))
-    return importlib.import_module("fusion_passes_at_rev.lowering." + Path(KERNEL).stem)
+    quantization, the silu forms, the shared FP8 code) as they were at rev too: the revision's
+    fusion_passes/lowering under the package name fusion_passes_at_rev, its __init__ files empty
+    (they register the custom ops, which the working tree has registered already), imported from
+    a temporary folder by its location (the module path is left as it is)."""
+    files = _revision_files(rev)
+    root = Path(tempfile.mkdtemp()) / "fusion_passes_at_rev"
+    for name, text in {"__init__.py": "", **{f"lowering/{n}": t for n, t in files.items()}}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("" if path.name == "__init__.py" else text.replace("fusion_passes.", "fusion_passes_at_rev."))
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        (folder / "__init__.py").touch()
+    spec = importlib.util.spec_from_file_location(
+        "fusion_passes_at_rev", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    for name in [n for n in sys.modules if n.split(".")[0] == "fusion_passes_at_rev"]:
+        del sys.modules[name]  # another revision loaded before
+    sys.modules["fusion_passes_at_rev"] = package
+    spec.loader.exec_module(package)
+    kernel = next(k for k in KERNELS if k in files)
+    return importlib.import_module("fusion_passes_at_rev.lowering." + kernel.removesuffix(".py").replace("/", "."))
 
 
 def _inputs(tokens: int, n: int, g: torch.Generator) -> list:

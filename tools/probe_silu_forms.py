@@ -3,16 +3,15 @@
 Each formula runs on all 65536 values of the dtype (NaN, inf and subnormals included), its fp32
 result rounded to the dtype, against torch's F.silu on the same GPU; prints the mismatches and
 the first inputs that differ. silu_triton's bf16_mufu form is formula 5 of this
-list, as inline PTX; the others are why it is that one (see BENCHMARKS.md).
+list, as inline PTX; the others are why it is that one (see docs/notes/benchmarks-history.md).
 
-    python benchmarks/probe_silu_forms.py [--json PATH]
+    python -m tools.probe_silu_forms [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -21,9 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fusion_passes.lowering.silu_mul_quant_fp8.silu import FORM_DIV_RN, silu_rounded  # noqa: E402
+from fusion_passes.lowering.silu_mul_quant_fp8.silu import FORM_DIV_RN, silu_rounded
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FORMULAS = {

@@ -4,8 +4,11 @@
 A change meant to leave some launches' machine code alone (a helper split out, a new constexpr
 branch) is checked by running this on the tree before and after and diffing the two outputs:
 
-    PYTHONPATH=<old tree> python benchmarks/sass_hashes.py > old.txt
-    PYTHONPATH=. python benchmarks/sass_hashes.py > new.txt && diff old.txt new.txt
+    PYTHONPATH=<old tree> python tools/sass_hashes.py > old.txt
+    PYTHONPATH=. python tools/sass_hashes.py > new.txt && diff old.txt new.txt
+
+It runs as a script, not as python -m tools.sass_hashes: -m would put the working directory first on
+the module path, and fusion_passes would come from there instead of PYTHONPATH's tree.
 
 Kernel arguments get bf16 pointers (the codes uint8, the scales fp32), fp32 eps / weight_offset,
 int32 otherwise, and 16-byte divisibility as the launches' specialisation gives it.
@@ -14,6 +17,7 @@ int32 otherwise, and 16-byte divisibility as the launches' specialisation gives 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import itertools
 import os
 import re
@@ -26,9 +30,20 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusion_passes.lowering.allreduce_rms_norm_quant_fp8 import symm_mem as allreduce  # noqa: E402
-from fusion_passes.lowering.rms_norm_quant_fp8.op import triton as norm  # noqa: E402
-from fusion_passes.lowering.silu_mul_quant_fp8.op import triton as silu  # noqa: E402
+
+
+def _kernel_module(name: str, before_the_layout: str):
+    """fusion_passes.lowering.NAME, or in a tree from before the one-folder-per-family layout
+    (compared against this one), fusion_passes.lowering.BEFORE_THE_LAYOUT."""
+    try:
+        return importlib.import_module(f"fusion_passes.lowering.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"fusion_passes.lowering.{before_the_layout}")
+
+
+allreduce = _kernel_module("allreduce_rms_norm_quant_fp8.symm_mem", "allreduce_add_rms_norm_quant_fp8_symm_mem")
+norm = _kernel_module("rms_norm_quant_fp8.triton", "rms_norm_quant_fp8_triton")
+silu = _kernel_module("silu_mul_quant_fp8.triton", "silu_mul_quant_fp8_triton")
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 POINTERS = {"q_ptr": "*u8", "scale_ptr": "*fp32", "peer_buffers_ptr": "*i64", "peer_signals_ptr": "*i64",

@@ -6,7 +6,7 @@ inside a CUDA graph of GRAPH_CALLS calls, for every (rows or heads per program, 
 
 The defaults of mla_rope_triton.py come from this table; rerun it when they change.
 
-    python benchmarks/tune_mla_rope.py [--tokens 1 8 64 4096] [--out tune_mla_rope.md]
+    python -m tools.tune_mla_rope [--tokens 1 8 64 4096] [--out tune_mla_rope.md]
 """
 
 from __future__ import annotations
@@ -17,15 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
-
-from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
-    mla_kv_norm_rope_triton,
-    mla_q_rope_triton,
-)
-
-from timing import time_graph_us  # noqa: E402
+from benchmarks.timing import time_graph_us
+from fusion_passes.lowering.mla_rope.triton import mla_kv_norm_rope_triton, mla_q_rope_triton
 
 DTYPE, EPS = torch.bfloat16, 1e-6
 HEADS, NOPE, ROPE, KV_LORA = 128, 128, 64, 512

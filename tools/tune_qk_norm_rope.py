@@ -4,7 +4,7 @@ per head, or whole-head and rotary tiles) x head rows per program (or per step) 
 
 The defaults of qk_norm_rope_triton.launch_config come from this table; rerun it when they change.
 
-    python benchmarks/tune_qk_norm_rope.py [--tokens 1 64 4096] [--out tune_qk_norm_rope.md]
+    python -m tools.tune_qk_norm_rope [--tokens 1 64 4096] [--out tune_qk_norm_rope.md]
 """
 
 from __future__ import annotations
@@ -16,13 +16,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, bench_qk_norm_rope.py
-
-from bench_qk_norm_rope import EPS, MODELS, inputs  # noqa: E402
-from timing import time_graph_us  # noqa: E402
-
-from fusion_passes.lowering.qk_norm_rope.triton import SPLIT_MAX_STEPS, qk_norm_rope_triton  # noqa: E402
+from benchmarks.bench_qk_norm_rope import EPS, MODELS, inputs
+from benchmarks.timing import time_graph_us
+from fusion_passes.lowering.qk_norm_rope.triton import SPLIT_MAX_STEPS, qk_norm_rope_triton
 
 GRAPH_CALLS = 20
 # Head rows per program (per-head norm) or per step over a token's heads (whole-row norm: the

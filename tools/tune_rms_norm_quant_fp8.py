@@ -4,7 +4,7 @@ for every (rows per program, warps[, columns a program]) shape, per hidden (or i
 size, token count and scheme, against the default launch for the token count
 (rms_norm_quant_fp8_triton.launch_shape; silu_mul_quant_fp8_triton.launch_layout).
 
-    python benchmarks/tune_rms_norm_quant_fp8.py [--op add_rms_norm | rms_norm | silu_mul]
+    python -m tools.tune_rms_norm_quant_fp8 [--op add_rms_norm | rms_norm | silu_mul]
         [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
         [--chunks 1 0]    # rms_norm: a row in 1 padded block, or norm_only_chunks' (0) exact chunks
 
@@ -19,20 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py
-
-from fusion_passes.lowering.rms_norm_quant_fp8.triton import (  # noqa: E402
-    launch_shape,
-    rms_norm_quant_fp8_triton,
-)
-from fusion_passes.lowering.silu_mul_quant_fp8.triton import (  # noqa: E402
-    launch_layout,
-    silu_mul_quant_fp8_triton,
-)
-from fusion_passes.lowering.silu_mul_quant_fp8.silu import takes_mufu_silu  # noqa: E402
-
-from timing import time_graph_us  # noqa: E402
+from benchmarks.timing import time_graph_us
+from fusion_passes.lowering.rms_norm_quant_fp8.triton import launch_shape, rms_norm_quant_fp8_triton
+from fusion_passes.lowering.silu_mul_quant_fp8.silu import takes_mufu_silu
+from fusion_passes.lowering.silu_mul_quant_fp8.triton import launch_layout, silu_mul_quant_fp8_triton
 
 DTYPE, EPS, GROUP = torch.bfloat16, 1e-6, 128
 STATIC_SCALE = 0.02

@@ -1,5 +1,9 @@
-"""torchao's float8 dynamic activation quantization after an RMSNorm: what its graph computes, and
-why the ``rms_norm_quant_fp8_*`` fusions leave it unfused.
+"""torchao's float8 activation quantization after an RMSNorm: its static quantization primitive
+fuses; its dynamic activation quantization's graph, and why the ``rms_norm_quant_fp8_*`` fusions
+leave it unfused.
+
+Static: torchao's ``_quantize_affine_float8(y, scale)`` (``y.to(float32) / scale``, clamped to
++-448, cast) is the static spelling the patterns take: it fuses as written.
 
 ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=...))`` swaps each
 linear's weight for a ``Float8Tensor``; its linear quantizes the activation ``y`` in forward
@@ -96,6 +100,29 @@ class _NormThenLinear(nn.Module):
 
     def forward(self, x):
         return self.proj(self.norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_static_quantization_primitive_after_norm_fuses(dtype):
+    """torchao's own static activation quantization, ``_quantize_affine_float8`` with a calibrated
+    per-tensor scale, after ``F.rms_norm``: the norm and the quantization become one
+    rms_norm_quant_fp8 op, whose codes equal torchao's eager ones bit for bit."""
+    from torchao.quantization.quant_primitives import _quantize_affine_float8
+
+    def fn(x, w, scale):
+        return _quantize_affine_float8(nn.functional.rms_norm(x, (256,), w, 1e-6), scale, torch.float8_e4m3fn)
+
+    x, w, scale = torch.randn(2, 8, 256).to(dtype), (1 + 0.3 * torch.randn(256)).to(dtype), torch.tensor(0.02)
+    out, report = _compile(fn, QUANT_FUSIONS, x, w, scale)
+    assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1, "rms_norm_quant_fp8_static": 1}
+    assert not report.errors and not report.rejected
+    (graph,) = report.graphs
+    assert graph.ops_before["aten.clamp_max.default"] == 1 and "aten.rsqrt.default" in graph.ops_before
+    assert graph.ops_after["fusion_passes.rms_norm_quant_fp8.default"] == 1
+    assert not {"aten.clamp_max.default", "aten.rsqrt.default", "aten.div.Tensor"} & set(graph.ops_after)
+    with torch.no_grad():
+        expected = fn(x, w, scale)
+    assert out.dtype == expected.dtype and torch.equal(_bits(out), _bits(expected))
 
 
 @pytest.mark.parametrize(
