@@ -1,0 +1,404 @@
+"""BENCHMARKS.md from benchmarks/results/*.json: per fusion family one table of its latest numbers,
+with where, when and how they were measured.
+
+    python -m benchmarks.render            # writes BENCHMARKS.md
+    python -m benchmarks.render --check    # exit status 1 if BENCHMARKS.md is not what it would write
+
+A result file is what a benchmark's --json writes (benchmarks/common.py's write_json): the numbers
+under the benchmark's own keys and a "provenance" (date, GPU, GPUs used, torch, triton, command).
+A file transcribed from the dated log (docs/notes/benchmarks-history.md) says so in
+provenance["source"], naming the sections; its command is the log's, in today's python -m form, or
+a list of commands where the numbers come from several runs of one day; its records hold the times
+the log states, and the log's own rounded ratios under "as_logged" ("speedup": stock Inductor's
+time over ours, or the baseline's named in the table; "pct_of_copy"), which the tables prefer to
+ratios of rounded times. "notes" (a list of sentences) are shown under the table.
+
+This module reads JSON only (no torch), so the page renders anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PAGE = REPO / "BENCHMARKS.md"
+HISTORY = "docs/notes/benchmarks-history.md"
+BANDWIDTH_MIN_TOKENS = 4096  # the benchmarks count % of copy bandwidth from here on
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers
+
+
+def _us(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.0f}" if value >= 1000 or float(value).is_integer() else f"{value:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _logged(record: dict, key: str):
+    return record.get("as_logged", {}).get(key)
+
+
+def _speedup(record: dict, base: str, ours: str, times: str = "graph_us", logged: str = "speedup") -> float | None:
+    """The log's ratio where the record was transcribed, else base's time over ours."""
+    if _logged(record, logged) is not None:
+        return _logged(record, logged)
+    t = record.get(times) or {}
+    return t[base] / t[ours] if t.get(base) and t.get(ours) else None
+
+
+def _pct(record: dict, us: float | None, copy_gbps: float | None, logged: str | None = "pct_of_copy") -> int | None:
+    """Percent of the copy bandwidth from 4096 tokens on: the log's, or the fewest bytes over us."""
+    if record["tokens"] < BANDWIDTH_MIN_TOKENS:
+        return None
+    if logged and _logged(record, logged) is not None:
+        return _logged(record, logged)
+    if not (us and copy_gbps and record.get("bytes")):
+        return None
+    return round(100 * record["bytes"] / us / 1e3 / copy_gbps)
+
+
+def _cell(us: float | None, speedup: float | None, pct: int | None) -> str:
+    """"us (speedup, pct%)", leaving out what is missing; a dash where nothing was measured."""
+    inside = ", ".join(p for p in (speedup is not None and _x(speedup), pct is not None and f"{pct}%") if p)
+    if us is None:
+        return inside or "—"
+    return f"{_us(us)} ({inside})" if inside else _us(us)
+
+
+def _table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
+    align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|", *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _grid(records: list[dict], keys: tuple[str, ...], cell: Callable[[dict], str],
+          extra: tuple[str, Callable[[list[dict]], str]] | None = None) -> list[str]:  # fmt: skip
+    """One row per distinct value of keys (in the records' order), one column per token count; extra:
+    a column (its label, and its cell from the row's records) after the keys."""
+    tokens = sorted({r["tokens"] for r in records})
+    rows: dict[tuple, dict] = {}
+    for r in records:
+        rows.setdefault(tuple(r[k] for k in keys), {})[r["tokens"]] = r
+    body = []
+    for key, by in rows.items():
+        more = [extra[1](list(by.values()))] if extra else []
+        body.append([*map(str, key), *more, *(cell(by[t]) if t in by else "" for t in tokens)])
+    labels = [*keys, *([extra[0]] if extra else [])]
+    return _table([*labels, *map(str, tokens)], body, len(labels))
+
+
+# ---------------------------------------------------------------------------------------------
+# One table per benchmark: (payloads of its result files) -> (a line saying what the cells are, the table)
+
+
+def rms_norm(payloads):
+    (p,) = payloads
+    records = p["records"]
+
+    def cell(r):
+        ours = r["graph_us"]["ours"]
+        return _cell(ours, _speedup(r, "compile", "ours"), _pct(r, ours, p.get("copy_gbps")))
+
+    what = ("Ours (`rms_norm_triton`, one kernel), us per call inside a CUDA graph, with stock Inductor's time "
+            "over ours (`torch.compile` of the Hugging Face spelling) and, from 4096 tokens, % of copy bandwidth:")  # fmt: skip
+    return what, _grid(records, ("op", "hidden"), cell)
+
+
+def rms_norm_quant_fp8(payloads):
+    (p,) = payloads
+
+    def cell(r):
+        return _cell(None, _speedup(r, "inductor", "fusion_passes"), _pct(r, (r.get("graph_us") or {}).get("fusion_passes"), p.get("copy_gbps")))
+
+    what = ("Stock Inductor's time over ours inside a CUDA graph (one kernel per site; Inductor takes two "
+            "for per_group), and from 4096 tokens % of copy bandwidth:")  # fmt: skip
+    return what, _grid(p["records"], ("op", "scheme", "hidden"), cell)
+
+
+def host_cost_fp8(payloads):
+    (p,) = payloads
+    records = p["records"]
+
+    def cell(r):
+        h = r["host_us"]
+        return f"{_us(h['inductor'])} / {_us(h['fusion_passes'])}"
+
+    what = (f"The host's cost per call without CUDA graphs at hidden {records[0]['hidden']} (mean of "
+            f"{p.get('iters', 'many')} back-to-back calls, one synchronize), us, stock Inductor / ours:")
+    return what, _grid(records, ("op", "scheme"), cell)
+
+
+def silu_mul_quant_fp8(payloads):
+    (p,) = payloads
+
+    def cell(r):
+        return _cell(None, _speedup(r, "inductor", "fusion_passes"), _pct(r, (r.get("graph_us") or {}).get("fusion_passes"), p.get("copy_gbps")))
+
+    records = [r for r in p["records"] if r.get("layout", "chunked") == "chunked"]
+    what = ("Gate and up the halves of one `gate_up` projection, bf16. Stock Inductor's time over ours "
+            "inside a CUDA graph, and from 4096 tokens % of copy bandwidth:")  # fmt: skip
+    return what, _grid(records, ("scheme", "intermediate"), cell)
+
+
+def qk_norm_rope(payloads):
+    (p,) = payloads
+    records = p["records"]
+
+    def cell(r):
+        ours = r["graph_us"]["ours"]
+        return _cell(ours, _speedup(r, "inductor", "ours"), _pct(r, ours, p.get("copy_gbps")))
+
+    def kernels(rows):
+        counts = {(r.get("kernels") or {}).get("inductor"): (r.get("kernels") or {}).get("ours") for r in rows}
+        return ", ".join(f"{i} → {o}" for i, o in counts.items() if i is not None and o is not None) or "—"
+
+    table = _grid(records, ("model",), cell, ("kernels", kernels))
+    what = ("Each model's pre-attention region (q / k RMSNorm + RoPE, bf16; kernels: stock Inductor's → ours). "
+            "Ours, us per call inside a CUDA graph, with stock Inductor's time over ours and, from 4096 tokens, "
+            "% of copy bandwidth:")  # fmt: skip
+    return what, table
+
+
+def mla_rope(payloads):
+    (p,) = payloads
+    records = p["records"]
+    tokens = [r["tokens"] for r in records]
+
+    def kernels(impl):
+        counts = sorted({r["kernels"][impl] for r in records if (r.get("kernels") or {}).get(impl) is not None})
+        return "-".join(map(str, (counts[0], counts[-1]) if len(counts) > 1 else counts)) or "—"
+
+    rows = [["stock Inductor", kernels("inductor"), *(_us(r["graph_us"]["inductor"]) for r in records)]]
+    for impl, label in (("ours", "ours"), ("ours_two_launches", "ours, two launches")):
+        cells = []
+        for r in records:
+            ours = r["graph_us"][impl]
+            logged = "speedup" if impl == "ours" else "speedup_two_launches"
+            pct = _pct(r, ours, p.get("copy_gbps"), logged="pct_of_copy" if impl == "ours" else None)
+            cells.append(_cell(ours, _speedup(r, "inductor", impl, logged=logged), pct))
+        rows.append([label, kernels(impl), *cells])
+    what = ("DeepSeek V3's MLA region before attention (kv_a_layernorm + RoPE of k_pe, q_pe RoPE and the cat into "
+            "the query; bf16, 128 heads). us per call inside a CUDA graph; for ours, stock Inductor's time over "
+            "ours and, from 4096 tokens, % of copy bandwidth:")  # fmt: skip
+    return what, _table(["", "kernels", *map(str, tokens)], rows, 2)
+
+
+def allreduce_rms_norm(payloads):
+    records = [{**r, "scheme": p.get("quant") or "—"} for p in payloads for r in p["records"]]
+
+    def cell(r):
+        ours = r["graph_us"]["ours"]
+        vs_nccl = _speedup(r, "nccl", "ours")
+        vs_symm = _speedup(r, "symm_mem", "ours", logged="speedup_vs_symm_mem")
+        return f"{_us(ours)} ({_x(vs_nccl)} / {_x(vs_symm)})"
+
+    keys = ("scheme", "hidden") if any(p.get("quant") for p in payloads) else ("hidden",)
+    what = ("Ours (one launch: the one-shot kernel over symmetric memory reads every peer's rows over NVLink, "
+            "sums, adds, normalises), us per call inside a CUDA graph, with the time of NCCL allreduce + stock "
+            "Inductor over ours / of torch's one-shot symm_mem allreduce + stock Inductor over ours:")  # fmt: skip
+    return what, _grid(records, keys, cell)
+
+
+def tp_decoder_layer(payloads):
+    (p,) = payloads
+    rows = []
+    for record in p["records"]:
+        base = record["variants"]["inductor"]
+        for variant, r in record["variants"].items():
+            speedup = _logged(r, "speedup")
+            if speedup is None and base.get("graph_us") and r.get("graph_us"):
+                speedup = base["graph_us"] / r["graph_us"]
+            total = (r.get("kernels") or {}).get("total")
+            rows.append([str(record["tokens"]), variant, "—" if total is None else str(total),
+                         _us(r.get("plain_us")), _us(r.get("graph_us")), _x(speedup)])  # fmt: skip
+    what = (f"{p.get('model')} at {p.get('size')} width, {p.get('layers')} layer(s), bf16, tensor parallel over "
+            f"{p.get('world_size', 2)} GPUs; one step is one forward. us per step:")  # fmt: skip
+    header = ["tokens", "variant", "kernels / step", "plain us", "CUDA graph us", "graph: Inductor / variant"]
+    return what, _table(header, rows, 2)
+
+
+def models(payloads):
+    (p,) = payloads
+    rows = []
+    for r in p["rows"]:
+        if r.get("kernels") is None:
+            continue
+        layers = r.get("layers", p.get("layers"))
+        rows.append([f"{r['model']} ({layers})", str(r["tokens"]), r["variant"], str(r["total_kernels"]),
+                     f"{r['other_per_layer']:.1f}", _us(r["plain_us"]), _us(r["graph_us"]),
+                     f"{r['rel_err_vs_eager']:.4f}"])  # fmt: skip
+    what = ("Real widths, bf16, a few layers (in parentheses). Kernels per forward from the CUDA profiler; "
+            "\"other\" is everything outside GEMMs, attention and MoE. us per forward:")  # fmt: skip
+    header = ["model (layers)", "tokens", "variant", "kernels", "other / layer", "plain us", "CUDA graph us",
+              "rel. error vs eager"]  # fmt: skip
+    return what, _table(header, rows, 3)
+
+
+def launch_overhead(payloads):
+    (p,) = payloads
+    layers = p.get("layers", 1)
+    rows = [[str(r["tokens"]), r["variant"], str(r["kernels"]), _us(r["plain_us"]), _us(r["plain_us"] / layers),
+             _us(r["graph_us"])] for r in p["rows"]]  # fmt: skip
+    what = (f"{layers} decoder-layer tails (residual add + RMSNorm + a rank-64 GEMM pair), hidden "
+            f"{p.get('hidden')}, bf16: the fused norm launched through the dispatcher (`launch=\"dispatch\"`) "
+            "or by Inductor's own code (`launch=\"direct\"`, the default). us per call of the chain:")  # fmt: skip
+    header = ["tokens", "variant", "kernels", "plain launches", "plain, per layer", "CUDA graph"]
+    return what, _table(header, rows, 2)
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    files: tuple[str, ...]  # result files (benchmarks/results/NAME.json), in the table's order
+    table: Callable
+    level: int = 2
+
+
+SECTIONS = (
+    Section("Whole models", ("bench_models",), models),
+    Section("RMSNorm and add + RMSNorm (`rms_norm`, `add_rms_norm`)", ("bench_rms_norm",), rms_norm),
+    Section("(Add +) RMSNorm + FP8 quantization (`(add_)rms_norm_quant_fp8_*`)", ("bench_rms_norm_quant_fp8",),
+            rms_norm_quant_fp8),  # fmt: skip
+    Section("Without CUDA graphs: the host's cost per call", ("bench_host_cost_fp8",), host_cost_fp8, level=3),
+    Section("SiLU-and-mul + FP8 quantization (`silu_mul_quant_fp8_*`)", ("bench_silu_mul_quant_fp8",),
+            silu_mul_quant_fp8),  # fmt: skip
+    Section("QK-norm + RoPE (`qk_norm_rope*`)", ("bench_qk_norm_rope",), qk_norm_rope),
+    Section("DeepSeek V3 MLA: norm + RoPE (`mla_*`)", ("bench_mla_rope",), mla_rope),
+    Section("Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)", ("bench_allreduce_rms_norm",),
+            allreduce_rms_norm),  # fmt: skip
+    Section("Tensor parallel: allreduce + add + RMSNorm + FP8 (`allreduce_add_rms_norm_quant_fp8_*`)",
+            ("bench_allreduce_rms_norm_quant_fp8_per_group", "bench_allreduce_rms_norm_quant_fp8_per_token"),
+            allreduce_rms_norm),  # fmt: skip
+    Section("Tensor parallel: a real-width decoder layer", ("bench_tp_decoder_layer",), tp_decoder_layer),
+    Section("The launch path: direct Triton launch vs custom-op dispatch", ("bench_launch_overhead",),
+            launch_overhead),  # fmt: skip
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The page
+
+
+def readme_torch(readme: Path = REPO / "README.md") -> str | None:
+    """The torch version the README installs (pip install torch==X)."""
+    found = re.search(r"pip install torch==([\w.+]+)", readme.read_text()) if readme.exists() else None
+    return found and found.group(1)
+
+
+def _gpus(provenance: dict) -> str:
+    if not provenance.get("gpu"):
+        return "a CPU (a smoke run: no GPU times)"
+    gpu = provenance["gpu"].removeprefix("NVIDIA ")
+    count = provenance.get("gpus", 1)
+    return {1: f"one {gpu}", 2: f"two {gpu}s"}.get(count, f"{count} x {gpu}")
+
+
+def _measured(provenances: list[dict], torch_of_readme: str | None) -> list[str]:
+    """Where, when and how: one line of facts per distinct provenance, then the commands."""
+    facts = []
+    for prov in provenances:
+        torch = prov["torch"]
+        if torch_of_readme and torch.split("+")[0] != torch_of_readme.split("+")[0]:
+            torch += f" (not the README's {torch_of_readme})"
+        fact = (f"Measured on {_gpus(prov)} on {str(prov['date'])[:10]} with torch {torch} and triton "
+                f"{prov['triton']}")  # fmt: skip
+        source = prov.get("source")
+        if source:
+            sections = re.findall(r'"([^"]+)"', source)
+            named = ", ".join(f"“{s}”" for s in sections)
+            fact += f"; transcribed from [the history]({HISTORY}) ({named})"
+        elif prov.get("commit"):
+            fact += f", at commit {prov['commit']}"
+        facts.append(fact + ".")
+    commands = [c for prov in provenances for c in ([prov["command"]] if isinstance(prov["command"], str) else prov["command"])]
+    return [*(line for fact in dict.fromkeys(facts) for line in (fact, "")), "```", *dict.fromkeys(commands), "```", ""]
+
+
+def render_section(section: Section, results: Path, torch_of_readme: str | None) -> list[str]:
+    lines = ["#" * section.level + " " + section.title, ""]
+    paths = [results / f"{name}.json" for name in section.files]
+    payloads = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not payloads:
+        return lines + [f"No result yet (`benchmarks/results/{section.files[0]}.json`).", ""]
+    provenances = list({json.dumps(p["provenance"], sort_keys=True): p["provenance"] for p in payloads}.values())
+    what, table = section.table(payloads)
+    lines += _measured(provenances, torch_of_readme)
+    lines += [what, "", *table, ""]
+    notes = list(dict.fromkeys(n for p in payloads for n in p.get("notes", [])))
+    if notes:
+        lines += [*(f"- {n}" for n in notes), ""]
+    return lines
+
+
+INTRO = """# Benchmarks
+
+The latest numbers of each fusion family against stock Inductor, on H200 GPUs. This page is
+written by `python -m benchmarks.render` from `benchmarks/results/*.json`; each section says where,
+when and how its numbers were measured. The dated log of every run, with what each kernel change
+was and why, is [docs/notes/benchmarks-history.md]({history}).
+
+Times are medians in microseconds. "Inside a CUDA graph": 20 calls, each on its own inputs,
+captured in one graph and replayed; plain launches at decode sizes mostly measure the host. A
+ratio is stock Inductor's time (or the named baseline's) over ours: above 1.00x ours is faster.
+"% of copy": the fewest bytes the op must move over its time, against the device's own copy
+bandwidth, from 4096 tokens on.
+
+## Reproduce
+
+On one H200, from the repository root (the GPU machine: Python 3.12, torch 2.11.0+cu130, triton
+3.6.0; NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set by the scripts):
+
+```
+OUT=out benchmarks/run_gpu.sh                                 # CUDA tests, then each one-GPU benchmark
+OUT=out BENCH=rms_norm_quant_fp8 benchmarks/run_gpu_sweep.sh  # one FP8 sweep within 10 minutes
+OUT=out benchmarks/run_gpu_x2.sh                              # two GPUs: tensor-parallel tests, benchmarks
+cp out/bench_*.json benchmarks/results/ && python -m benchmarks.render
+```
+
+Each benchmark also runs alone (`python -m benchmarks.bench_rms_norm --help`, the command under each
+table); its `--json` output is a result file: its numbers with their provenance (date, GPU,
+torch and triton versions, command line).
+"""
+
+
+def render(results: Path = RESULTS) -> str:
+    """The page, from the result files in ``results``."""
+    torch_of_readme = readme_torch()
+    lines = [INTRO.format(history=HISTORY)]
+    for section in SECTIONS:
+        lines += render_section(section, results, torch_of_readme)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
+    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out differs")
+    args = parser.parse_args()
+    text = render(args.results)
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is not what python -m benchmarks.render writes: run it", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(text)
+    print(f"{args.out}: {text.count(chr(10))} lines")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
