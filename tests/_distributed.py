@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import tempfile
 import time
 from collections.abc import Callable
@@ -63,10 +64,7 @@ def run_world(
         return results
 
 
-def _rank_main(
-    rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple, backend: str,
-    collective_timeout: float,
-) -> None:  # fmt: skip
+def _init_group(rank: int, world_size: int, tmp: str, backend: str, collective_timeout: float) -> None:
     extra = {}
     if backend == "nccl":
         # No NVLink multicast on shared machines (NCCL NVLS, symmetric-memory multicast objects).
@@ -84,12 +82,135 @@ def _rank_main(
         timeout=timedelta(seconds=collective_timeout),
         **extra,
     )
+
+
+def _rank_main(
+    rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple, backend: str,
+    collective_timeout: float,
+) -> None:  # fmt: skip
+    _init_group(rank, world_size, tmp, backend, collective_timeout)
     try:
         result = fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+
+
+class World:
+    """A gloo group of ``world_size`` spawned processes that runs several jobs, one after the
+    other: a module's tests start one (a spawn costs ~9 s on 2 cores) and give it each job, as
+    a module-scoped fixture::
+
+        @pytest.fixture(scope="module")
+        def world():
+            with World() as w:
+                yield w
+
+    ``run(fn, *args)`` is run_world's call on the same ranks (``fn(rank, world_size, *args)``,
+    importable, its result picklable; the results in rank order). Each job starts from a reset
+    Dynamo, in the group the earlier jobs leave (their subgroups and module globals stay).
+    ``timeout`` bounds each job, the group's start included for the first: a rank that does not
+    answer in time, or dies, kills the world (a later run raises), as does a rank's exception,
+    which run re-raises with the rank's traceback."""
+
+    def __init__(self, world_size: int = 2, timeout: float = 120.0, collective_timeout: float = 60.0):
+        self.world_size, self.timeout = world_size, timeout
+        self._tmp = tempfile.TemporaryDirectory()
+        ctx = mp.get_context("spawn")  # fork would copy the parent's threads and Inductor state
+        self._jobs = [ctx.SimpleQueue() for _ in range(world_size)]
+        self._done = ctx.Queue()
+        self._processes = [
+            ctx.Process(
+                target=_world_rank_main,
+                args=(rank, world_size, self._tmp.name, collective_timeout, self._jobs[rank], self._done),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in self._processes:
+            process.start()
+        self._count = 0
+        self._broken: str | None = None
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        if self._broken:
+            raise RuntimeError(f"the world of {self.world_size} ranks is gone: {self._broken}")
+        self._count += 1
+        job = self._count
+        for queue in self._jobs:
+            queue.put((job, fn, args))
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        done: dict[int, str | None] = {}  # rank -> None, or its traceback
+        while len(done) < self.world_size:
+            try:
+                rank, finished, error = self._done.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in done]
+                if dead or time.monotonic() >= deadline:
+                    why = (
+                        f"rank {dead[0]} died (exit code {self._processes[dead[0]].exitcode})"
+                        if dead
+                        else f"{fn.__name__} did not finish on {self.world_size} ranks in {timeout:.0f} s"
+                    )
+                    self._kill(why)
+                    raise (RuntimeError if dead else TimeoutError)(why) from None
+                continue
+            if finished == job:
+                done[rank] = error
+        errors = [(rank, error) for rank, error in sorted(done.items()) if error is not None]
+        if errors:
+            rank, error = errors[0]
+            self._kill(f"rank {rank} raised in {fn.__name__}")
+            raise RuntimeError(f"rank {rank} raised in {fn.__name__}:\n{error}")
+        results = []
+        for rank in range(self.world_size):
+            with open(os.path.join(self._tmp.name, f"job{job}_rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+    def _kill(self, why: str) -> None:
+        self._broken = why
+        for process in self._processes:  # only the processes this world started
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+    def close(self) -> None:
+        if not self._broken:
+            for queue in self._jobs:
+                queue.put(None)
+            for process in self._processes:
+                process.join(timeout=30)
+            self._kill("closed")
+        self._tmp.cleanup()
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _world_rank_main(rank: int, world_size: int, tmp: str, collective_timeout: float, jobs, done) -> None:
+    import traceback
+
+    _init_group(rank, world_size, tmp, "gloo", collective_timeout)
+    try:
+        while (item := jobs.get()) is not None:
+            job, fn, args = item
+            torch._dynamo.reset()
+            try:
+                result = fn(rank, world_size, *args)
+                with open(os.path.join(tmp, f"job{job}_rank{rank}.pkl"), "wb") as f:
+                    pickle.dump(result, f)
+                done.put((rank, job, None))
+            except BaseException:  # noqa: BLE001 - sent to the test, which raises it
+                done.put((rank, job, traceback.format_exc()))
+                raise
+    finally:
+        dist.destroy_process_group()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import fusion_passes
-from _distributed import compile_case, run_world
+from _distributed import World, compile_case
 from fusion_passes.lowering.common.direct_launch import LAUNCHERS
 from fusion_passes.numerics import compare
 from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm
@@ -182,8 +182,15 @@ def _spellings_job(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def spellings():
-    return run_world(_spellings_job, world_size=WORLD, timeout=120)
+def world():
+    """One spawned group for the module's jobs (a spawn costs ~9 s)."""
+    with World(WORLD) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def spellings(world):
+    return world.run(_spellings_job, timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -240,11 +247,11 @@ def _qwen3_tp_job(rank: int, world_size: int) -> dict:
     }
 
 
-def test_tiny_qwen3_tensor_parallel_fuses_every_allreduce_norm():
+def test_tiny_qwen3_tensor_parallel_fuses_every_allreduce_norm(world):
     """Every norm after a row-wise projection (o_proj: post_attention_layernorm; down_proj: the
     next layer's input_layernorm and the final norm) is fused; the output matches the unsharded
     model on both ranks."""
-    for rank, r in enumerate(run_world(_qwen3_tp_job, world_size=WORLD, timeout=120)):
+    for rank, r in enumerate(world.run(_qwen3_tp_job, timeout=120)):
         layers = r["layers"]
         expected_sites = []
         for i in range(layers):

@@ -15,6 +15,8 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
 import pytest  # noqa: E402
+from _hypothesis import examples  # noqa: E402
+from _params import by_str, grid  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -40,6 +42,7 @@ CONFIGS = {
     "tiny_rotary": (2, 2, 8, 2, True),
 }
 ULPS = 4
+TILES = {"split_tiles": False, "whole_head_tile": True}
 
 
 def _inputs(config, dtype, form, tokens=(2, 3), seed=0, q_chunk=False, cos_batch=1):
@@ -83,9 +86,14 @@ def _check(args, eps, form, per_head, dtype, whole_head_tile=None, rows=None):
         _assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", CONFIGS)
+# By default every config in one dtype (each dtype for two of them), both row bodies.
+@pytest.mark.parametrize(
+    ("config", "dtype", "tile"),
+    grid(
+        {"config": by_str(list(CONFIGS)), "dtype": by_str(DTYPES), "tile": TILES},
+        default=lambda config, dtype, tile: DTYPES.index(dtype) == list(CONFIGS).index(config) % 3,
+    ),
+)
 def test_kernel_matches_reference(config, dtype, tile):
     """Both row bodies of the kernel (three column tiles per head, or one whole-head tile)."""
     per_head = CONFIGS[config][4]
@@ -94,10 +102,19 @@ def test_kernel_matches_reference(config, dtype, tile):
         _check(args, [1e-6, 1e-5, 0.1][i], form, per_head, dtype, tile)
 
 
-@pytest.mark.parametrize("tile", [False, True], ids=["split_tiles", "whole_head_tile"])
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", ["minimax_m2", "odd_whole_row"])
+# By default every config, step and body (the refusal of too many steps included) in one dtype.
+@pytest.mark.parametrize(
+    ("config", "dtype", "rows", "tile"),
+    grid(
+        {
+            "config": by_str(["minimax_m2", "odd_whole_row"]),
+            "dtype": by_str(DTYPES),
+            "rows": by_str([1, 2, 4]),
+            "tile": TILES,
+        },
+        default=lambda config, dtype, rows, tile: DTYPES.index(dtype) == ([1, 2, 4].index(rows) + tile) % 3,
+    ),
+)
 def test_whole_row_norm_in_steps(config, dtype, rows, tile):
     """Both row bodies take a whole-row norm's heads `rows` at a time (6 heads of q in 6, 3 or 2
     steps, the last one part-masked where rows does not divide the heads; 2 of k, 3 or 1 of
@@ -161,7 +178,7 @@ def _shapes(draw):
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(case=_shapes())
 def test_any_head_configuration(case):
     """Property: every head configuration, body and launch shape matches the reference."""

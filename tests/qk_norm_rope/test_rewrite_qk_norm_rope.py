@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fusion_passes
+from _params import by_str, grid
 from fusion_passes.patterns.qk_norm_rope import FAMILY, rope_full, rope_partial
 from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm, offset_rms_norm
 from fusion_passes.numerics import tolerance
@@ -82,8 +83,18 @@ SPELLINGS = {  # name: (fusion, per_head, rope, rotary dim, q+gate projection)
 }
 
 
-@pytest.mark.parametrize("form", NORMS)
-@pytest.mark.parametrize("spelling", SPELLINGS)
+# By default each spelling in the norm form its model writes (Qwen3 and MiniMax-M2 the Llama form,
+# Qwen 3.5 the (1 + w) form), Qwen3-Next's without the gate in the fp32-weight form: every form.
+DEFAULT_FORMS = {"qwen3": "llama", "qwen3_5": "offset", "qwen3_next_no_gate": "fp32_weight", "minimax_m2": "llama"}
+
+
+@pytest.mark.parametrize(
+    ("spelling", "form"),
+    grid(
+        {"spelling": by_str(list(SPELLINGS)), "form": by_str(list(NORMS))},
+        default=lambda spelling, form: DEFAULT_FORMS[spelling] == form,
+    ),
+)
 def test_spelling_fuses_bit_exact(spelling, form):
     fusion, per_head, rope, rotary, gate = SPELLINGS[spelling]
     dtype = torch.bfloat16

@@ -12,6 +12,7 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+from _hypothesis import examples  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -86,7 +87,7 @@ def _cases(draw):
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(case=_cases())
 def test_matches_reference(case):
     g = torch.Generator().manual_seed(case["seed"])
