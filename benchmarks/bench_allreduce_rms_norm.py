@@ -272,19 +272,13 @@ def run(rank, world_size, args, device) -> int:
                         print(f"CORRECTNESS FAILURE: hidden={h} tokens={t} {r}", flush=True)
     status = 1 if any(not (r["correct"] and r["identical_across_ranks"]) for r in records) else 0
     if rank == 0:
-        device_name = distributed.device_name(device)
-        text = report(records, device_name, world_size, symm_note)
-        common.finish(args, text, {
-            "device": device_name,
-            "world_size": world_size,
+        text = report(records, distributed.device_name(device), world_size, symm_note)
+        distributed.finish(args, text, device, world_size, {
             "dtype": str(DTYPE),
             "eps": EPS,
             "quant": QUANT,
             "max_rows": one_shot_module.MAX_ROWS,
             "symm_mem_baseline": symm_note,
-            "plain_iters": distributed.PLAIN_ITERS,
-            "graph_calls": distributed.GRAPH_CALLS,
-            "graph_replays": distributed.GRAPH_REPLAYS,
             "runtime_fallbacks": {op: dict(g) for op, g in runtime_fallbacks.items()},
             "records": records,
         })  # fmt: skip
@@ -292,8 +286,7 @@ def run(rank, world_size, args, device) -> int:
 
 
 def main() -> int:
-    smoke = "tiny sizes; on a CPU: gloo, 2 ranks (spawned unless under torchrun), fallback only"
-    parser = common.parser(__doc__, "bench_allreduce_rms_norm", smoke=smoke)
+    parser = distributed.parser(__doc__, "bench_allreduce_rms_norm", "tiny sizes", "fallback only")
     common.add_sizes(parser, "--hidden", HIDDEN, SMOKE_HIDDEN, "hidden sizes")
     common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
     parser.add_argument(

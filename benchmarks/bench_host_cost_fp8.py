@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-import fusion_passes
 from benchmarks import common, sweep
 from benchmarks.bench_rms_norm_quant_fp8 import OPS, SCHEMES, eager_fn, fusion_name, kernel_fn, random_inputs
 from benchmarks.timing import host_us
@@ -56,9 +55,8 @@ def main() -> int:
             for scheme in args.schemes:
                 for tokens in args.tokens:
                     inputs = random_inputs(op, scheme, args.hidden, tokens, "cuda")
-                    torch._dynamo.reset()
                     fusions = ["add_rms_norm", "rms_norm", fusion_name(op, scheme)]
-                    compiled = sweep.compiled_variants(eager_fn(op, scheme), fusions, fusion_passes.Report())
+                    _, compiled = sweep.compiled_variants(eager_fn(op, scheme), fusions)
                     fns = {impl: compiled[impl] for impl in ("inductor", "fusion_passes")}
                     fns["kernel"] = kernel_fn(op, scheme)
                     us = {}

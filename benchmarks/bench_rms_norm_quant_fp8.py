@@ -46,10 +46,9 @@ from benchmarks import common
 
 INTERPRETED = common.interpret_smoke_run()  # before triton is imported
 
-import fusion_passes  # noqa: E402
 from benchmarks import sweep  # noqa: E402
 from benchmarks.no_math import no_math_fn  # noqa: E402
-from benchmarks.sweep import BANDWIDTH_MIN_TOKENS, FP8_DTYPE, GRAPH_CALLS, SCHEMES, pct_of_copy  # noqa: E402
+from benchmarks.sweep import BANDWIDTH_MIN_TOKENS, FP8_DTYPE, SCHEMES, pct_of_copy  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
     add_rms_norm_quant_fp8_reference,
     rms_norm_quant_fp8_reference,
@@ -60,12 +59,10 @@ from fusion_passes.patterns.rms_norm import llama_rms_norm  # noqa: E402
 from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Qwen 3 8B, Llama 3.2 3B
-TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
-SMOKE_HIDDEN, SMOKE_TOKENS = (256,), (1, 64)
+SMOKE_HIDDEN = (256,)
 OPS = ("rms_norm", "add_rms_norm")
 IMPLS = ("eager", "inductor", "fusion_passes", "kernel", "same_traffic", "no_math")
 DTYPE, EPS = torch.bfloat16, 1e-6
-SMOKE_HELP = "tiny sizes; CPU under TRITON_INTERPRET=1"
 
 
 def eager_fn(op: str, scheme: str):
@@ -149,45 +146,27 @@ def min_bytes(op: str, scheme: str, tokens: int, hidden: int) -> int:
 
 
 def bench_shape(op: str, scheme: str, hidden: int, tokens: int, device: str, timed: bool = True) -> dict:
-    sets = [
-        random_inputs(op, scheme, hidden, tokens, device)
-        for _ in range(GRAPH_CALLS if device == "cuda" and timed else 1)
-    ]
+    sets = sweep.input_sets(lambda: random_inputs(op, scheme, hidden, tokens, device), device, timed)
     record = {"op": op, "scheme": scheme, "hidden": hidden, "tokens": tokens}
     record.update(check_kernel(op, scheme, sets[0]))
-    torch._dynamo.reset()  # static shapes: one compile per shape, clear of the recompile limit
-    report = fusion_passes.Report()
     fusion = fusion_name(op, scheme)
-    fns = {
-        **sweep.compiled_variants(eager_fn(op, scheme), ["add_rms_norm", "rms_norm", fusion], report),
-        "kernel": kernel_fn(op, scheme),
-        "same_traffic": torch.compile(same_traffic_fn(op), dynamic=False),
-        "no_math": no_math_fn(op),
-    }
+    report, fns = sweep.compiled_variants(eager_fn(op, scheme), ["add_rms_norm", "rms_norm", fusion])
+    fns["kernel"] = kernel_fn(op, scheme)
+    fns["same_traffic"] = torch.compile(same_traffic_fn(op), dynamic=False)
+    fns["no_math"] = no_math_fn(op)
     sweep.measure(record, fns, sets, fusion, report, device, timed)
     record["bytes"] = min_bytes(op, scheme, tokens, hidden)
     return record
 
 
 def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
-    lines = [
-        "| hidden | tokens | kernels (inductor / ours) | "
-        + " | ".join(IMPLS)
-        + " | inductor / fusion_passes | no-math / fusion_passes | fusion_passes % of copy |",
-        "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 3),
-    ]
-    for r in records:
-        t = r[f"{mode}_us"]
+    """The sweep's table, with the faster of the two no-math kernels' times over fusion_passes'."""
+
+    def no_math(t):
         ours = t["fusion_passes"]
-        fastest_no_math = None if ours is None else min(t["same_traffic"], t["no_math"])
-        k = r["kernels"]
-        lines.append(
-            f"| {r['hidden']} | {r['tokens']} | {k['inductor']} / {k['fusion_passes']} | "
-            + " | ".join(common.us(t[i]) for i in IMPLS)
-            + f" | {common.ratio(t['inductor'], ours)} | {common.ratio(fastest_no_math, ours)}"
-            f" | {pct_of_copy(r, ours, copy_gbps)} |"
-        )
-    return lines
+        return common.ratio(None if ours is None else min(t["same_traffic"], t["no_math"]), ours)
+
+    return sweep.table(records, mode, copy_gbps, "hidden", IMPLS, ("no-math / fusion_passes", no_math))
 
 
 def summary(records: list[dict], copy_gbps: float) -> list[str]:
@@ -233,12 +212,9 @@ def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
 
 
 def main() -> int:
-    parser = common.parser(__doc__, "bench_rms_norm_quant_fp8", smoke=SMOKE_HELP)
-    common.add_sizes(parser, "--hidden", HIDDEN, SMOKE_HIDDEN, "hidden sizes")
-    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    name = "bench_rms_norm_quant_fp8"
+    parser = sweep.parser(__doc__, name, "--hidden", HIDDEN, SMOKE_HIDDEN, "hidden sizes")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    sweep.add_sweep_args(parser)
     args = common.parse(parser)
     shapes = list(itertools.product(args.ops, args.schemes, args.hidden, args.tokens))
     return sweep.main(

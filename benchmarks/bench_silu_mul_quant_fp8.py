@@ -38,21 +38,18 @@ from benchmarks import common
 
 INTERPRETED = common.interpret_smoke_run()  # before triton is imported
 
-import fusion_passes  # noqa: E402
 from benchmarks import sweep  # noqa: E402
-from benchmarks.sweep import FP8_DTYPE, GRAPH_CALLS, SCHEMES, pct_of_copy  # noqa: E402
+from benchmarks.sweep import FP8_DTYPE, SCHEMES  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import silu_mul_quant_fp8_reference  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton  # noqa: E402
 from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
 from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
 
 INTERMEDIATE = (18432, 12288, 2048)  # DeepSeek V3 dense MLP, Qwen 3 (32B), a MoE expert
-TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
-SMOKE_INTERMEDIATE, SMOKE_TOKENS = (256,), (1, 64)
+SMOKE_INTERMEDIATE = (256,)
 LAYOUTS = ("chunked", "separate")
 IMPLS = ("eager", "inductor", "fusion_passes", "kernel")
 DTYPE = torch.bfloat16
-SMOKE_HELP = "tiny sizes; CPU under TRITON_INTERPRET=1"
 
 
 def _halves(layout: str, inputs: tuple) -> tuple:
@@ -123,39 +120,19 @@ def min_bytes(scheme: str, tokens: int, intermediate: int) -> int:
 def bench_shape(
     layout: str, scheme: str, intermediate: int, tokens: int, device: str, timed: bool = True
 ) -> dict:
-    sets = [
-        random_inputs(layout, scheme, intermediate, tokens, device)
-        for _ in range(GRAPH_CALLS if device == "cuda" and timed else 1)
-    ]
+    make = lambda: random_inputs(layout, scheme, intermediate, tokens, device)  # noqa: E731
+    sets = sweep.input_sets(make, device, timed)
     record = {"layout": layout, "scheme": scheme, "intermediate": intermediate, "tokens": tokens}
     record.update(check_kernel(layout, scheme, sets[0]))
-    torch._dynamo.reset()  # static shapes: one compile per shape, clear of the recompile limit
-    report = fusion_passes.Report()
-    fusion = fusion_name(scheme)
-    fns = sweep.compiled_variants(eager_fn(layout, scheme), [fusion], report)
+    report, fns = sweep.compiled_variants(eager_fn(layout, scheme), [fusion_name(scheme)])
     fns["kernel"] = kernel_fn(layout, scheme)
-    sweep.measure(record, fns, sets, fusion, report, device, timed)
+    sweep.measure(record, fns, sets, fusion_name(scheme), report, device, timed)
     record["bytes"] = min_bytes(scheme, tokens, intermediate)
     return record
 
 
 def table(records: list[dict], mode: str, copy_gbps: float) -> list[str]:
-    lines = [
-        "| intermediate | tokens | kernels (inductor / ours) | "
-        + " | ".join(IMPLS)
-        + " | inductor / fusion_passes | fusion_passes % of copy |",
-        "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 2),
-    ]
-    for r in records:
-        t = r[f"{mode}_us"]
-        k = r["kernels"]
-        lines.append(
-            f"| {r['intermediate']} | {r['tokens']} | {k['inductor']} / {k['fusion_passes']} | "
-            + " | ".join(common.us(t[i]) for i in IMPLS)
-            + f" | {common.ratio(t['inductor'], t['fusion_passes'])}"
-            f" | {pct_of_copy(r, t['fusion_passes'], copy_gbps)} |"
-        )
-    return lines
+    return sweep.table(records, mode, copy_gbps, "intermediate", IMPLS)
 
 
 def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
@@ -171,12 +148,9 @@ def report(records: list[dict], copy_gbps: float, device_name: str) -> str:
 
 
 def main() -> int:
-    parser = common.parser(__doc__, "bench_silu_mul_quant_fp8", smoke=SMOKE_HELP)
-    common.add_sizes(parser, "--intermediate", INTERMEDIATE, SMOKE_INTERMEDIATE, "intermediate sizes")
-    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    name = "bench_silu_mul_quant_fp8"
+    parser = sweep.parser(__doc__, name, "--intermediate", INTERMEDIATE, SMOKE_INTERMEDIATE, "intermediates")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["chunked"])
-    sweep.add_sweep_args(parser)
     args = common.parse(parser)
     shapes = list(itertools.product(args.layouts, args.schemes, args.intermediate, args.tokens))
     return sweep.main(

@@ -309,27 +309,20 @@ def run(rank, world_size, args, device) -> int:
                     print(f"CORRECTNESS FAILURE tokens={tokens}: {problem}", flush=True)
     status = 1 if failures(records) else 0
     if rank == 0:
-        device_name = distributed.device_name(device)
-        text = report_text(records, args, device_name, world_size)
-        common.finish(args, text, {
+        text = report_text(records, args, distributed.device_name(device), world_size)
+        distributed.finish(args, text, device, world_size, {
             "model": args.model,
             "size": args.size,
             "layers": args.layers,
             "dtype": str(DTYPE),
-            "device": device_name,
-            "world_size": world_size,
             "fusions": fused_fusions(),
-            "plain_iters": distributed.PLAIN_ITERS,
-            "graph_calls": distributed.GRAPH_CALLS,
-            "graph_replays": distributed.GRAPH_REPLAYS,
             "records": records,
         })  # fmt: skip
     return status
 
 
 def main() -> int:
-    smoke = "tiny qwen3; on a CPU: gloo, 2 ranks (spawned unless under torchrun), no GPU times"
-    parser = common.parser(__doc__, "bench_tp_decoder_layer", smoke=smoke)
+    parser = distributed.parser(__doc__, "bench_tp_decoder_layer", "tiny qwen3", "no GPU times")
     parser.add_argument("--model", default="qwen3", choices=MODEL_NAMES, help="a dense model with a TP plan")
     parser.add_argument(
         "--size", choices=("tiny", "real"), help="config width (default real; tiny with --smoke)"

@@ -23,9 +23,9 @@ from datetime import timedelta
 
 import torch
 
-from benchmarks.common import interpret_smoke_run
+from benchmarks import common
 
-INTERPRETED = interpret_smoke_run()
+INTERPRETED = common.interpret_smoke_run()
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
@@ -39,6 +39,8 @@ PLAIN_ITERS, PLAIN_WARMUP = 200, 20
 # model's activations do), and replays timed; the same fixed counts on every rank.
 GRAPH_CALLS, GRAPH_REPLAYS, GRAPH_WARMUP = 20, 30, 3
 SMOKE_ITERS = 3  # a CPU smoke run: a host clock over this many calls
+# The counts above, as the results' JSON records them.
+SETTINGS = {"plain_iters": PLAIN_ITERS, "graph_calls": GRAPH_CALLS, "graph_replays": GRAPH_REPLAYS}
 
 
 def time_plain_us(fn, device) -> float:
@@ -101,6 +103,19 @@ def same_on_every_rank(t) -> bool:
 
 def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
+
+
+def parser(doc: str, name: str, smoke: str, on_a_cpu: str):
+    """common.parser for a two-GPU benchmark: --smoke runs ``smoke`` and, on a CPU, 2 gloo ranks
+    (``on_a_cpu`` says what it leaves out there)."""
+    cpu = f"on a CPU: gloo, 2 ranks (spawned unless under torchrun), {on_a_cpu}"
+    return common.parser(doc, name, smoke=f"{smoke}; {cpu}")
+
+
+def finish(args, text: str, device, world_size: int, payload: dict) -> None:
+    """Rank 0's end of a run: common.finish, the JSON naming the device, the world and the counts."""
+    world = {"device": device_name(device), "world_size": world_size, **SETTINGS}
+    common.finish(args, text, {**world, **payload})
 
 
 def init_distributed(rank, world_size, init_method) -> torch.device:

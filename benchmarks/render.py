@@ -51,7 +51,7 @@ def _logged(record: dict, key: str):
     return record.get("as_logged", {}).get(key)
 
 
-def _speedup(record: dict, base: str, ours: str, times: str = "graph_us", logged: str = "speedup") -> float | None:
+def _speedup(record: dict, base: str, ours: str, times="graph_us", logged="speedup") -> float | None:
     """The log's ratio where the record was transcribed, else base's time over ours."""
     if _logged(record, logged) is not None:
         return _logged(record, logged)
@@ -59,7 +59,7 @@ def _speedup(record: dict, base: str, ours: str, times: str = "graph_us", logged
     return t[base] / t[ours] if t.get(base) and t.get(ours) else None
 
 
-def _pct(record: dict, us: float | None, copy_gbps: float | None, logged: str | None = "pct_of_copy") -> int | None:
+def _pct(record: dict, us: float | None, copy_gbps: float | None, logged="pct_of_copy") -> int | None:
     """Percent of the copy bandwidth from 4096 tokens on: the log's, or the fewest bytes over us."""
     if record["tokens"] < BANDWIDTH_MIN_TOKENS:
         return None
@@ -80,7 +80,8 @@ def _cell(us: float | None, speedup: float | None, pct: int | None) -> str:
 
 def _table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
     align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|", *("| " + " | ".join(r) + " |" for r in rows)]
+    lines = [header, None, *rows]
+    return ["|" + "|".join(align) + "|" if r is None else "| " + " | ".join(r) + " |" for r in lines]
 
 
 def _grid(records: list[dict], keys: tuple[str, ...], cell: Callable[[dict], str],
@@ -100,30 +101,34 @@ def _grid(records: list[dict], keys: tuple[str, ...], cell: Callable[[dict], str
 
 
 # ---------------------------------------------------------------------------------------------
-# One table per benchmark: (payloads of its result files) -> (a line saying what the cells are, the table)
+# One table per benchmark: (the payloads of its result files) -> (what its cells are, the table)
+
+
+def _ours_cell(payload: dict, base: str, ours: str, show_us: bool = True) -> Callable[[dict], str]:
+    """A cell of ours: its time inside a CUDA graph (show_us), base's time over it, and from 4096
+    tokens its % of copy bandwidth."""
+
+    def cell(r):
+        us = (r.get("graph_us") or {}).get(ours)
+        return _cell(us if show_us else None, _speedup(r, base, ours), _pct(r, us, payload.get("copy_gbps")))
+
+    return cell
 
 
 def rms_norm(payloads):
     (p,) = payloads
-    records = p["records"]
-
-    def cell(r):
-        ours = r["graph_us"]["ours"]
-        return _cell(ours, _speedup(r, "compile", "ours"), _pct(r, ours, p.get("copy_gbps")))
-
-    what = ("Ours (`rms_norm_triton`, one kernel), us per call inside a CUDA graph, with stock Inductor's time "
-            "over ours (`torch.compile` of the Hugging Face spelling) and, from 4096 tokens, % of copy bandwidth:")  # fmt: skip
-    return what, _grid(records, ("op", "hidden"), cell)
+    what = (
+        "Ours (`rms_norm_triton`, one kernel), us per call inside a CUDA graph, with stock Inductor's time "
+        "over ours (`torch.compile` of the Hugging Face spelling) and, from 4096 tokens, % of copy bandwidth:"
+    )
+    return what, _grid(p["records"], ("op", "hidden"), _ours_cell(p, "compile", "ours"))
 
 
 def rms_norm_quant_fp8(payloads):
     (p,) = payloads
-
-    def cell(r):
-        return _cell(None, _speedup(r, "inductor", "fusion_passes"), _pct(r, (r.get("graph_us") or {}).get("fusion_passes"), p.get("copy_gbps")))
-
     what = ("Stock Inductor's time over ours inside a CUDA graph (one kernel per site; Inductor takes two "
             "for per_group), and from 4096 tokens % of copy bandwidth:")  # fmt: skip
+    cell = _ours_cell(p, "inductor", "fusion_passes", show_us=False)
     return what, _grid(p["records"], ("op", "scheme", "hidden"), cell)
 
 
@@ -142,32 +147,25 @@ def host_cost_fp8(payloads):
 
 def silu_mul_quant_fp8(payloads):
     (p,) = payloads
-
-    def cell(r):
-        return _cell(None, _speedup(r, "inductor", "fusion_passes"), _pct(r, (r.get("graph_us") or {}).get("fusion_passes"), p.get("copy_gbps")))
-
     records = [r for r in p["records"] if r.get("layout", "chunked") == "chunked"]
     what = ("Gate and up the halves of one `gate_up` projection, bf16. Stock Inductor's time over ours "
             "inside a CUDA graph, and from 4096 tokens % of copy bandwidth:")  # fmt: skip
+    cell = _ours_cell(p, "inductor", "fusion_passes", show_us=False)
     return what, _grid(records, ("scheme", "intermediate"), cell)
 
 
 def qk_norm_rope(payloads):
     (p,) = payloads
-    records = p["records"]
-
-    def cell(r):
-        ours = r["graph_us"]["ours"]
-        return _cell(ours, _speedup(r, "inductor", "ours"), _pct(r, ours, p.get("copy_gbps")))
-
     def kernels(rows):
-        counts = {(r.get("kernels") or {}).get("inductor"): (r.get("kernels") or {}).get("ours") for r in rows}
-        return ", ".join(f"{i} → {o}" for i, o in counts.items() if i is not None and o is not None) or "—"
+        counts = {tuple((r.get("kernels") or {}).get(i) for i in ("inductor", "ours")) for r in rows}
+        return ", ".join(f"{i} → {o}" for i, o in sorted(counts) if None not in (i, o)) or "—"
 
-    table = _grid(records, ("model",), cell, ("kernels", kernels))
-    what = ("Each model's pre-attention region (q / k RMSNorm + RoPE, bf16; kernels: stock Inductor's → ours). "
-            "Ours, us per call inside a CUDA graph, with stock Inductor's time over ours and, from 4096 tokens, "
-            "% of copy bandwidth:")  # fmt: skip
+    table = _grid(p["records"], ("model",), _ours_cell(p, "inductor", "ours"), ("kernels", kernels))
+    what = (
+        "Each model's pre-attention region (q / k RMSNorm + RoPE, bf16; kernels: stock Inductor's → ours). "
+        "Ours, us per call inside a CUDA graph, with stock Inductor's time over ours and, from 4096 tokens, "
+        "% of copy bandwidth:"
+    )
     return what, table
 
 
@@ -177,7 +175,7 @@ def mla_rope(payloads):
     tokens = [r["tokens"] for r in records]
 
     def kernels(impl):
-        counts = sorted({r["kernels"][impl] for r in records if (r.get("kernels") or {}).get(impl) is not None})
+        counts = sorted({(r.get("kernels") or {}).get(impl) for r in records} - {None})
         return "-".join(map(str, (counts[0], counts[-1]) if len(counts) > 1 else counts)) or "—"
 
     rows = [["stock Inductor", kernels("inductor"), *(_us(r["graph_us"]["inductor"]) for r in records)]]
@@ -189,9 +187,11 @@ def mla_rope(payloads):
             pct = _pct(r, ours, p.get("copy_gbps"), logged="pct_of_copy" if impl == "ours" else None)
             cells.append(_cell(ours, _speedup(r, "inductor", impl, logged=logged), pct))
         rows.append([label, kernels(impl), *cells])
-    what = ("DeepSeek V3's MLA region before attention (kv_a_layernorm + RoPE of k_pe, q_pe RoPE and the cat into "
-            "the query; bf16, 128 heads). us per call inside a CUDA graph; for ours, stock Inductor's time over "
-            "ours and, from 4096 tokens, % of copy bandwidth:")  # fmt: skip
+    what = (
+        "DeepSeek V3's MLA region before attention (kv_a_layernorm + RoPE of k_pe, q_pe RoPE and the cat "
+        "into the query; bf16, 128 heads). us per call inside a CUDA graph; for ours, stock Inductor's time "
+        "over ours and, from 4096 tokens, % of copy bandwidth:"
+    )
     return what, _table(["", "kernels", *map(str, tokens)], rows, 2)
 
 
@@ -205,9 +205,11 @@ def allreduce_rms_norm(payloads):
         return f"{_us(ours)} ({_x(vs_nccl)} / {_x(vs_symm)})"
 
     keys = ("scheme", "hidden") if any(p.get("quant") for p in payloads) else ("hidden",)
-    what = ("Ours (one launch: the one-shot kernel over symmetric memory reads every peer's rows over NVLink, "
-            "sums, adds, normalises), us per call inside a CUDA graph, with the time of NCCL allreduce + stock "
-            "Inductor over ours / of torch's one-shot symm_mem allreduce + stock Inductor over ours:")  # fmt: skip
+    what = (
+        "Ours (one launch: the one-shot kernel over symmetric memory reads every peer's rows over NVLink, "
+        "sums, adds, normalises), us per call inside a CUDA graph, with the time of NCCL allreduce + stock "
+        "Inductor over ours / of torch's one-shot symm_mem allreduce + stock Inductor over ours:"
+    )
     return what, _grid(records, keys, cell)
 
 
@@ -221,10 +223,13 @@ def tp_decoder_layer(payloads):
             if speedup is None and base.get("graph_us") and r.get("graph_us"):
                 speedup = base["graph_us"] / r["graph_us"]
             total = (r.get("kernels") or {}).get("total")
-            rows.append([str(record["tokens"]), variant, "—" if total is None else str(total),
-                         _us(r.get("plain_us")), _us(r.get("graph_us")), _x(speedup)])  # fmt: skip
-    what = (f"{p.get('model')} at {p.get('size')} width, {p.get('layers')} layer(s), bf16, tensor parallel over "
-            f"{p.get('world_size', 2)} GPUs; one step is one forward. us per step:")  # fmt: skip
+            kernels = "—" if total is None else str(total)
+            times = [_us(r.get("plain_us")), _us(r.get("graph_us"))]
+            rows.append([str(record["tokens"]), variant, kernels, *times, _x(speedup)])
+    what = (
+        f"{p.get('model')} at {p.get('size')} width, {p.get('layers')} layer(s), bf16, tensor parallel "
+        f"over {p.get('world_size', 2)} GPUs; one step is one forward. us per step:"
+    )
     header = ["tokens", "variant", "kernels / step", "plain us", "CUDA graph us", "graph: Inductor / variant"]
     return what, _table(header, rows, 2)
 
@@ -236,24 +241,31 @@ def models(payloads):
         if r.get("kernels") is None:
             continue
         layers = r.get("layers", p.get("layers"))
-        rows.append([f"{r['model']} ({layers})", str(r["tokens"]), r["variant"], str(r["total_kernels"]),
-                     f"{r['other_per_layer']:.1f}", _us(r["plain_us"]), _us(r["graph_us"]),
-                     f"{r['rel_err_vs_eager']:.4f}"])  # fmt: skip
-    what = ("Real widths, bf16, a few layers (in parentheses). Kernels per forward from the CUDA profiler; "
-            "\"other\" is everything outside GEMMs, attention and MoE. us per forward:")  # fmt: skip
-    header = ["model (layers)", "tokens", "variant", "kernels", "other / layer", "plain us", "CUDA graph us",
-              "rel. error vs eager"]  # fmt: skip
+        kernels = [str(r["total_kernels"]), f"{r['other_per_layer']:.1f}"]
+        times = [_us(r["plain_us"]), _us(r["graph_us"])]
+        key = [f"{r['model']} ({layers})", str(r["tokens"]), r["variant"]]
+        rows.append([*key, *kernels, *times, f"{r['rel_err_vs_eager']:.4f}"])
+    what = (
+        "Real widths, bf16, a few layers (in parentheses). Kernels per forward from the CUDA profiler; "
+        '"other" is everything outside GEMMs, attention and MoE. us per forward:'
+    )
+    header = ["model (layers)", "tokens", "variant", "kernels", "other / layer", "plain us", "CUDA graph us"]
+    header.append("rel. error vs eager")
     return what, _table(header, rows, 3)
 
 
 def launch_overhead(payloads):
     (p,) = payloads
     layers = p.get("layers", 1)
-    rows = [[str(r["tokens"]), r["variant"], str(r["kernels"]), _us(r["plain_us"]), _us(r["plain_us"] / layers),
-             _us(r["graph_us"])] for r in p["rows"]]  # fmt: skip
-    what = (f"{layers} decoder-layer tails (residual add + RMSNorm + a rank-64 GEMM pair), hidden "
-            f"{p.get('hidden')}, bf16: the fused norm launched through the dispatcher (`launch=\"dispatch\"`) "
-            "or by Inductor's own code (`launch=\"direct\"`, the default). us per call of the chain:")  # fmt: skip
+    rows = []
+    for r in p["rows"]:
+        times = map(_us, (r["plain_us"], r["plain_us"] / layers, r["graph_us"]))
+        rows.append([str(r["tokens"]), r["variant"], str(r["kernels"]), *times])
+    what = (
+        f"{layers} decoder-layer tails (residual add + RMSNorm + a rank-64 GEMM pair), hidden "
+        f"{p.get('hidden')}, bf16: the fused norm launched through the dispatcher (`launch=\"dispatch\"`) "
+        "or by Inductor's own code (`launch=\"direct\"`, the default). us per call of the chain:"
+    )
     header = ["tokens", "variant", "kernels", "plain launches", "plain, per layer", "CUDA graph"]
     return what, _table(header, rows, 2)
 
@@ -266,24 +278,39 @@ class Section:
     level: int = 2
 
 
+ALLREDUCE_FP8 = tuple(f"bench_allreduce_rms_norm_quant_fp8_{scheme}" for scheme in ("per_group", "per_token"))
 SECTIONS = (
     Section("Whole models", ("bench_models",), models),
     Section("RMSNorm and add + RMSNorm (`rms_norm`, `add_rms_norm`)", ("bench_rms_norm",), rms_norm),
-    Section("(Add +) RMSNorm + FP8 quantization (`(add_)rms_norm_quant_fp8_*`)", ("bench_rms_norm_quant_fp8",),
-            rms_norm_quant_fp8),  # fmt: skip
-    Section("Without CUDA graphs: the host's cost per call", ("bench_host_cost_fp8",), host_cost_fp8, level=3),
-    Section("SiLU-and-mul + FP8 quantization (`silu_mul_quant_fp8_*`)", ("bench_silu_mul_quant_fp8",),
-            silu_mul_quant_fp8),  # fmt: skip
+    Section(
+        "(Add +) RMSNorm + FP8 quantization (`(add_)rms_norm_quant_fp8_*`)",
+        ("bench_rms_norm_quant_fp8",),
+        rms_norm_quant_fp8,
+    ),
+    Section("Without CUDA graphs: the host's cost per call", ("bench_host_cost_fp8",), host_cost_fp8, 3),
+    Section(
+        "SiLU-and-mul + FP8 quantization (`silu_mul_quant_fp8_*`)",
+        ("bench_silu_mul_quant_fp8",),
+        silu_mul_quant_fp8,
+    ),
     Section("QK-norm + RoPE (`qk_norm_rope*`)", ("bench_qk_norm_rope",), qk_norm_rope),
     Section("DeepSeek V3 MLA: norm + RoPE (`mla_*`)", ("bench_mla_rope",), mla_rope),
-    Section("Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)", ("bench_allreduce_rms_norm",),
-            allreduce_rms_norm),  # fmt: skip
-    Section("Tensor parallel: allreduce + add + RMSNorm + FP8 (`allreduce_add_rms_norm_quant_fp8_*`)",
-            ("bench_allreduce_rms_norm_quant_fp8_per_group", "bench_allreduce_rms_norm_quant_fp8_per_token"),
-            allreduce_rms_norm),  # fmt: skip
+    Section(
+        "Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)",
+        ("bench_allreduce_rms_norm",),
+        allreduce_rms_norm,
+    ),
+    Section(
+        "Tensor parallel: allreduce + add + RMSNorm + FP8 (`allreduce_add_rms_norm_quant_fp8_*`)",
+        ALLREDUCE_FP8,
+        allreduce_rms_norm,
+    ),
     Section("Tensor parallel: a real-width decoder layer", ("bench_tp_decoder_layer",), tp_decoder_layer),
-    Section("The launch path: direct Triton launch vs custom-op dispatch", ("bench_launch_overhead",),
-            launch_overhead),  # fmt: skip
+    Section(
+        "The launch path: direct Triton launch vs custom-op dispatch",
+        ("bench_launch_overhead",),
+        launch_overhead,
+    ),
 )
 
 
@@ -322,8 +349,11 @@ def _measured(provenances: list[dict], torch_of_readme: str | None) -> list[str]
         elif prov.get("commit"):
             fact += f", at commit {prov['commit']}"
         facts.append(fact + ".")
-    commands = [c for prov in provenances for c in ([prov["command"]] if isinstance(prov["command"], str) else prov["command"])]
-    return [*(line for fact in dict.fromkeys(facts) for line in (fact, "")), "```", *dict.fromkeys(commands), "```", ""]
+    commands = []
+    for prov in provenances:
+        commands += [prov["command"]] if isinstance(prov["command"], str) else prov["command"]
+    facts = [line for fact in dict.fromkeys(facts) for line in (fact, "")]
+    return [*facts, "```", *dict.fromkeys(commands), "```", ""]
 
 
 def render_section(section: Section, results: Path, torch_of_readme: str | None) -> list[str]:
@@ -332,7 +362,8 @@ def render_section(section: Section, results: Path, torch_of_readme: str | None)
     payloads = [json.loads(p.read_text()) for p in paths if p.exists()]
     if not payloads:
         return lines + [f"No result yet (`benchmarks/results/{section.files[0]}.json`).", ""]
-    provenances = list({json.dumps(p["provenance"], sort_keys=True): p["provenance"] for p in payloads}.values())
+    distinct = {json.dumps(p["provenance"], sort_keys=True): p["provenance"] for p in payloads}
+    provenances = list(distinct.values())
     what, table = section.table(payloads)
     lines += _measured(provenances, torch_of_readme)
     lines += [what, "", *table, ""]

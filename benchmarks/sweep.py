@@ -31,6 +31,8 @@ from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCHEMES = ("static", "per_token", "per_group")
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+SMOKE_TOKENS = (1, 64)
 BANDWIDTH_MIN_TOKENS = 4096  # below this, launch latency, not HBM, sets the time
 GRAPH_CALLS = 20  # calls per captured graph (see bench_rms_norm.py: >= 4096 tokens come from HBM)
 COPY_BYTES, SMOKE_COPY_BYTES = 2 * 10**9, 2 * 10**6
@@ -53,15 +55,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
-def compiled_variants(eager, fusions: list[str], report: fusion_passes.Report) -> dict:
+def input_sets(make: Callable[[], tuple], device: str, timed: bool) -> list[tuple]:
+    """make()'s input sets for one shape: GRAPH_CALLS of them for a timed GPU run (each call of the
+    captured graph on its own), else one."""
+    return [make() for _ in range(GRAPH_CALLS if device == "cuda" and timed else 1)]
+
+
+def compiled_variants(eager, fusions: list[str]) -> tuple[fusion_passes.Report, dict]:
     """The unfused spelling three ways: eager, stock Inductor, and fusion_passes with ``fusions``
-    (filling ``report``); static shapes, one compile per shape (compiled at the first call)."""
-    return {
+    (filling the report returned); static shapes, one compile per shape (compiled at the first call,
+    after Dynamo's caches are reset here: clear of the recompile limit)."""
+    torch._dynamo.reset()
+    report = fusion_passes.Report()
+    backend = fusion_passes.backend(fusions=fusions, report=report)
+    return report, {
         "eager": eager,
         "inductor": torch.compile(eager, dynamic=False),
-        "fusion_passes": torch.compile(
-            eager, dynamic=False, backend=fusion_passes.backend(fusions=fusions, report=report)
-        ),
+        "fusion_passes": torch.compile(eager, dynamic=False, backend=backend),
     }
 
 
@@ -116,22 +126,52 @@ def report_head(title: str, records: list[dict], copy_gbps: float, device_name: 
     ]
 
 
-def report_section(heading: str, rows: list[dict], table: Callable, copy_gbps: float) -> list[str]:
+def table(records: list[dict], mode: str, copy_gbps: float, size: str, impls: Sequence[str],
+          extra: tuple[str, Callable[[dict], str]] | None = None) -> list[str]:  # fmt: skip
+    """One row per shape: kernels per call, the times of impls in ``mode`` (plain or graph), stock
+    Inductor's time over fusion_passes', extra's column (its header, and its cell from the times),
+    fusion_passes' % of copy."""
+    more = [extra[0]] if extra else []
+    lines = [
+        f"| {size} | tokens | kernels (inductor / ours) | " + " | ".join(impls)
+        + " | " + " | ".join(["inductor / fusion_passes", *more, "fusion_passes % of copy"]) + " |",
+        "|---:|---:|---:|" + "---:|" * (len(impls) + len(more) + 2),
+    ]  # fmt: skip
+    for r in records:
+        t, k = r[f"{mode}_us"], r["kernels"]
+        cells = [common.ratio(t["inductor"], t["fusion_passes"]), *([extra[1](t)] if extra else [])]
+        cells.append(pct_of_copy(r, t["fusion_passes"], copy_gbps))
+        lines.append(
+            f"| {r[size]} | {r['tokens']} | {k['inductor']} / {k['fusion_passes']} | "
+            + " | ".join([*(common.us(t[i]) for i in impls), *cells]) + " |"
+        )  # fmt: skip
+    return lines
+
+
+def report_section(heading: str, rows: list[dict], make_table: Callable, copy_gbps: float) -> list[str]:
     """One fusion's section of a report: its CUDA-graph table, then its plain-launch table."""
     if not rows:
         return []
     lines = ["", f"## {heading}"]
     for mode, title in (("graph", "CUDA graph"), ("plain", "Plain launches")):
-        lines += ["", f"### {title}", "", *table(rows, mode, copy_gbps)]
+        lines += ["", f"### {title}", "", *make_table(rows, mode, copy_gbps)]
     return lines
 
 
-def add_sweep_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shard", default="0/1", help="I/N: the I-th of N interleaved parts")
-    parser.add_argument(
+def parser(doc: str, name: str, size_flag: str, sizes: Sequence[int], smoke_sizes: Sequence[int],
+           what: str) -> argparse.ArgumentParser:  # fmt: skip
+    """An FP8 benchmark's command line: common.parser's, its sizes (``size_flag``, ``what``), token
+    counts, schemes, and the sweep's parts (--shard, --compile-only, --merge)."""
+    result = common.parser(doc, name, smoke="tiny sizes; CPU under TRITON_INTERPRET=1")
+    common.add_sizes(result, size_flag, sizes, smoke_sizes, what)
+    common.add_sizes(result, "--tokens", TOKENS, SMOKE_TOKENS, "token counts")
+    result.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    result.add_argument("--shard", default="0/1", help="I/N: the I-th of N interleaved parts")
+    result.add_argument(
         "--compile-only", action="store_true", help="compile and check every shape, time nothing"
     )
-    parser.add_argument("--merge", nargs="+", metavar="JSON", help="one report from these runs' records")
+    result.add_argument("--merge", nargs="+", metavar="JSON", help="one report from these runs' records")
+    return result
 
 
 def shard_of(shapes: list, shard: str) -> list:
