@@ -49,6 +49,8 @@ INTERPRETED = common.interpret_smoke_run()  # before triton is imported
 from benchmarks import sweep  # noqa: E402
 from benchmarks.no_math import no_math_fn  # noqa: E402
 from benchmarks.sweep import BANDWIDTH_MIN_TOKENS, FP8_DTYPE, SCHEMES, pct_of_copy  # noqa: E402
+from fusion_passes.lowering.common.fp8 import QuantFP8  # noqa: E402
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
     add_rms_norm_quant_fp8_reference,
     rms_norm_quant_fp8_reference,
@@ -63,6 +65,7 @@ SMOKE_HIDDEN = (256,)
 OPS = ("rms_norm", "add_rms_norm")
 IMPLS = ("eager", "inductor", "fusion_passes", "kernel", "same_traffic", "no_math")
 DTYPE, EPS = torch.bfloat16, 1e-6
+LLAMA = RMSNormForm(EPS, weight_offset=0.0, cast_before_weight=True)  # the spelling eager_fn writes
 
 
 def eager_fn(op: str, scheme: str):
@@ -96,9 +99,7 @@ def kernel_fn(op: str, scheme: str):
     def call(x, *rest):
         residual = rest[0] if op == "add_rms_norm" else None
         weight, scale = rest[-2], rest[-1] if scheme == "static" else None
-        q, s, r = rms_norm_quant_fp8_triton(
-            x, weight, EPS, 0.0, True, scheme, scale, GROUP_SIZE, False, residual
-        )
+        q, s, r = rms_norm_quant_fp8_triton(x, weight, LLAMA, QuantFP8(scheme, scale, GROUP_SIZE), residual)
         return (q, s) if r is None else (q, s, r)
 
     return call
@@ -123,9 +124,8 @@ def check_kernel(op: str, scheme: str, args: tuple) -> dict:
     the squares in another order), scales to bf16's rounding of y, r bit for bit. The CPU
     interpreter truncates each bf16 cast instead of rounding it: one more ulp there."""
     x, *rest = args
-    ref = (add_rms_norm_quant_fp8_reference if op == "add_rms_norm" else rms_norm_quant_fp8_reference)(
-        x, *rest[:-1], EPS, 0.0, True, scheme, rest[-1], GROUP_SIZE, False
-    )
+    reference = add_rms_norm_quant_fp8_reference if op == "add_rms_norm" else rms_norm_quant_fp8_reference
+    ref = reference(x, *rest[:-1], LLAMA, QuantFP8(scheme, rest[-1], GROUP_SIZE))
     out = kernel_fn(op, scheme)(*args)
     max_code_diff = fp8_codes_apart(out[0], ref[0])
     scale_rel = ((out[1] - ref[1]).abs() / ref[1].abs()).max().item()

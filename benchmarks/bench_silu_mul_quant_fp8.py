@@ -40,6 +40,7 @@ INTERPRETED = common.interpret_smoke_run()  # before triton is imported
 
 from benchmarks import sweep  # noqa: E402
 from benchmarks.sweep import FP8_DTYPE, SCHEMES  # noqa: E402
+from fusion_passes.lowering.common.fp8 import QuantFP8  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import silu_mul_quant_fp8_reference  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton  # noqa: E402
 from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
@@ -75,7 +76,7 @@ def kernel_fn(layout: str, scheme: str):
 
     def call(*inputs):
         scale = inputs[-1] if scheme == "static" else None
-        return silu_mul_quant_fp8_triton(*_halves(layout, inputs), scheme, scale, GROUP_SIZE, False)
+        return silu_mul_quant_fp8_triton(*_halves(layout, inputs), QuantFP8(scheme, scale, GROUP_SIZE))
 
     return call
 
@@ -97,7 +98,7 @@ def check_kernel(layout: str, scheme: str, inputs: tuple) -> dict:
     """Kernel vs reference: codes at most one code apart, scales to one bf16 ulp of y (the
     kernel's exp may differ from torch's by an ulp: numpy's under the interpreter)."""
     scale = inputs[-1]
-    ref = silu_mul_quant_fp8_reference(*_halves(layout, inputs), scheme, scale, GROUP_SIZE, False)
+    ref = silu_mul_quant_fp8_reference(*_halves(layout, inputs), QuantFP8(scheme, scale, GROUP_SIZE))
     out = kernel_fn(layout, scheme)(*inputs)
     max_code_diff = fp8_codes_apart(out[0], ref[0])
     codes_differing = (out[0].view(torch.uint8) != ref[0].view(torch.uint8)).sum().item()

@@ -40,13 +40,13 @@ def _revision_files(rev: str) -> dict[str, str]:
     if Path(rev).is_dir():
         lowering = Path(rev) / LOWERING
         return {str(p.relative_to(lowering)): p.read_text() for p in sorted(lowering.rglob("*.py"))}
-    names = subprocess.run(
-        ["git", "ls-tree", "-r", "--name-only", rev, f"{LOWERING}/"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout.split()  # fmt: skip
+    names = _git("ls-tree", "-r", "--name-only", rev, f"{LOWERING}/").split()
     names = [n for n in names if n.endswith(".py")]
-    show = [subprocess.run(["git", "show", f"{rev}:{n}"], cwd=ROOT, check=True, capture_output=True, text=True) for n in names]
-    return {str(Path(n).relative_to(LOWERING)): r.stdout for n, r in zip(names, show, strict=True)}
+    return {str(Path(n).relative_to(LOWERING)): _git("show", f"{rev}:{n}") for n in names}
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
 def _load_revision(rev: str):
@@ -60,7 +60,8 @@ def _load_revision(rev: str):
     for name, text in {"__init__.py": "", **{f"lowering/{n}": t for n, t in files.items()}}.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("" if path.name == "__init__.py" else text.replace("fusion_passes.", "fusion_passes_at_rev."))
+        renamed = text.replace("fusion_passes.", "fusion_passes_at_rev.")
+        path.write_text("" if path.name == "__init__.py" else renamed)
     for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
         (folder / "__init__.py").touch()
     spec = importlib.util.spec_from_file_location(
@@ -72,7 +73,7 @@ def _load_revision(rev: str):
     sys.modules["fusion_passes_at_rev"] = package
     spec.loader.exec_module(package)
     kernel = next(k for k in KERNELS if k in files)
-    return importlib.import_module("fusion_passes_at_rev.lowering." + kernel.removesuffix(".py").replace("/", "."))
+    return importlib.import_module("fusion_passes_at_rev.lowering." + kernel[: -len(".py")].replace("/", "."))
 
 
 def _inputs(tokens: int, n: int, g: torch.Generator) -> list:
@@ -83,8 +84,16 @@ def _inputs(tokens: int, n: int, g: torch.Generator) -> list:
     ]
 
 
+def _call(module, gate, up, scheme, scale, **kw):
+    """The module's launcher on gate and up: its quantization as one QuantFP8 where the module
+    takes one (this tree's), else as the arguments it took before (a revision from before it)."""
+    if hasattr(module, "QuantFP8"):
+        return module.silu_mul_quant_fp8_triton(gate, up, module.QuantFP8(scheme, scale), **kw)
+    return module.silu_mul_quant_fp8_triton(gate, up, scheme, scale, **kw)
+
+
 def _time(module, xs, scheme, scale, **kw) -> float:
-    return time_graph_us([lambda a=a: module.silu_mul_quant_fp8_triton(*a, scheme, scale, **kw) for a in xs])
+    return time_graph_us([lambda a=a: _call(module, *a, scheme, scale, **kw) for a in xs])
 
 
 def main() -> int:
@@ -107,8 +116,8 @@ def main() -> int:
             for scheme in args.schemes:
                 scale = torch.tensor(STATIC_SCALE, device="cuda") if scheme == "static" else None
                 if old is not None:
-                    q0, s0 = old.silu_mul_quant_fp8_triton(*xs[0], scheme, scale)
-                    q1, s1 = current.silu_mul_quant_fp8_triton(*xs[0], scheme, scale)
+                    q0, s0 = _call(old, *xs[0], scheme, scale)
+                    q1, s1 = _call(current, *xs[0], scheme, scale)
                     equal = torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
                     before, after, again = (_time(m, xs, scheme, scale) for m in (old, current, old))
                     print(f"{n:6d} {tokens:6d} {scheme:10s} {args.rev} {before:8.2f} (again {again:8.2f}) "

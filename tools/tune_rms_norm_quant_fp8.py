@@ -2,7 +2,8 @@
 (Llama form) or SiLU-and-mul + quant, the kernel alone inside a CUDA graph of GRAPH_CALLS calls,
 for every (rows per program, warps[, columns a program]) shape, per hidden (or intermediate)
 size, token count and scheme, against the default launch for the token count
-(rms_norm_quant_fp8_triton.launch_shape; silu_mul_quant_fp8_triton.launch_layout).
+(rms_norm_quant_fp8.launch.launch_shape under the GPU's launch table row;
+silu_mul_quant_fp8.triton.launch_layout).
 
     python -m tools.tune_rms_norm_quant_fp8 [--op add_rms_norm | rms_norm | silu_mul]
         [--hidden 7168 4096 3072] [--tokens 1 4096] [--out tune_rms_norm_quant_fp8.md]
@@ -20,7 +21,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import time_graph_us
-from fusion_passes.lowering.rms_norm_quant_fp8.triton import launch_shape, rms_norm_quant_fp8_triton
+from fusion_passes.lowering.common.fp8 import QuantFP8
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
+from fusion_passes.lowering.rms_norm_quant_fp8.launch import launch_policy, launch_shape
+from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
 from fusion_passes.lowering.silu_mul_quant_fp8.silu import takes_mufu_silu
 from fusion_passes.lowering.silu_mul_quant_fp8.triton import launch_layout, silu_mul_quant_fp8_triton
 
@@ -52,7 +56,8 @@ def _default(op, hidden, tokens, scheme) -> tuple[int, int, int | None]:
         columns = None if scheme == "per_token" else layout.block_groups * layout.block_group
         return layout.rows, layout.num_warps, columns
     groups, group = (hidden // GROUP, GROUP) if scheme == "per_group" else (1, hidden)
-    _, _, rows, warps = launch_shape(groups, group, tokens, norm_only=op == "rms_norm")
+    policy = launch_policy(torch.device("cuda"))
+    _, _, rows, warps = launch_shape(groups, group, tokens, norm_only=op == "rms_norm", policy=policy)
     return rows, warps, 0 if op == "rms_norm" else None
 
 
@@ -61,12 +66,12 @@ def _call(op, x, scheme, scale, rows, warps, columns):
     silu_mul's columns a program, rms_norm's chunks a row (None or 0: the default)."""
     if op == "silu_mul":
         return silu_mul_quant_fp8_triton(
-            x["x"], x["residual"], scheme, scale, GROUP, rows=rows, num_warps=warps, columns=columns
+            x["x"], x["residual"], QuantFP8(scheme, scale, GROUP), rows=rows, num_warps=warps, columns=columns
         )
     residual = x["residual"] if op == "add_rms_norm" else None
     chunks = (columns or None) if op == "rms_norm" else None
     return rms_norm_quant_fp8_triton(
-        x["x"], x["w"], EPS, 0.0, True, scheme, scale, GROUP, False, residual,
+        x["x"], x["w"], RMSNormForm(EPS, 0.0, True), QuantFP8(scheme, scale, GROUP), residual,
         rows=rows, num_warps=warps, chunks=chunks,
     )  # fmt: skip
 
