@@ -3,6 +3,10 @@ with where, when and how they were measured.
 
     python -m benchmarks.render            # writes BENCHMARKS.md
     python -m benchmarks.render --check    # exit status 1 if BENCHMARKS.md is not what it would write
+    python -m benchmarks.render --merge a.json b.json --into benchmarks/results/bench_NAME.json
+
+--merge makes one result of several runs of one benchmark, each over a part of its shapes (a
+command of limited length): see merge().
 
 A result file is what a benchmark's --json writes (benchmarks/common.py's write_json): the numbers
 under the benchmark's own keys and a "provenance" (date, GPU, GPUs used, torch, triton, command).
@@ -413,12 +417,48 @@ def render(results: Path = RESULTS) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def merge(runs: list[dict]) -> dict:
+    """One result from several runs of one benchmark, each over a part of its shapes: the first
+    run's settings, every run's records (or rows) in order, the fastest copy bandwidth (the
+    ceiling: no "% of copy" inflated by a slower copy), and the first run's provenance with every
+    run's command and the latest date. The runs must share their GPU, torch and triton."""
+    for key in ("gpu", "gpus", "torch", "triton"):
+        values = {json.dumps(run["provenance"].get(key)) for run in runs}
+        if len(values) > 1:
+            raise SystemExit(f"--merge: the runs differ in {key}: {', '.join(sorted(values))}")
+    merged = dict(runs[0])
+    for key in ("records", "rows"):
+        if key in merged:
+            merged[key] = [item for run in runs for item in run[key]]
+    if "copy_gbps" in merged:
+        merged["copy_gbps"] = max(run["copy_gbps"] for run in runs)
+    commands = []
+    for run in runs:
+        command = run["provenance"]["command"]
+        commands += [command] if isinstance(command, str) else command
+    merged["provenance"] = {
+        **runs[0]["provenance"],
+        "date": max(run["provenance"]["date"] for run in runs),
+        "command": list(dict.fromkeys(commands)),
+    }
+    return merged
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
     parser.add_argument("--out", type=Path, default=PAGE, help="the page to write")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out differs")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON", help="runs of a benchmark to merge")
+    parser.add_argument("--into", type=Path, help="--merge's result file")
     args = parser.parse_args()
+    if args.merge:
+        if args.into is None:
+            parser.error("--merge needs --into RESULT.json")
+        merged = merge([json.loads(path.read_text()) for path in args.merge])
+        args.into.write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"{args.into}: {len(merged.get('records', merged.get('rows', [])))} records")
+        return 0
     text = render(args.results)
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""

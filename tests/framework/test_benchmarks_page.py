@@ -73,3 +73,21 @@ def test_a_transcribed_result_names_sections_of_the_history(path):
     assert sections
     for section in sections:
         assert section in headings, f"{path.name}: no section {section!r} in the history"
+
+
+def test_runs_over_parts_of_the_shapes_merge_into_one_result():
+    def run(date, command, tokens, copy_gbps):
+        provenance = {"date": date, "gpu": "NVIDIA H200", "gpus": 1, "torch": "2.11.0+cu130"}
+        provenance.update(triton="3.6.0", command=command)
+        return {"provenance": provenance, "copy_gbps": copy_gbps, "records": [{"tokens": tokens}]}
+
+    merge = _render_module().merge
+    merged = merge([run("2026-12-05T10:00:00", "a", 1, 4200.0), run("2026-12-05T10:09:00", "b", 64, 4250.0)])
+    assert [r["tokens"] for r in merged["records"]] == [1, 64]
+    assert merged["provenance"]["command"] == ["a", "b"]
+    assert merged["provenance"]["date"] == "2026-12-05T10:09:00"
+    assert merged["copy_gbps"] == 4250.0
+    other = run("2026-12-05T10:09:00", "c", 4096, 4250.0)
+    other["provenance"]["torch"] = "2.13.0"
+    with pytest.raises(SystemExit, match="torch"):
+        merge([run("2026-12-05T10:00:00", "a", 1, 4200.0), other])
