@@ -153,19 +153,28 @@ def command_line() -> str:
     return " ".join(part for part in (launcher, target, shlex.join(sys.argv[1:])) if part)
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10, check=True)  # fmt: skip
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() or None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _git_commit() -> str | None:
+    """The commit of this tree, where it is a git checkout of its own whose tracked files are
+    unchanged (a copy with other files, or a tree inside another repository, names none)."""
+    changed = _git("status", "--porcelain", "--untracked-files=no")
+    if _git("rev-parse", "--show-toplevel") != str(REPO) or changed != "":
+        return None
+    return _git("rev-parse", "--short=12", "HEAD") or None
 
 
 @functools.cache
 def provenance() -> dict:
     """When, where and how a result was measured: the date (UTC), the GPU and how many the run
-    used, torch / triton / Python versions, the command line, and the git commit when there is one."""
+    used, torch / triton / Python versions, the command line, and the git commit where the tree is
+    that commit's."""
     import triton  # imported by the benchmark already (after interpret_smoke_run)
 
     cuda = torch.cuda.is_available()
