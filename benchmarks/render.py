@@ -397,7 +397,7 @@ On one H200, from the repository root (the GPU machine: Python 3.12, torch 2.11.
 
 ```
 OUT=out benchmarks/run_gpu.sh                                 # CUDA tests, then each one-GPU benchmark
-OUT=out BENCH=rms_norm_quant_fp8 benchmarks/run_gpu_sweep.sh  # one FP8 sweep within 10 minutes
+OUT=out BENCH=rms_norm_quant_fp8 benchmarks/run_gpu_sweep.sh  # an FP8 sweep: compiles in parallel, then times
 OUT=out benchmarks/run_gpu_x2.sh                              # two GPUs: tensor-parallel tests, benchmarks
 cp out/bench_*.json benchmarks/results/ && python -m benchmarks.render
 ```
