@@ -13,11 +13,12 @@ on a CPU what a GPU draws); hypothesis' own ``--hypothesis-profile`` does too. A
 ``examples`` gets the profile's max_examples as it is. No profile has a deadline: the interpreter
 is slow, and the first example of a kernel compiles it.
 
-Why a tenth under the interpreter: one example of the FP8 kernels takes 1-2.3 s there (the
-norm + quant and SiLU + quant kernels at up to 40 rows), so at 150-200 examples their four
-property tests took 143-344 s each on 2 cores, 14 of the suite's 29 minutes; at a tenth (15-20
-examples) they take 15-45 s. The RMSNorm and QK-norm + RoPE kernels' ~0.3-1 s an example: 4
-each. The GPU run (benchmarks/run_gpu.sh) draws them all.
+Why a tenth under the interpreter: one example of the FP8 kernels (norm + quant, SiLU + quant, at
+up to 40 rows) took 1-2.3 s there once, so at 150-200 examples their four property tests took
+143-344 s each on 2 cores, 14 of the suite's 29 minutes; now an example takes 0.15-0.5 s, and at
+a tenth (20 examples of the norm + quant kernel, 15 of SiLU + quant) they take 3-8 s each. The
+QK-norm + RoPE kernel's ~0.6 s an example and RMSNorm's ~0.1 s: 4 examples each, 3 s and 0.5 s.
+The GPU run (benchmarks/run_gpu.sh) draws them all.
 """
 
 from __future__ import annotations

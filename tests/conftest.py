@@ -16,10 +16,12 @@ if not torch.cuda.is_available():
             "on this CPU: nothing may import triton before tests/conftest.py"
         )
 
-# The hypothesis profile (tests/_hypothesis.py): $HYPOTHESIS_PROFILE, else gpu with CUDA, ci without.
+# The hypothesis profile (tests/_hypothesis.py): $HYPOTHESIS_PROFILE, else gpu with CUDA, ci without
+# (hypothesis' --hypothesis-profile, read later, overrides it).
 from _hypothesis import load_profile  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
-HYPOTHESIS_PROFILE = load_profile(cuda=torch.cuda.is_available())
+load_profile(cuda=torch.cuda.is_available())
 
 # Tests that share state a worker builds once, kept on one pytest-xdist worker under
 # --dist loadgroup: the whole-model compiles of tests/_compiled_models.py (one group for the three
@@ -36,7 +38,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_report_header(config):
-    return f"hypothesis profile: {HYPOTHESIS_PROFILE} (tests/_hypothesis.py)"
+    return f"hypothesis profile: {settings.get_current_profile_name()} (tests/_hypothesis.py)"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
