@@ -4,9 +4,9 @@ CPU's interpreter.
 
 Every rule a GPU's row takes over the default was measured on that GPU; the runs and their numbers
 are in docs/notes/launch-policy.md, under the heading each row's ``evidence`` names. A rule is
-adopted only where the gain beat the run-to-run spread measured in the same runs; the note beside a
-rule says where it is within the spread (kept, because it changes no bit of the output, until a
-repeated run decides it).
+adopted only where the gain beat the run-to-run spread measured in the same runs
+(tools/ab_launch_rule.py: the rule on against off in interleaved rounds, each variant's slowest
+round over its fastest as the spread).
 """
 
 from __future__ import annotations
@@ -18,17 +18,21 @@ RMS_NORM_QUANT_FP8: dict[str, NormQuantLaunch] = {
     "default": NormQuantLaunch(),
     "NVIDIA H200": NormQuantLaunch(
         # 4 warps from 4096 tokens with the residual: 1.01-1.12x at hidden 5120 / 7168; from 512
-        # norm-only: 1.11-1.20x at 4096-16384 tokens (beyond the spread).
+        # norm-only: 1.11-1.20x at 4096-16384 tokens (two runs, 2026-12-02).
         many_tokens=4096,
         norm_only_many_tokens=512,
         many_tokens_warps=4,
-        # Norm-only rows in exact chunks from 512 tokens: 1.07-1.52x at 4096-16384 tokens.
+        # Norm-only rows in exact chunks from 512 tokens, A/B in 3 interleaved rounds at 4 warps:
+        # 1.04-1.66x at 4096-16384 tokens, 1.03-1.13x at 512 (hidden 7168 there 0.98-1.00x).
         chunk_min=1024,
         chunks_max=16,
-        # Rows made to depend on the weight's loads: 1.02-1.12x, partly within the 5% spread of
-        # two runs at 16384 tokens; no bit of the output changes.
+        # Rows made to depend on the weight's loads (no bit of the output changes), A/B in 3
+        # interleaved rounds: with the residual 1.05-1.13x at 512-4096 tokens, 1.09-1.12x at
+        # 5120 x 16384 (spread <= 1.02x); norm-only 1.02-1.08x at 4096 tokens (spread 1.005x) but
+        # 0.97-1.01x at 16384, within its 1.03-1.07x spread: not taken from there.
         weight_first_residual=True,
         weight_first_norm_only=True,
-        evidence="rms_norm_quant_fp8 on one H200 (2026-12-02)",
+        weight_first_norm_only_below=16384,
+        evidence="rms_norm_quant_fp8 on one H200 (2026-12-02, 2026-12-03)",
     ),
 }

@@ -265,8 +265,9 @@ def test_norm_only_chunks():
 
 def test_takes_weight_first():
     """Rows depend on the weight's loads with the residual at any token count; norm-only from
-    NORM_ONLY_MANY_TOKENS static tokens, in one padded block or per_group chunks, not static or
-    per_token chunks (where it measured slower)."""
+    NORM_ONLY_MANY_TOKENS static tokens up to the table's end (16384 on an H200, where it was
+    within the spread), in one padded block or per_group chunks, not static or per_token chunks
+    (where it measured slower)."""
     for tokens in (None, 1, NORM_ONLY_MANY_TOKENS, MANY_TOKENS):
         for scheme in ("static", "per_token", "per_group"):
             assert takes_weight_first(True, scheme, 1, tokens, H200)
@@ -277,6 +278,9 @@ def test_takes_weight_first():
         assert takes_weight_first(False, "per_group", 5, tokens, H200)
         assert not takes_weight_first(False, "per_token", 7, tokens, H200)
         assert not takes_weight_first(False, "static", 3, tokens, H200)
+    for tokens in (H200.weight_first_norm_only_below, 4 * H200.weight_first_norm_only_below):
+        assert not takes_weight_first(False, "per_token", 1, tokens, H200)
+        assert takes_weight_first(True, "per_token", 1, tokens, H200)
 
 
 @pytest.mark.parametrize(

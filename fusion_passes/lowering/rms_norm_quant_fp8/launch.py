@@ -28,6 +28,7 @@ class NormQuantLaunch:
     chunks_max: int = 16  # a row's most chunks (each chunk is unrolled code)
     weight_first_residual: bool = False  # rows of the residual form depend on the weight's loads
     weight_first_norm_only: bool = False  # likewise norm-only rows from norm_only_many_tokens
+    weight_first_norm_only_below: int | None = None  # ... up to this static token count (None: no end)
     evidence: str = ""  # the heading of docs/notes/launch-policy.md that holds the runs
 
 
@@ -72,11 +73,14 @@ def norm_only_chunks(n: int, scheme: str, group_size: int, tokens: int | None, p
 
 def takes_weight_first(residual: bool, scheme: str, chunks: int, tokens: int | None, policy: NormQuantLaunch) -> bool:
     """Whether the kernel's rows depend on the weight's loads (after_weight): with the residual
-    (``weight_first_residual``), or norm-only from ``norm_only_many_tokens`` static tokens
-    (``weight_first_norm_only``) unless a static or per_token row is held in chunks."""
+    (``weight_first_residual``), or norm-only from ``norm_only_many_tokens`` static tokens up to
+    ``weight_first_norm_only_below`` (``weight_first_norm_only``) unless a static or per_token row
+    is held in chunks."""
     if residual:
         return policy.weight_first_residual
     if not (policy.weight_first_norm_only and _many(tokens, policy.norm_only_many_tokens)):
+        return False
+    if _many(tokens, policy.weight_first_norm_only_below):
         return False
     return chunks == 1 or scheme == "per_group"
 
