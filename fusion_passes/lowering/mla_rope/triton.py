@@ -32,7 +32,7 @@ from fusion_passes.lowering.mla_rope.reference import (
 
 # Elements one program works on at once: narrow rows are packed several to a program.
 # kv and q: 1024 (one kv row of 576, four q heads of 192) at 2 warps. Measured on an H200 with
-# benchmarks/tune_mla_rope.py (DeepSeek V3 widths, bf16, CUDA graph, us at 1 / 64 / 4096 tokens):
+# tools/tune_mla_rope.py (DeepSeek V3 widths, bf16, CUDA graph, us at 1 / 64 / 4096 tokens):
 # kv 1 row x 2 warps 2.14 / 2.29 / 5.29 against 4 rows x 4 warps 2.65 / 2.96 / 5.41; q 4 heads x
 # 2 warps 2.65 / 3.88 / 106.6 against 16 heads x 4 warps 2.92 / 4.93 / 114.9 (the best at each
 # size was within 0.5 us of these). The indexer key keeps 4096 x 4 warps (not measured).

@@ -41,7 +41,7 @@ _MAX_WARPS = 16
 # WHOLE_ROW_WIDE_MAX_TOKENS tokens (a decode step: few programs, each spread wide); otherwise
 # (a dynamic count too) in steps of WHOLE_ROW_STEP_HEADS heads (at most SPLIT_MAX_STEPS of them)
 # in 4 warps. Measured on an H200 (bf16, CUDA graph, 48 + 8 heads of 128,
-# benchmarks/tune_qk_norm_rope.py --models minimax-m2), us:
+# tools/tune_qk_norm_rope.py --models minimax-m2), us:
 #   tokens                       1     64    512   1024   4096   16384
 #   split, 1 step, 16 warps     2.9   3.0
 #   split, 1 step, 4 warps                  6.47  10.74  41.46  156.84
@@ -497,7 +497,7 @@ def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: boo
     token count never re-specialises the kernel. `heads` is the larger of q's and k's. With
     whole_head_tile, BLOCK_PASS is the padded head width (the tile's columns).
 
-    Measured on an H200 (benchmarks/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096 /
+    Measured on an H200 (tools/tune_qk_norm_rope.py, bf16, CUDA graph, us at 1 / 64 / 4096 /
     16384 tokens): Qwen 3.5 (head 256, rotary 64) whole-head tile at 8 rows x 4 warps 2.1 / 3.0 /
     24.8 / 90.6 (the best of 4-16 rows x 2-8 warps within 6%); MiniMax-M2 (whole-row norm, 48
     heads of 128, rotary 64): the split tiles, see WHOLE_ROW_STEP_HEADS (the launcher sets their
@@ -573,7 +573,7 @@ def qk_norm_rope_triton(
     wide = static_tokens is not None and static_tokens <= WHOLE_ROW_WIDE_MAX_TOKENS
     if not (norm_per_head or whole_head_tile or wide):
         default_rows, default_warps = whole_row_step_rows(max(hq, hk)), _WHOLE_ROW_SPLIT_WARPS
-    # Overrides (benchmarks/tune_qk_norm_rope.py). A whole-row norm of the split tiles takes its
+    # Overrides (tools/tune_qk_norm_rope.py). A whole-row norm of the split tiles takes its
     # heads in at most SPLIT_MAX_STEPS steps of `rows`.
     rows = rows or default_rows
     rows_k = rows if norm_per_head else min(rows, triton.next_power_of_2(hk))
