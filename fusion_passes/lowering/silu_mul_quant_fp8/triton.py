@@ -54,7 +54,7 @@ from fusion_passes.lowering.silu_mul_quant_fp8.silu import SILU_FORMS, round_to,
 _COLUMNS_PER_PROGRAM = 1024
 _ELEMENTS_PER_PROGRAM = 2048
 _ELEMENTS_PER_THREAD = 16
-# Small static token counts (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul, one H200, bf16,
+# Small static token counts (tools/tune_rms_norm_quant_fp8.py --op silu_mul, one H200, bf16,
 # us): a grid of default programs under _ONE_ROW_PROGRAMS takes one row a program (18432 columns at
 # 64 tokens: 4.09 static / 4.26 per_group at 1 row x 4 warps, against 4.67 / 4.96 at 4 rows x 8);
 # one still under _MIN_PROGRAMS (about two per SM) takes narrower programs, down to one group or
@@ -271,7 +271,7 @@ def silu_mul_quant_fp8_triton(
     [..., N / group_size] (per_group). gate and up may be row-strided views (the two halves of one
     gate_up projection) and are read in place. `wrap` (e.g. torch.library.wrap_triton) is applied
     to the kernel before launch so make_fx can trace it. ``rows`` / ``num_warps`` / ``columns``
-    override the launch shape for sweeps (benchmarks/tune_rms_norm_quant_fp8.py --op silu_mul);
+    override the launch shape for sweeps (tools/tune_rms_norm_quant_fp8.py --op silu_mul);
     default: launch_layout's for the token count when it is static (an int, not a SymInt).
     ``form`` picks how silu is computed (SILU_FORMS, the same bits each; default: silu_form's
     for the launch and device)."""
