@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.mla_rope.reference import (
     mla_indexer_k_norm_rope_reference,
     mla_kv_norm_rope_reference,
@@ -38,69 +39,16 @@ from fusion_passes.lowering.mla_rope.reference import (
 )
 
 
-@torch.library.custom_op("fusion_passes::mla_kv_norm_rope", mutates_args=())
-def mla_kv_norm_rope(
-    kv: torch.Tensor,
-    weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    weight_offset: float = 0.0,
-    cast_before_weight: bool = True,
-    interleave: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(kv[..., :R]), rope(kv[..., R:])); see mla_rope_reference."""
-    normed, k_pe = mla_kv_norm_rope_reference(
-        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
-    )
-    return normed.contiguous(), k_pe.contiguous()
-
-
-@torch.library.custom_op("fusion_passes::mla_q_rope", mutates_args=())
-def mla_q_rope(
-    q: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rope_first: bool = False,
-    interleave: bool = True,
-    heads_first: bool = True,
-) -> torch.Tensor:
-    """q [*lead, H, D] with RoPE on its rope slice, [..., H, S, D] when heads_first."""
-    return mla_q_rope_reference(q, cos, sin, rope_first, interleave, heads_first).contiguous()
-
-
-@torch.library.custom_op("fusion_passes::mla_q_kv_rope", mutates_args=())
-def mla_q_kv_rope(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    weight_offset: float = 0.0,
-    cast_before_weight: bool = True,
-    interleave: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(query [..., H, S, D], normed [..., R], k_pe [..., P]): mla_q_rope (MLA's form) and
-    mla_kv_norm_rope in one launch."""
-    query, normed, k_pe = mla_q_kv_rope_reference(
-        q, kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave
-    )
-    return query.contiguous(), normed.contiguous(), k_pe.contiguous()
-
-
-@torch.library.custom_op("fusion_passes::mla_indexer_k_norm_rope", mutates_args=())
-def mla_indexer_k_norm_rope(
-    k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    interleave: bool = False,
-) -> torch.Tensor:
-    """LayerNorm of k, then RoPE on its first P dims."""
-    return mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave).contiguous()
+# Each op is its reference (which checks its arguments), outputs made contiguous:
+#   mla_kv_norm_rope          (rms_norm(kv[..., :R]), rope(kv[..., R:]))
+#   mla_q_rope                q [*lead, H, D] with RoPE on its rope slice, [..., H, S, D] when heads_first
+#   mla_q_kv_rope             (query [..., H, S, D], normed [..., R], k_pe [..., P]): mla_q_rope
+#                             (MLA's form) and mla_kv_norm_rope in one launch
+#   mla_indexer_k_norm_rope   LayerNorm of k, then RoPE on its first P dims
+mla_kv_norm_rope = op_from_reference("mla_kv_norm_rope", mla_kv_norm_rope_reference)
+mla_q_rope = op_from_reference("mla_q_rope", mla_q_rope_reference)
+mla_q_kv_rope = op_from_reference("mla_q_kv_rope", mla_q_kv_rope_reference)
+mla_indexer_k_norm_rope = op_from_reference("mla_indexer_k_norm_rope", mla_indexer_k_norm_rope_reference)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).

@@ -19,29 +19,16 @@ from __future__ import annotations
 import torch
 
 from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.qk_norm_rope.reference import (
     check_qk_norm_rope_args,
     qk_norm_rope_reference,
 )
 
 
-@torch.library.custom_op("fusion_passes::qk_norm_rope", mutates_args=())
-def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    weight_offset: float = 0.0,
-    cast_before_weight: bool = True,
-    norm_per_head: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """QK-norm + RoPE; see ``qk_norm_rope_reference`` for the math and the rounding points."""
-    return qk_norm_rope_reference(
-        q, k, q_weight, k_weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head
-    )
+# QK-norm + RoPE; see qk_norm_rope_reference for the math and the rounding points (it checks its
+# arguments). Its outputs are transposed views of new tensors, as the fake kernel states.
+qk_norm_rope = op_from_reference("qk_norm_rope", qk_norm_rope_reference, contiguous=False)
 
 
 # The CUDA kernel doubles as the direct launcher (`wrap` given when Inductor inlines the launch).

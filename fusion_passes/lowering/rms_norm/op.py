@@ -5,8 +5,9 @@ Unfused (what Inductor would otherwise emit around a norm):
 Fused:
     y, r = add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight)
 
-The math lives in ``rms_norm_reference``; this module only registers the ops: the reference is the
-implementation on every device, and CUDA tensors go to the Triton kernel of ``rms_norm_triton``.
+The math lives in ``reference``; this module only registers the ops (``op_from_reference``: the
+reference's signature is the op's schema and its implementation on every device), and CUDA
+tensors go to the Triton kernel of ``triton``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.rms_norm.reference import (
     add_rms_norm_reference,
     check_rms_norm_args,
@@ -21,35 +23,11 @@ from fusion_passes.lowering.rms_norm.reference import (
 )
 
 
-@torch.library.custom_op("fusion_passes::rms_norm", mutates_args=())
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float = 0.0,
-    cast_before_weight: bool = False,
-) -> torch.Tensor:
-    """RMSNorm over the last dim; see ``rms_norm_reference`` for the two rounding forms."""
-    check_rms_norm_args(x, weight, weight_offset, cast_before_weight)
-    # Outputs are contiguous whatever x's strides, as the fake kernel promises Inductor.
-    return rms_norm_reference(x, weight, eps, weight_offset, cast_before_weight).contiguous()
-
-
-@torch.library.custom_op("fusion_passes::add_rms_norm", mutates_args=())
-def add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float = 0.0,
-    cast_before_weight: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add + RMSNorm: returns (normed, new_residual = x + residual)."""
-    check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
-    out, new_residual = add_rms_norm_reference(
-        x, residual, weight, eps, weight_offset, cast_before_weight
-    )
-    return out.contiguous(), new_residual.contiguous()
+# RMSNorm over the last dim, and residual add + RMSNorm returning (normed, new_residual = x +
+# residual): see rms_norm_reference for the two rounding forms. Outputs are contiguous whatever x's
+# strides, as the fake kernels promise Inductor.
+rms_norm = op_from_reference("rms_norm", rms_norm_reference, check=check_rms_norm_args)
+add_rms_norm = op_from_reference("add_rms_norm", add_rms_norm_reference, check=check_rms_norm_args)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
