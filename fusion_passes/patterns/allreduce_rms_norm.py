@@ -38,6 +38,7 @@ import torch.fx
 # The fused ops' registration (the patterns' replacements call them).
 import fusion_passes.lowering.allreduce_rms_norm.op  # noqa: F401
 from fusion_passes.lowering.allreduce_rms_norm.reference import check_allreduce_rms_norm_args
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 from fusion_passes.fusion import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,
@@ -164,7 +165,8 @@ def _check(offset: float, cast: bool):
             return f"group name is not a constant string ({values.get('group_name')!r})"
         try:
             check_allreduce_rms_norm_args(
-                values["x"], values["weight"], offset, cast, values.get("residual")
+                values["x"], values["weight"], RMSNormForm(values.get("eps", 0.0), offset, cast),
+                values.get("residual"),
             )
         except ValueError as e:
             return str(e)

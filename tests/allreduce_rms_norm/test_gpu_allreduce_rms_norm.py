@@ -24,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 from _distributed import (
     TWO_GPUS,
     assert_no_failures,
@@ -61,14 +62,14 @@ def _reference(x, residual, weight, offset, cast, group_name):
     )
 
     if residual is None:
-        return allreduce_rms_norm_reference(x, weight, EPS, offset, cast, group_name)
-    return allreduce_add_rms_norm_reference(x, residual, weight, EPS, offset, cast, group_name)
+        return allreduce_rms_norm_reference(x, weight, RMSNormForm(EPS, offset, cast), group_name)
+    return allreduce_add_rms_norm_reference(x, residual, weight, RMSNormForm(EPS, offset, cast), group_name)
 
 
 def _ours(x, residual, weight, offset, cast, group_name):
     from fusion_passes.lowering.allreduce_rms_norm.symm_mem import one_shot
 
-    return one_shot(x, residual, weight, EPS, offset, cast, group_name)
+    return one_shot(x, residual, weight, RMSNormForm(EPS, offset, cast), group_name)
 
 
 def _case_failures(name, outs, refs, world_size) -> tuple[list[str], list[str]]:

@@ -43,6 +43,7 @@ from fusion_passes.lowering.allreduce_rms_norm.reference import (
     check_allreduce_rms_norm_args,
 )
 from fusion_passes.lowering.common.collective_ops import define_collective_op_pair, record_fallback
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 
 _one_shot_module = None
 
@@ -72,37 +73,33 @@ def one_shot_usable(x: torch.Tensor, group_name: str, op: str, chunked: bool = F
 def _on_reference(op, x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
     """Either op (``op`` names it for the fallback record; residual None: the one without) on
     every device and backend, gloo included: the functional collective, then the norm."""
-    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    norm = RMSNormForm(eps, weight_offset, cast_before_weight)
+    check_allreduce_rms_norm_args(x, weight, norm, residual)
     if x.device.type != "cuda":
         record_fallback(op, group_name, f"x is on {x.device.type}: the reference path")
     if residual is None:
-        out, r = allreduce_rms_norm_reference(x, weight, eps, weight_offset, cast_before_weight, group_name)
+        out, r = allreduce_rms_norm_reference(x, weight, norm, group_name)
     else:
-        out, r = allreduce_add_rms_norm_reference(
-            x, residual, weight, eps, weight_offset, cast_before_weight, group_name
-        )
+        out, r = allreduce_add_rms_norm_reference(x, residual, weight, norm, group_name)
     return out.contiguous(), r.contiguous()
 
 
 def _on_cuda(op, x, residual, weight, eps, weight_offset, cast_before_weight, group_name):
     """Either op on CUDA: the one-shot kernel where it serves, else NCCL + the fused norm kernel
     (for groups or sizes the one-shot kernel does not take), the reason recorded."""
-    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    norm = RMSNormForm(eps, weight_offset, cast_before_weight)
+    check_allreduce_rms_norm_args(x, weight, norm, residual)
     if one_shot_usable(x, group_name, op, chunked=True):
-        return one_shot_module().launch_eligible(
-            x, residual, weight, eps, weight_offset, cast_before_weight, group_name
-        )
+        return one_shot_module().launch_eligible(x, residual, weight, norm, group_name)
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
 
     # Contiguous: without a residual the sum is an output of the op, which promises contiguous outputs.
     reduced = all_reduce_sum(x, group_name).contiguous()
-    out, new_residual = rms_norm_triton(
-        reduced, weight, eps, weight_offset, cast_before_weight, residual=residual
-    )
+    out, new_residual = rms_norm_triton(reduced, weight, *norm, residual=residual)
     return out, reduced if new_residual is None else new_residual
 
 
-def _fake(x, weight, eps, weight_offset, cast_before_weight, group_name):
+def _fake(x, weight, *norm_and_group):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out, torch.empty_like(x, memory_format=torch.contiguous_format)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from fusion_passes.lowering.rms_norm.reference import (
+    RMSNormForm,
     add_rms_norm_reference,
     check_rms_norm_args,
     rms_norm_reference,
@@ -26,15 +27,11 @@ from fusion_passes.lowering.rms_norm.reference import (
 
 
 def check_allreduce_rms_norm_args(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_offset: float,
-    cast_before_weight: bool,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, norm: RMSNormForm, residual: torch.Tensor | None = None
 ) -> None:
     """Raise ValueError (one line) for inputs the canonical op does not define (the norm's own
     rules: the sum has x's shape and dtype, so the norm's checks apply to x unchanged)."""
-    check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    check_rms_norm_args(x, weight, norm.weight_offset, norm.cast_before_weight, residual)
 
 
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -44,28 +41,15 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def allreduce_add_rms_norm_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, norm: RMSNormForm, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum(x) + residual), sum(x) + residual)."""
-    return add_rms_norm_reference(
-        all_reduce_sum(x, group_name), residual, weight, eps, weight_offset, cast_before_weight
-    )
+    return add_rms_norm_reference(all_reduce_sum(x, group_name), residual, weight, *norm)
 
 
 def allreduce_rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
+    x: torch.Tensor, weight: torch.Tensor, norm: RMSNormForm, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum(x)), sum(x))."""
     reduced = all_reduce_sum(x, group_name)
-    return rms_norm_reference(reduced, weight, eps, weight_offset, cast_before_weight), reduced
+    return rms_norm_reference(reduced, weight, *norm), reduced

@@ -100,6 +100,7 @@ import triton
 import triton.language as tl
 
 from fusion_passes.lowering.allreduce_rms_norm.reference import check_allreduce_rms_norm_args
+from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 from fusion_passes.lowering.common.fast_launch import FastLauncher, specialization_key
 from fusion_passes.lowering.common.norm_triton import scale_by_weight
 from fusion_passes.lowering.common.symm_mem import (  # noqa: F401  (the op's callers' names)
@@ -188,13 +189,7 @@ _launch_one_shot = FastLauncher(_one_shot_allreduce_add_rms_norm_kernel)
 
 
 def launch_eligible(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, norm: RMSNormForm, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch behind both ops, for a caller that has checked the arguments and got None from
     ``symm_mem_eligible(x, group_name)`` (the CUDA kernels of the ops): returns (normed, r) with r
@@ -210,7 +205,7 @@ def launch_eligible(
     sum_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if m == 0:  # every rank has no rows: nothing to exchange
         return out, sum_out
-    launch = (workspace, weight, eps, weight_offset, cast_before_weight, residual is not None)
+    launch = (workspace, weight, *norm, residual is not None)
     capacity = workspace.buffer.shape[1]
     # Triton launches on the current device: switch only when x is elsewhere (it costs host time).
     switch = x.device.index != torch.cuda.current_device()
@@ -298,17 +293,11 @@ def _launch_rows(
 
 
 def one_shot(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    cast_before_weight: bool,
-    group_name: str,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, norm: RMSNormForm, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-shot kernel on its own (no fallback): (rms_norm(r), r) with r = s + residual, or
     r = s without one, s = sum of x over the group. Raises ValueError for arguments the ops do
     not define, RuntimeError when ``symm_mem_eligible(x, group_name)`` gives a reason."""
-    check_allreduce_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
+    check_allreduce_rms_norm_args(x, weight, norm, residual)
     require_eligible(x, group_name)
-    return launch_eligible(x, residual, weight, eps, weight_offset, cast_before_weight, group_name)
+    return launch_eligible(x, residual, weight, norm, group_name)

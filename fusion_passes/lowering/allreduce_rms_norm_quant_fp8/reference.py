@@ -33,7 +33,7 @@ def check_allreduce_rms_norm_quant_fp8_args(
 ) -> None:
     """Raise ValueError (one line) for inputs the ops do not define: the norm's rules and the
     quantization's, both applied to x (the sum has x's shape and dtype)."""
-    check_allreduce_rms_norm_args(x, weight, norm.weight_offset, norm.cast_before_weight, residual)
+    check_allreduce_rms_norm_args(x, weight, norm, residual)
     quant.check(x)
 
 
