@@ -142,10 +142,11 @@ class World:
             queue.put((job, fn, args))
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        done: dict[int, str | None] = {}  # rank -> None, or its traceback
+        done: set[int] = set()  # the ranks that finished the job
         while len(done) < self.world_size:
             try:
-                rank, finished, error = self._done.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                wait = min(1.0, max(0.01, deadline - time.monotonic()))
+                rank, finished, error = self._done.get(timeout=wait)
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in done]
                 if dead or time.monotonic() >= deadline:
@@ -157,13 +158,12 @@ class World:
                     self._kill(why)
                     raise (RuntimeError if dead else TimeoutError)(why) from None
                 continue
-            if finished == job:
-                done[rank] = error
-        errors = [(rank, error) for rank, error in sorted(done.items()) if error is not None]
-        if errors:
-            rank, error = errors[0]
-            self._kill(f"rank {rank} raised in {fn.__name__}")
-            raise RuntimeError(f"rank {rank} raised in {fn.__name__}:\n{error}")
+            if finished != job:
+                continue
+            if error is not None:  # the first to raise: the others may wait on it in a collective
+                self._kill(f"rank {rank} raised in {fn.__name__}")
+                raise RuntimeError(f"rank {rank} raised in {fn.__name__}:\n{error}")
+            done.add(rank)
         results = []
         for rank in range(self.world_size):
             with open(os.path.join(self._tmp.name, f"job{job}_rank{rank}.pkl"), "rb") as f:

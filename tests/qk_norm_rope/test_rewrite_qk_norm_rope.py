@@ -85,7 +85,9 @@ SPELLINGS = {  # name: (fusion, per_head, rope, rotary dim, q+gate projection)
 
 # By default each spelling in the norm form its model writes (Qwen3 and MiniMax-M2 the Llama form,
 # Qwen 3.5 the (1 + w) form), Qwen3-Next's without the gate in the fp32-weight form: every form.
-DEFAULT_FORMS = {"qwen3": "llama", "qwen3_5": "offset", "qwen3_next_no_gate": "fp32_weight", "minimax_m2": "llama"}
+DEFAULT_FORMS = {
+    "qwen3": "llama", "qwen3_5": "offset", "qwen3_next_no_gate": "fp32_weight", "minimax_m2": "llama",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
