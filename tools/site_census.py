@@ -5,7 +5,7 @@ again with its linears swapped for FP8 ones of each scheme, and writes each rewr
 (fusion, spelling, module, source line) and the final graph's fused-op counts as JSON. Two trees
 that rewrite the same sites write the same file:
 
-    python tools/site_census.py --out census.json [--models qwen3 ...] [--schemes per_token ...]
+    python -m tools.site_census --out census.json [--models qwen3 ...] [--schemes per_token ...]
 """
 
 from __future__ import annotations
