@@ -1,6 +1,6 @@
 """``fusion-passes``: list the fusions, or show what they do to a model.
 
-    fusion-passes list
+    fusion-passes list [NAME] [--json]
     fusion-passes diff qwen3.5 --dtype bf16            # a built-in model (tiny random weights)
     fusion-passes diff path/to/file.py:factory         # factory() -> (module, example_inputs)
 
@@ -14,7 +14,9 @@ import contextlib
 import difflib
 import importlib.util
 import os
+import shutil
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Sequence
@@ -23,6 +25,10 @@ from typing import Any
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Names of the dtypes a factory's model may keep (without --dtype) and the report can name.
+DTYPE_NAMES = {**{v: k for k, v in DTYPES.items()}, torch.float64: "fp64"}
+BUILT_IN_DEFAULT_DTYPE = "fp32"
+FACTORY_SYNTAX = "path/to/file.py:factory, where factory() returns (module, example_inputs)"
 
 
 class CliError(Exception):
@@ -38,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
     try:
         return args.run(args)
+    except BrokenPipeError:  # `fusion-passes list | head`: the reader has what it wanted
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except CliError as e:
         if args.debug:
             raise
@@ -52,23 +62,60 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from fusion_passes.models import MODEL_NAMES
+
     parser = argparse.ArgumentParser(prog="fusion-passes", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    p_list = sub.add_parser("list", help="every registered fusion, with its Unfused / Fused doc")
+    p_list = sub.add_parser(
+        "list", help="the registered fusions; list NAME for one fusion's Unfused / Fused doc",
+        description="The registered fusions, in the order they are applied: name, family (the "
+        'pattern module), whether fusions="all" includes it, and a one-line summary.',
+    )
     p_list.set_defaults(run=_cmd_list)
+    p_list.add_argument("name", nargs="?", help="one fusion: show its full Unfused / Fused doc")
+    p_list.add_argument("--json", action="store_true", help="print the list (or NAME) as JSON")
     # --debug is accepted before or after the command (SUPPRESS: an absent one keeps the other's).
     p_list.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
-    p_diff = sub.add_parser("diff", help="compile a model with and without the passes, compare")
+    p_diff = sub.add_parser(
+        "diff", help="compile a model with and without the passes, compare",
+        description=textwrap.fill(
+            "Compile a model with stock Inductor and with the fusion passes, and report what the "
+            "passes rewrote, what they left and why, and the numerical check.", 78
+        ),
+        epilog="\n".join([
+            "built-in models (transformers configs, random weights):",
+            *textwrap.wrap(", ".join(MODEL_NAMES), 76, initial_indent="  ", subsequent_indent="  "),
+            "or a factory of your own:",
+            *textwrap.wrap(FACTORY_SYNTAX, 76, initial_indent="  ", subsequent_indent="  "),
+        ]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # both laid out above
+    )
     p_diff.set_defaults(run=_cmd_diff)
-    p_diff.add_argument("model", help="a built-in model name, or path/to/file.py:factory")
-    p_diff.add_argument("--size", choices=("tiny", "real"), default="tiny")
-    p_diff.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    p_diff.add_argument("--layers", type=int, default=None)
-    p_diff.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p_diff.add_argument("--fusions", default="all", help="comma-separated fusion names, or all")
+    p_diff.add_argument("model", help="a built-in model name (listed below), or path/to/file.py:factory")
+    p_diff.add_argument(
+        "--size", choices=("tiny", "real"), default=None,
+        help="built-in models: tiny widths or the model's real widths (default: tiny)",
+    )
+    p_diff.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None,
+        help="cast the model and its inputs to this dtype (default: a factory's model keeps its "
+        f"own dtype; built-in models are built in {BUILT_IN_DEFAULT_DTYPE})",
+    )
+    p_diff.add_argument(
+        "--layers", type=_positive_int, default=None, metavar="N",
+        help="built-in models: number of decoder layers (default: 2)",
+    )
+    p_diff.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device to run on (default: %(default)s, i.e. cuda when available)",
+    )
+    p_diff.add_argument(
+        "--fusions", default="all",
+        help='comma-separated fusion names (see fusion-passes list), or all (default: %(default)s)',
+    )
     p_diff.add_argument("--verify", action="store_true", help="check each rewrite on random inputs")
     p_diff.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p_diff.add_argument("--html", metavar="PATH", help="also write the report as one HTML page")
@@ -76,29 +123,102 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _unknown(kind: str, name: str, known: Sequence[str], n: int = 1) -> CliError:
+    """``unknown KIND 'name'; did you mean ...?`` (close names by difflib), or the known names."""
+    close = difflib.get_close_matches(name, known, n=n)
+    if close:
+        hint = "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+    else:
+        hint = f"; known: {', '.join(known)}"
+    return CliError(f"unknown {kind} {name!r}{hint}")
+
+
 # --- list -------------------------------------------------------------------------------------
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    """Plain lines, never cut (a terminal wraps them; a pipe gets them whole)."""
+    import json
 
     import fusion_passes
 
-    console = Console()
-    table = Table(title="fusions (applied in this order)")
-    table.add_column("name", style="bold")
-    table.add_column("summary")
-    table.add_column("spellings")
-    table.add_column("in \"all\"")
-    for f in fusion_passes.list_fusions():
-        in_all = "yes" if f.in_all else f"opt-in: {f.opt_in}"
-        table.add_row(f.name, f.summary, ", ".join(s.name for s in f.spellings), in_all)
-    console.print(table)
-    for f in fusion_passes.list_fusions():
-        console.rule(f.name)
-        console.print(f.doc, markup=False, highlight=False)
+    fusions = fusion_passes.list_fusions()
+    if args.name is not None:
+        by_name = {f.name: f for f in fusions}
+        if args.name not in by_name:
+            raise _unknown("fusion", args.name, list(by_name), n=3)
+        f = by_name[args.name]
+        if args.json:
+            print(json.dumps(_fusion_json(f, doc=True), indent=2))
+            return 0
+        print(f.name)
+        print(f"family:    {_family(f)}")
+        print(f"in \"all\":  {_in_all(f)}")
+        print(f"summary:   {f.summary}")
+        print(f"spellings: {', '.join(s.name for s in f.spellings)}")
+        if f.requires:
+            print(f"requires:  {', '.join(f.requires)}")
+        print()
+        print(f.doc.strip())
+        return 0
+    if args.json:
+        print(json.dumps([_fusion_json(f, doc=False) for f in fusions], indent=2))
+        return 0
+    # An opt-in reason is long and shared by a family: a numbered note under the list.
+    reasons: list[str] = []
+    rows = []
+    for f in fusions:
+        if f.opt_in and f.opt_in not in reasons:
+            reasons.append(f.opt_in)
+        flag = "all" if f.in_all else f"opt-in ({reasons.index(f.opt_in) + 1})"
+        rows.append((f.name, _family(f), flag, f.summary))
+    header = ("NAME", "FAMILY", 'IN "all"', "SUMMARY")
+    w = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    one_line = [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}" for r in [header, *rows]]
+    width = shutil.get_terminal_size().columns
+    print("fusions, in the order they are applied (fusion-passes list NAME: its Unfused / Fused doc)")
+    if sys.stdout.isatty() and max(map(len, one_line)) > width:
+        # A narrow terminal: the name line, then the summary wrapped under it.
+        for name, family, flag, summary in rows:
+            print(f"{name}  [{family}; {flag}]")
+            print(textwrap.fill(summary, width, initial_indent="    ", subsequent_indent="    "))
+    else:  # one line per fusion, whole (a pipe, grep)
+        print("\n".join(one_line))
+    for i, reason in enumerate(reasons, 1):
+        print(textwrap.fill(f"({i}) opt-in: {reason}", max(width, 40), subsequent_indent="    "))
     return 0
+
+
+def _family(f: Any) -> str:
+    """The stem of the module that defines the fusion's spellings (fusion_passes.patterns.<stem>)."""
+    module = getattr(f.spellings[0].pattern, "__module__", None) if f.spellings else None
+    return (module or "?").rpartition(".")[2]
+
+
+def _in_all(f: Any) -> str:
+    return "all" if f.in_all else f"opt-in: {f.opt_in}"
+
+
+def _fusion_json(f: Any, doc: bool) -> dict[str, Any]:
+    data = {
+        "name": f.name,
+        "family": _family(f),
+        "in_all": f.in_all,
+        "opt_in": f.opt_in or None,
+        "summary": f.summary,
+        "spellings": [s.name for s in f.spellings],
+        "requires": list(f.requires),
+    }
+    if doc:
+        data["doc"] = f.doc.strip()
+    return data
 
 
 # --- diff -------------------------------------------------------------------------------------
@@ -112,14 +232,15 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     import fusion_passes
     from fusion_passes.numerics import compare
 
-    fusions = "all" if args.fusions == "all" else [n for n in args.fusions.split(",") if n]
-    try:
-        fusion_passes.registry.get_fusions(fusions)
-    except fusion_passes.FusionError as e:
-        raise CliError(str(e)) from None
+    # Everything a user can get wrong is checked here, before the slow part (the compiles).
+    fusions = _check_fusions(args.fusions)
+    for flag, path in (("--json", args.json), ("--html", args.html)):
+        if path is not None:
+            _check_output_path(flag, path)
+    _check_device(args.device)
     console = Console()
-    dtype = DTYPES[args.dtype]
-    name, module, inputs, sites = _load_model(args, dtype)
+    name, module, inputs, sites, dtype, dtype_from = _load_model(args)
+    dtype_name = DTYPE_NAMES[dtype]
     module = module.to(args.device).eval()
     inputs = tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in inputs)
     report = fusion_passes.Report()
@@ -137,8 +258,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         f"{label} vs eager": _compare_outputs(out, expected, dtype, compare)
         for label, out in outputs.items()
     }
-    _print_report(console, name, report, checks, timings, sites, kernels)
-    data = _as_json(name, args, report, checks, sites)
+    header = f"model {name}, dtype {dtype_name} ({_DTYPE_FROM[dtype_from]}), device {args.device}"
+    _print_report(console, header, report, checks, timings, sites, kernels)
+    data = _as_json(name, args, dtype_name, dtype_from, report, checks, sites)
     data["kernels"] = kernels
     if args.json:
         with open(args.json, "w") as f:
@@ -153,36 +275,139 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 
-def _load_model(args: argparse.Namespace, dtype: torch.dtype):
-    """(display name, module, example inputs, expected sites or None)."""
+_DTYPE_FROM = {"--dtype": "from --dtype", "model": "the model's own", "default": "the default"}
+
+
+def _check_fusions(spec: str) -> str | list[str]:
+    import fusion_passes
+
+    if spec == "all":
+        return "all"
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise CliError('--fusions is empty: give comma-separated fusion names, or all')
+    known = [f.name for f in fusion_passes.list_fusions()]
+    for n in names:
+        if n not in known:
+            raise _unknown("fusion", n, known, n=3)
+    try:
+        fusion_passes.registry.get_fusions(names)
+    except fusion_passes.FusionError as e:
+        raise CliError(str(e)) from None
+    return names
+
+
+def _check_output_path(flag: str, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"{flag} {path} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise CliError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise CliError(f"--device {device!r} is not a device ({e}); try cpu or cuda") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU found"
+            raise CliError(f"--device {device}: CUDA is not available ({why}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CliError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+
+
+def _load_model(args: argparse.Namespace):
+    """(display name, module, example inputs, expected sites or None, dtype, where the dtype came
+    from: "--dtype", "model" or "default")."""
     spec = args.model
     if ":" in spec and (spec.endswith(".py") or ".py:" in spec):
-        path, _, factory_name = spec.rpartition(":")
-        if not os.path.isfile(path):
-            raise CliError(f"no such file: {path}")
-        module_spec = importlib.util.spec_from_file_location("_fusion_passes_user_model", path)
-        user = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-        module_spec.loader.exec_module(user)  # type: ignore[union-attr]
-        factory = getattr(user, factory_name, None)
-        if factory is None:
-            raise CliError(f"{path} has no factory named {factory_name!r}")
-        try:
-            module, inputs = factory()
-        except Exception as e:
-            raise CliError(f"{spec} raised {type(e).__name__}: {e}") from e
+        return _load_factory(args, spec)
+    if spec.endswith(".py") or os.path.isfile(spec):
+        raise CliError(f"{spec}: name the factory too: {FACTORY_SYNTAX}")
+    from fusion_passes.models import MODEL_NAMES, build_model
+
+    if spec not in MODEL_NAMES:
+        raise _unknown("model", spec, MODEL_NAMES)
+    size = args.size or "tiny"
+    dtype_name = args.dtype or BUILT_IN_DEFAULT_DTYPE
+    dtype = DTYPES[dtype_name]
+    built = build_model(spec, size=size, dtype=dtype, layers=args.layers)
+    dtype_from = "--dtype" if args.dtype else "default"
+    return f"{spec} ({size})", built.module, built.example_inputs, built.sites, dtype, dtype_from
+
+
+def _load_factory(args: argparse.Namespace, spec: str):
+    path, _, factory_name = spec.rpartition(":")
+    if not os.path.isfile(path):
+        raise CliError(f"no such file: {path}")
+    for flag, value in (("--size", args.size), ("--layers", args.layers)):
+        if value is not None:
+            raise CliError(f"{flag} applies to built-in models only, not to a factory")
+    module_spec = importlib.util.spec_from_file_location("_fusion_passes_user_model", path)
+    user = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    module_spec.loader.exec_module(user)  # type: ignore[union-attr]
+    factory = getattr(user, factory_name, None)
+    if factory is None:
+        raise CliError(f"{path} has no factory named {factory_name!r}")
+    try:
+        result = factory()
+    except Exception as e:
+        raise CliError(f"{spec} raised {type(e).__name__}: {e}") from e
+    module, inputs = _check_factory_result(spec, result)
+    if args.dtype is not None:
+        dtype, dtype_from = DTYPES[args.dtype], "--dtype"
+        module = module.to(dtype)
         inputs = tuple(
             x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             for x in inputs
         )
-        return spec, module.to(dtype), inputs, None
-    from fusion_passes.models import MODEL_NAMES, build_model
+    else:
+        dtype, dtype_from = _own_dtype(module, inputs), "model"
+        if dtype not in DTYPE_NAMES:
+            known = ", ".join(DTYPES)
+            raise CliError(f"{spec} returned a {dtype} model; give --dtype ({known})")
+    return spec, module, inputs, None, dtype, dtype_from
 
-    if spec not in MODEL_NAMES:
-        close = difflib.get_close_matches(spec, MODEL_NAMES, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(MODEL_NAMES)}"
-        raise CliError(f"unknown model {spec!r}{hint}")
-    built = build_model(spec, size=args.size, dtype=dtype, layers=args.layers)
-    return f"{spec} ({args.size}, {args.dtype})", built.module, built.example_inputs, built.sites
+
+def _check_factory_result(spec: str, result: Any) -> tuple[torch.nn.Module, tuple]:
+    """The factory must return (nn.Module, tuple | list of inputs); one tensor is one input."""
+    expected = "expected (nn.Module, tuple of example inputs)"
+    if isinstance(result, torch.nn.Module):
+        raise CliError(f"{spec} returned only a {type(result).__name__}; {expected}")
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        what = (
+            f"a {type(result).__name__} of {len(result)} items"
+            if isinstance(result, (tuple, list)) else f"a {type(result).__name__}"
+        )
+        raise CliError(f"{spec} returned {what}; {expected}")
+    module, inputs = result
+    if not isinstance(module, torch.nn.Module):
+        raise CliError(f"{spec} returned a {type(module).__name__} as the model; {expected}")
+    if isinstance(inputs, torch.Tensor):
+        print(
+            f"fusion-passes: note: {spec} returned one tensor as its example inputs; "
+            "passing it as the only argument",
+            file=sys.stderr,
+        )
+        return module, (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise CliError(f"{spec} returned a {type(inputs).__name__} as the example inputs; {expected}")
+    return module, tuple(inputs)
+
+
+def _own_dtype(module: torch.nn.Module, inputs: tuple) -> torch.dtype:
+    """The dtype of the model's floating-point weights (then buffers, then inputs); fp32 if none.
+
+    A model of several dtypes is reported (and its numerics judged) by the lowest-precision one."""
+    for tensors in (module.parameters(), module.buffers(), inputs):
+        floats = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if floats:
+            return max(floats, key=lambda d: torch.finfo(d).eps)
+    return torch.float32
 
 
 def _compile_and_run(module: torch.nn.Module, backend: Any, inputs: tuple) -> tuple[Any, dict]:
@@ -251,10 +476,11 @@ def _bound(dtype: torch.dtype) -> float:
     return tolerance(dtype).rel_norm
 
 
-def _print_report(console, name, report, checks, timings, sites, kernels) -> None:
+def _print_report(console, header, report, checks, timings, sites, kernels) -> None:
     from rich.table import Table
 
-    console.rule(f"fusion_passes diff: {name}")
+    console.rule("fusion_passes diff")
+    console.print(header, markup=False, highlight=False, soft_wrap=True)
     table = Table(title="fusions")
     for col in ("fusion", "sites", "where (module / source line)"):
         table.add_column(col)
@@ -323,14 +549,15 @@ def _print_report(console, name, report, checks, timings, sites, kernels) -> Non
         console.print(f"[red]failed:[/red] {e}")
 
 
-def _as_json(name, args, report, checks, sites) -> dict[str, Any]:
+def _as_json(name, args, dtype_name, dtype_from, report, checks, sites) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {
         "schema": "fusion_passes.diff/1",
         "model": name,
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": dtype_name,
+        "dtype_from": dtype_from,
         "matches": dict(report.matches),
         "sites": [asdict(s) for s in report.sites],
         "rejected": [asdict(r) for r in report.rejected],

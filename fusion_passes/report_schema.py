@@ -52,8 +52,10 @@ DIFF_REPORT_SCHEMA: dict = {
     "properties": {
         "schema": {"const": "fusion_passes.diff/1"},
         "model": _STR,
-        "device": _STR,
-        "dtype": {"enum": ["fp32", "bf16", "fp16"]},
+        "device": _STR,  # as given to --device ("cpu", "cuda", "cuda:1")
+        "dtype": {"enum": ["fp32", "bf16", "fp16", "fp64"]},  # the dtype the model ran in
+        # where that dtype came from: --dtype, the factory's model itself, or the built-in default
+        "dtype_from": {"enum": ["--dtype", "model", "default"]},
         "matches": _COUNTS,  # fusion name -> sites rewritten
         "sites": {
             "type": "array",

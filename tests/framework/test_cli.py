@@ -9,6 +9,7 @@ import textwrap
 
 import jsonschema
 import pytest
+import torch
 
 from fusion_passes.cli import main
 from fusion_passes.report_schema import DIFF_REPORT_SCHEMA
@@ -56,6 +57,29 @@ FACTORY = textwrap.dedent(
 
     def breaks():
         return Branchy(), (torch.randn(2, 64), torch.randn(2, 64))
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(32, eps=1e-6)
+
+        def forward(self, x):
+            return self.norm(x)
+
+    def bf16_one_tensor():  # a bf16 model and its one input as a bare tensor
+        return Norm().to(torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16)
+
+    def bare():
+        return Norm()
+
+    def triple():
+        return Norm(), (torch.randn(3, 32),), "extra"
+
+    def not_a_module():
+        return "model", (torch.randn(3, 32),)
+
+    def dict_inputs():
+        return Norm(), {"x": torch.randn(3, 32)}
     """
 )
 
@@ -67,10 +91,71 @@ def factory_file(tmp_path):
     return path
 
 
-def test_list_shows_every_fusion_and_its_doc(capsys):
+def test_list_is_compact_and_never_cuts_names(capsys):
+    import fusion_passes
+
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "add_rms_norm" in out and "rms_norm" in out and "Unfused:" in out and "Fused:" in out
+    firsts = {line.split()[0] for line in out.splitlines() if line.strip()}
+    for f in fusion_passes.list_fusions():  # each name whole, at the start of its own line
+        assert f.name in firsts, f.name
+    assert "Unfused:" not in out  # the docs are behind `list NAME`
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert lines["add_rms_norm"][1:3] == ["rms_norm", "all"]
+    opt_in = next(f for f in fusion_passes.list_fusions() if not f.in_all)
+    assert lines[opt_in.name][2] == "opt-in" and "opt-in: " in out
+
+
+def test_list_name_shows_the_doc_and_json(capsys):
+    assert main(["list", "add_rms_norm"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("add_rms_norm\n") and "family:    rms_norm" in out
+    assert "Unfused:" in out and "Fused:" in out
+    assert main(["list", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["add_rms_norm"]["family"] == "rms_norm" and rows["add_rms_norm"]["in_all"]
+    assert all(r["opt_in"] for r in rows.values() if not r["in_all"])
+    assert main(["list", "rms_norm", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["name"] == "rms_norm" and "Unfused:" in one["doc"]
+
+
+def test_list_unknown_name_suggests(capsys):
+    assert main(["list", "rms_nrom"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusion-passes: error: unknown fusion 'rms_nrom'; did you mean 'rms_norm'")
+    assert err.count("\n") == 1
+
+
+def test_diff_help_lists_built_in_models_and_defaults(capsys):
+    from fusion_passes.models import MODEL_NAMES
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["diff", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(name in out for name in MODEL_NAMES)
+    for flag in ("--size", "--dtype", "--layers", "--device", "--fusions"):
+        after = out.split(f" {flag} ", 1)[1]
+        assert "(default:" in after.split(" --", 1)[0], flag
+
+
+def test_readme_cli_lines_parse():
+    """Every `fusion-passes ...` command line of the README is accepted by the parser."""
+    import pathlib
+    import shlex
+
+    from fusion_passes.cli import _parser
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    commands = [
+        line.split("fusion-passes ", 1)[1].split("#", 1)[0]
+        for line in readme.splitlines()
+        if line.startswith("fusion-passes ") or "&& fusion-passes " in line
+    ]
+    assert len(commands) >= 3
+    for command in commands:
+        _parser().parse_args(shlex.split(command))
 
 
 def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
@@ -81,6 +166,8 @@ def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
     data = json.loads(report.read_text())
     jsonschema.validate(data, DIFF_REPORT_SCHEMA)
     assert data["schema"] == "fusion_passes.diff/1"
+    assert "dtype fp32 (the model's own), device cpu" in out
+    assert (data["dtype"], data["dtype_from"], data["device"]) == ("fp32", "model", "cpu")
     assert {k: v for k, v in data["matches"].items() if v} == {"add_rms_norm": 1}
     assert data["sites"][0]["module"] == "norm"
     assert data["ops_after"]["fusion_passes.add_rms_norm.default"] == 1
@@ -103,6 +190,55 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"fusion-passes: error: {message}" or (message in err and "\n" not in err)
+
+
+def test_factory_keeps_its_dtype_and_one_tensor_is_one_input(factory_file, tmp_path, capsys):
+    report = tmp_path / "bf16.json"
+    assert main(["diff", f"{factory_file}:bf16_one_tensor", "--json", str(report)]) == 0
+    captured = capsys.readouterr()
+    assert "returned one tensor as its example inputs" in captured.err
+    assert "dtype bf16 (the model's own), device cpu" in captured.out
+    data = json.loads(report.read_text())
+    jsonschema.validate(data, DIFF_REPORT_SCHEMA)
+    assert (data["dtype"], data["dtype_from"]) == ("bf16", "model")
+    assert {k: v for k, v in data["matches"].items() if v} == {"rms_norm": 1}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["{f}:bare"], "returned only a Norm; expected (nn.Module, tuple of example inputs)"),
+        (["{f}:triple"], "returned a tuple of 3 items; expected (nn.Module, tuple"),
+        (["{f}:not_a_module"], "returned a str as the model; expected (nn.Module, tuple"),
+        (["{f}:dict_inputs"], "returned a dict as the example inputs; expected (nn.Module, tuple"),
+        (["{f}"], "name the factory too: path/to/file.py:factory"),
+        (["{f}:make", "--json", "{tmp}/no/such/folder/r.json"], "the folder {tmp}/no/such/folder does not exist"),
+        (["{f}:make", "--html", "{tmp}/missing/r.html"], "the folder {tmp}/missing does not exist"),
+        (["{f}:make", "--json", "{tmp}"], "is a folder; give a file path"),
+        (["{f}:make", "--fusions", ""], "--fusions is empty"),
+        (["{f}:make", "--fusions", ",add_rms_nrom"], "unknown fusion 'add_rms_nrom'; did you mean 'add_rms_norm'"),
+        (["{f}:make", "--device", "nonsense"], "--device 'nonsense' is not a device"),
+        (["{f}:make", "--layers", "2"], "--layers applies to built-in models only"),
+    ],
+)
+def test_diff_input_errors_before_any_compile(args, message, factory_file, tmp_path, monkeypatch, capsys):
+    import fusion_passes.cli as cli
+
+    def no_compile(*_):
+        raise AssertionError("compiled before the error")
+
+    monkeypatch.setattr(cli, "_compile_and_run", no_compile)
+    argv = ["diff", *(a.format(f=factory_file, tmp=tmp_path) for a in args)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line(factory_file, capsys):
+    assert main(["diff", f"{factory_file}:make", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: CUDA is not available" in err and err.count("\n") == 1
 
 
 def test_factory_errors(factory_file, capsys):
