@@ -6,13 +6,17 @@
 
 from __future__ import annotations
 
+import collections.abc
+import difflib
+import types
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from fusion_passes import report_cache
-from fusion_passes.pass_manager import FusionPassManager
+from fusion_passes.pass_manager import LAUNCH_MODES, FusionPassManager
 from fusion_passes.registry import FusionError, get_fusions
 from fusion_passes.report import Report
 
@@ -36,13 +40,8 @@ def backend(
               code; "dispatch" calls the fused ops through the PyTorch dispatcher.
     inductor_options: ``torch._inductor.config`` settings for this compile (e.g. max_autotune).
     """
-    import torch._inductor.config as inductor_config
-
-    unknown = [k for k in inductor_options if not hasattr(inductor_config, k)]
-    if unknown:
-        raise FusionError(f"unknown Inductor option {unknown[0]!r}")
-    if "post_grad_custom_post_pass" in inductor_options:
-        raise FusionError("post_grad_custom_post_pass is the slot fusion_passes runs in")
+    _check_options(fusions, report, verify, strict, launch)
+    _check_inductor_options(inductor_options)
     manager = FusionPassManager(get_fusions(fusions), report, verify, strict, launch)
 
     def compile_with_fusions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -70,6 +69,73 @@ def backend(
     compile_with_fusions.report = manager.report  # type: ignore[attr-defined]
     compile_with_fusions.pass_manager = manager  # type: ignore[attr-defined]
     return compile_with_fusions
+
+
+def _given(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+def _check_options(fusions: Any, report: Any, verify: Any, strict: Any, launch: Any) -> None:
+    """Each option of ``backend`` has the type it says (a wrong one is a one-line TypeError)."""
+    names_ok = isinstance(fusions, str) or (
+        isinstance(fusions, Sequence) and all(isinstance(n, str) for n in fusions)
+    )
+    if not names_ok:
+        raise TypeError(
+            f'backend: fusions must be "all" or a list of fusion names (str), got {_given(fusions)}'
+        )
+    if report is not None and not isinstance(report, Report):
+        raise TypeError(f"backend: report must be a fusion_passes.Report or None, got {_given(report)}")
+    for name, value in (("verify", verify), ("strict", strict)):
+        if not isinstance(value, bool):
+            raise TypeError(f"backend: {name} must be a bool, got {_given(value)}")
+    if not isinstance(launch, str):
+        modes = " or ".join(map(repr, LAUNCH_MODES))
+        raise TypeError(f"backend: launch must be a str ({modes}), got {_given(launch)}")
+
+
+def _check_inductor_options(options: dict[str, Any]) -> None:
+    """Every option is a ``torch._inductor.config`` setting, of the type that config declares."""
+    import torch._inductor.config as inductor_config
+
+    known = getattr(inductor_config, "_config", {})
+    for name, value in options.items():
+        if name == "post_grad_custom_post_pass":
+            raise FusionError("post_grad_custom_post_pass is the slot fusion_passes runs in")
+        if name not in known and not hasattr(inductor_config, name):
+            close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise FusionError(f"unknown Inductor option {name!r}{hint}")
+        entry = known.get(name)
+        expected = getattr(entry, "value_type", None)
+        if expected is None and entry is not None and entry.default is not None:
+            expected = type(entry.default)
+        if expected is not None and not _is_instance(value, expected):
+            shown = getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
+            raise TypeError(f"backend: Inductor option {name} must be {shown}, got {_given(value)}")
+
+
+def _is_instance(value: Any, expected: Any) -> bool:
+    """``isinstance`` for the annotations ``torch._inductor.config`` declares (unions, Optional,
+    Literal, list[...], Callable); an annotation it cannot read accepts the value."""
+    if expected is type(None) or expected is None:
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(expected, type):
+        return isinstance(value, expected)
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, arg) for arg in typing.get_args(expected))
+    if origin is typing.Literal:
+        return value in typing.get_args(expected)
+    if origin is collections.abc.Callable:
+        return callable(value)
+    if isinstance(origin, type):
+        return isinstance(value, origin)
+    return True  # a forward reference or a form not read here
 
 
 def fusion_passes_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

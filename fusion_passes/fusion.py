@@ -40,6 +40,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 # that went through a float32 cast, as F.rms_norm does, keeps the sentinel intact).
 DEFAULT_SCALAR_SENTINEL = 2.0**-17
 
+# The floating dtypes a user's fusion is traced at by default (``register_fusion(dtypes=...)``):
+# a bf16 or fp16 graph keeps casts (F.silu, F.rms_norm upcast) that an fp32 graph lacks.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class FusionError(ValueError):
     """A fusion was registered or requested wrongly."""
@@ -99,6 +103,9 @@ class Fusion:
     # math unchanged, only bring spellings into the patterns' shape (e.g. move a view from after
     # a collective to before it); returns how many nodes it moved.
     canonicalize: Callable[[Any], int] | None = None
+    # The dtypes each example input tuple is cast to before tracing (its tensors of a dtype in
+    # FLOAT_DTYPES; others, fp8 or integer, stay as they are); None: traced as given.
+    dtypes: tuple[torch.dtype, ...] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
 
@@ -106,6 +113,22 @@ class Fusion:
     def in_all(self) -> bool:
         """Part of fusions="all" (no opt_in reason)."""
         return not self.opt_in
+
+    def examples(self) -> list[list[Any]]:
+        """The argument lists the spellings are traced with: ``example_inputs()``, each cast to
+        every one of ``dtypes``, without repeats (same dtypes, shapes and scalars)."""
+        out, seen = [], set()
+        for example in self.example_inputs():
+            for dtype in self.dtypes if self.dtypes is not None else (None,):
+                args = [_cast(a, dtype) for a in example]
+                key = tuple(
+                    ("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else ("value", repr(a))
+                    for a in args
+                )
+                if key not in seen:
+                    seen.add(key)
+                    out.append(args)
+        return out
 
     def source_hash(self) -> str:
         """Hash of everything that decides what this fusion rewrites (for Inductor's cache key)."""
@@ -118,9 +141,17 @@ class Fusion:
                 continue
             h.update(_source_of(fn).encode())
         h.update(
-            repr((sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()))).encode()
+            repr(
+                (sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()), self.dtypes)
+            ).encode()
         )
         return h.hexdigest()
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None or not isinstance(value, torch.Tensor) or value.dtype not in FLOAT_DTYPES:
+        return value
+    return value.to(dtype)
 
 
 def _source_of(fn: Callable[..., Any]) -> str:
@@ -210,7 +241,7 @@ def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
         return fusion._pass
     matcher = PatternMatcherPass(pass_name=f"fusion_passes.{fusion.name}")
     for spelling in fusion.spellings:
-        for example in fusion.example_inputs():
+        for example in fusion.examples():
             pretraced = {}
             if fusion.string_args:
                 pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))

@@ -7,12 +7,16 @@ order. What a fusion is, and how it is traced, is ``fusion_passes.fusion``.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
+
 from fusion_passes.fusion import (
     DEFAULT_SCALAR_SENTINEL,
+    FLOAT_DTYPES,
     CheckFn,
     Fusion,
     FusionError,
@@ -32,6 +36,7 @@ def register_fusion(
     scalars: Sequence[str] | dict[str, float] = (),
     summary: str | None = None,
     doc: str | None = None,
+    dtypes: Sequence[torch.dtype] | None = FLOAT_DTYPES,
     replace: bool = False,
 ) -> Fusion:
     """Register a fusion that rewrites ``pattern`` spellings into ``replacement`` calls.
@@ -40,12 +45,17 @@ def register_fusion(
                     spellings). Its arguments are the tensors and scalars the fused call needs.
     replacement:    the fused computation with the same arguments (one for all spellings, or one
                     per spelling).
-    example_inputs: returns argument tuples to trace the patterns with, one tuple per variant
-                    whose graph differs (fp32 graphs drop the casts that bf16 graphs keep).
+    example_inputs: returns argument tuples to trace the patterns with (one is enough; more for
+                    variants whose graph differs otherwise than by dtype: shapes, ranks).
     check:          ``check(values) -> None | reason``: reject a match the fused op does not
                     compute identically (dtypes, shapes); values are the matched arguments.
     scalars:        names of float arguments that vary between call sites (eps): they are traced
                     with a sentinel and matched as pattern arguments, not literals.
+    dtypes:         the dtypes the patterns are traced at: each example tuple is traced once per
+                    dtype, its fp32/bf16/fp16 tensors cast to it (fp32 graphs drop the casts that
+                    bf16 and fp16 graphs keep, so a pattern traced at one dtype only matches
+                    graphs of that dtype). Default fp32, bf16 and fp16; None: the example
+                    inputs as given (mixed dtypes that must stay mixed).
     """
     _ensure_builtins()  # built-ins first: registration order is application order
     if not replace and name in _REGISTRY:
@@ -59,6 +69,14 @@ def register_fusion(
             f"{name}: give one replacement, or one per pattern ({len(patterns)} patterns, "
             f"{len(replacements)} replacements)"
         )
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        wrong = [d for d in dtypes if not isinstance(d, torch.dtype) or d not in FLOAT_DTYPES]
+        if wrong or not dtypes:
+            allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
+            raise FusionError(
+                f"{name}: dtypes must be a non-empty list of {allowed} (or None), got {wrong or '[]'}"
+            )
     if not isinstance(scalars, dict):
         scalars = {s: DEFAULT_SCALAR_SENTINEL * (i + 1) for i, s in enumerate(scalars)}
     doc = inspect.cleandoc(doc or patterns[0].__doc__ or "")
@@ -73,6 +91,7 @@ def register_fusion(
         example_inputs=example_inputs,
         scalars=dict(scalars),
         check=check,
+        dtypes=dtypes,
         builtin=False,
     )
     _REGISTRY[name] = fusion
@@ -97,9 +116,11 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
         return [f for f in _REGISTRY.values() if f.in_all]
     if isinstance(names, str):
         names = [names]
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise FusionError(f'fusions must be "all" or a list of fusion names (str), got {names!r}')
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
-        raise FusionError(f"unknown fusion {unknown[0]!r}; registered: {', '.join(_REGISTRY) or 'none'}")
+        raise FusionError(_unknown_fusion(unknown[0]))
     wanted: set[str] = set()
     pending = list(names)
     while pending:  # requirements of requirements too (mla_q_kv_rope -> mla_kv_norm_rope -> rms_norm)
@@ -108,6 +129,14 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
             wanted.add(name)
             pending.extend(_REGISTRY[name].requires)
     return [f for f in _REGISTRY.values() if f.name in wanted]
+
+
+def _unknown_fusion(name: str) -> str:
+    """One line: the unknown name, the close registered ones, else every registered one."""
+    close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.6)
+    if close:
+        return f"unknown fusion {name!r}; did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"unknown fusion {name!r}; registered: {', '.join(_REGISTRY) or 'none'}"
 
 
 _BUILTINS_LOADED = False
