@@ -239,21 +239,23 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             _check_output_path(flag, path)
     _check_device(args.device)
     console = Console()
-    name, module, inputs, sites, dtype, dtype_from = _load_model(args)
-    dtype_name = DTYPE_NAMES[dtype]
-    module = module.to(args.device).eval()
-    inputs = tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in inputs)
     report = fusion_passes.Report()
     backend = fusion_passes.backend(fusions, report=report, verify=args.verify)
-    with torch.no_grad():
+    outputs, timings, kernels = {}, {}, {}
+    # The first status line comes before the model's imports (transformers: seconds) and its build.
+    with _progress(console) as step, torch.no_grad():
+        step(_first_step(args.model))
+        name, module, inputs, sites, dtype, dtype_from = _load_model(args)
+        dtype_name = DTYPE_NAMES[dtype]
+        module = module.to(args.device).eval()
+        inputs = tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        step(f"running {name} eagerly")
         expected = module(*inputs)
-        outputs, timings, kernels = {}, {}, {}
-        with _progress(console) as step:
-            for label, compile_backend in (("inductor", "inductor"), ("fusion_passes", backend)):
-                step(f"compiling {name} with {label.replace('_', ' ')}")
-                start = time.perf_counter()
-                outputs[label], kernels[label] = _compile_and_run(module, compile_backend, inputs)
-                timings[label] = time.perf_counter() - start
+        for label, compile_backend in (("inductor", "inductor"), ("fusion_passes", backend)):
+            step(f"compiling {name} with {label.replace('_', ' ')}")
+            start = time.perf_counter()
+            outputs[label], kernels[label] = _compile_and_run(module, compile_backend, inputs)
+            timings[label] = time.perf_counter() - start
     checks = {
         f"{label} vs eager": _compare_outputs(out, expected, dtype, compare)
         for label, out in outputs.items()
@@ -320,11 +322,42 @@ def _check_device(device: str) -> None:
             raise CliError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
 
 
+def _is_factory(spec: str) -> bool:
+    return ":" in spec and (spec.endswith(".py") or ".py:" in spec)
+
+
+def _first_step(spec: str) -> str:
+    from fusion_passes.models import MODEL_NAMES
+
+    if spec in MODEL_NAMES and "transformers.modeling_utils" not in sys.modules:
+        return f"importing transformers to build {spec}"
+    return f"building {spec}" if spec in MODEL_NAMES else f"loading {spec}"
+
+
+@contextlib.contextmanager
+def _without_torchao():
+    """Import transformers without torchao, which its quantizer integration imports when installed
+    (a failed load of torchao's extensions and deprecation warnings on stderr, a few 100 ms): a
+    built-in model has random weights and loads no quantized checkpoint. Only when neither is
+    imported yet; ``import torchao`` works again afterwards (transformers' own torchao quantizer
+    stays off in this process)."""
+    if "torchao" in sys.modules or "transformers.modeling_utils" in sys.modules:
+        yield
+        return
+    sys.modules["torchao"] = None  # type: ignore[assignment]  # find_spec -> None, import -> ImportError
+    try:
+        import transformers.modeling_utils  # noqa: F401
+    finally:
+        if sys.modules.get("torchao", 0) is None:
+            del sys.modules["torchao"]
+    yield
+
+
 def _load_model(args: argparse.Namespace):
     """(display name, module, example inputs, expected sites or None, dtype, where the dtype came
     from: "--dtype", "model" or "default")."""
     spec = args.model
-    if ":" in spec and (spec.endswith(".py") or ".py:" in spec):
+    if _is_factory(spec):
         return _load_factory(args, spec)
     if spec.endswith(".py") or os.path.isfile(spec):
         raise CliError(f"{spec}: name the factory too: {FACTORY_SYNTAX}")
@@ -335,7 +368,8 @@ def _load_model(args: argparse.Namespace):
     size = args.size or "tiny"
     dtype_name = args.dtype or BUILT_IN_DEFAULT_DTYPE
     dtype = DTYPES[dtype_name]
-    built = build_model(spec, size=size, dtype=dtype, layers=args.layers)
+    with _without_torchao():
+        built = build_model(spec, size=size, dtype=dtype, layers=args.layers)
     dtype_from = "--dtype" if args.dtype else "default"
     return f"{spec} ({size})", built.module, built.example_inputs, built.sites, dtype, dtype_from
 

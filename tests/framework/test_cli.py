@@ -291,3 +291,52 @@ def test_near_miss_reasons_of_broken_spellings(factory_file, tmp_path):
         "expected aten.mean.dim, found aten.sum.dim_IntList",
         "expected aten.pow.Tensor_Scalar, found aten.abs.default",
     ]
+
+
+def test_diff_stderr_has_no_torchao_noise():
+    """transformers imports torchao (its quantizer integration) when installed: a failed load of
+    torchao's extensions and pytree deprecation warnings, nothing a built-in model needs."""
+    run = [sys.executable, "-m", "fusion_passes.cli", "diff", "qwen3", "--dtype", "bf16", "--layers", "1"]
+    done = subprocess.run(run, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for noise in ("Failed to load", "torchao", "register_constant", "is an Enum subclass"):
+        assert noise not in done.stderr, done.stderr
+
+
+FIRST_STEP = textwrap.dedent(
+    """
+    import contextlib, sys
+    import fusion_passes.cli as cli
+
+    class Stop(BaseException):
+        pass
+
+    @contextlib.contextmanager
+    def progress(console):
+        def step(description):
+            heavy = [m for m in ("transformers", "torchao") if m in sys.modules]
+            print(f"{description}|{heavy}", flush=True)
+            raise Stop
+        yield step
+
+    cli._progress = progress
+    try:
+        cli.main(sys.argv[1:])
+    except Stop:
+        pass
+    """
+)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "factory"])
+def test_diff_shows_progress_before_the_model_imports(model, factory_file):
+    """The first status line of diff comes before transformers is imported and the model built."""
+    spec = f"{factory_file}:make" if model == "factory" else model
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_STEP, "diff", spec], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    description, heavy = done.stdout.splitlines()[0].split("|")
+    assert heavy == "[]"
+    expected = "importing transformers to build qwen3" if model == "qwen3" else f"loading {spec}"
+    assert description == expected
