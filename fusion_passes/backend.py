@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import collections.abc
-import difflib
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -17,7 +16,7 @@ import torch
 
 from fusion_passes import report_cache
 from fusion_passes.pass_manager import LAUNCH_MODES, FusionPassManager
-from fusion_passes.registry import FusionError, get_fusions
+from fusion_passes.registry import FusionError, get_fusions, unknown_name
 from fusion_passes.report import Report
 
 
@@ -40,7 +39,7 @@ def backend(
               code; "dispatch" calls the fused ops through the PyTorch dispatcher.
     inductor_options: ``torch._inductor.config`` settings for this compile (e.g. max_autotune).
     """
-    _check_options(fusions, report, verify, strict, launch)
+    _check_options(report, verify, strict, launch)
     _check_inductor_options(inductor_options)
     manager = FusionPassManager(get_fusions(fusions), report, verify, strict, launch)
 
@@ -75,15 +74,9 @@ def _given(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:80]
 
 
-def _check_options(fusions: Any, report: Any, verify: Any, strict: Any, launch: Any) -> None:
-    """Each option of ``backend`` has the type it says (a wrong one is a one-line TypeError)."""
-    names_ok = isinstance(fusions, str) or (
-        isinstance(fusions, Sequence) and all(isinstance(n, str) for n in fusions)
-    )
-    if not names_ok:
-        raise TypeError(
-            f'backend: fusions must be "all" or a list of fusion names (str), got {_given(fusions)}'
-        )
+def _check_options(report: Any, verify: Any, strict: Any, launch: Any) -> None:
+    """Each option of ``backend`` has the type it says (a wrong one is a one-line TypeError; the
+    fusion names are get_fusions' to check)."""
     if report is not None and not isinstance(report, Report):
         raise TypeError(f"backend: report must be a fusion_passes.Report or None, got {_given(report)}")
     for name, value in (("verify", verify), ("strict", strict)):
@@ -103,9 +96,7 @@ def _check_inductor_options(options: dict[str, Any]) -> None:
         if name == "post_grad_custom_post_pass":
             raise FusionError("post_grad_custom_post_pass is the slot fusion_passes runs in")
         if name not in known and not hasattr(inductor_config, name):
-            close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise FusionError(f"unknown Inductor option {name!r}{hint}")
+            raise FusionError(unknown_name("Inductor option", name, list(known), listing=None))
         entry = known.get(name)
         expected = getattr(entry, "value_type", None)
         if expected is None and entry is not None and entry.default is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import importlib.util
 import os
 import shutil
@@ -131,13 +130,10 @@ def _positive_int(text: str) -> int:
 
 
 def _unknown(kind: str, name: str, known: Sequence[str], n: int = 1) -> CliError:
-    """``unknown KIND 'name'; did you mean ...?`` (close names by difflib), or the known names."""
-    close = difflib.get_close_matches(name, known, n=n)
-    if close:
-        hint = "; did you mean " + " or ".join(repr(c) for c in close) + "?"
-    else:
-        hint = f"; known: {', '.join(known)}"
-    return CliError(f"unknown {kind} {name!r}{hint}")
+    """``unknown KIND 'name'; did you mean ...?``, or the known names (registry.unknown_name)."""
+    from fusion_passes.registry import unknown_name
+
+    return CliError(unknown_name(kind, name, known, n=n))
 
 
 # --- list -------------------------------------------------------------------------------------
@@ -288,10 +284,6 @@ def _check_fusions(spec: str) -> str | list[str]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise CliError('--fusions is empty: give comma-separated fusion names, or all')
-    known = [f.name for f in fusion_passes.list_fusions()]
-    for n in names:
-        if n not in known:
-            raise _unknown("fusion", n, known, n=3)
     try:
         fusion_passes.registry.get_fusions(names)
     except fusion_passes.FusionError as e:

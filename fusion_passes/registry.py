@@ -117,7 +117,8 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
-        raise FusionError(f'fusions must be "all" or a list of fusion names (str), got {names!r}')
+        shown = f"{type(names).__name__} {names!r}"[:80]
+        raise TypeError(f'fusions must be "all" or a list of fusion names (str), got {shown}')
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
         raise FusionError(_unknown_fusion(unknown[0]))
@@ -131,12 +132,21 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
     return [f for f in _REGISTRY.values() if f.name in wanted]
 
 
-def _unknown_fusion(name: str) -> str:
-    """One line: the unknown name, the close registered ones, else every registered one."""
-    close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.6)
+def unknown_name(
+    kind: str, name: str, known: Sequence[str], n: int = 3, listing: str | None = "known"
+) -> str:
+    """One line: ``unknown KIND 'name'; did you mean ...?`` with up to n close names (difflib),
+    else every known name after ``listing`` (None: none listed)."""
+    close = difflib.get_close_matches(name, list(known), n=n, cutoff=0.6)
     if close:
-        return f"unknown fusion {name!r}; did you mean {' or '.join(repr(c) for c in close)}?"
-    return f"unknown fusion {name!r}; registered: {', '.join(_REGISTRY) or 'none'}"
+        return f"unknown {kind} {name!r}; did you mean {' or '.join(repr(c) for c in close)}?"
+    if listing is None:
+        return f"unknown {kind} {name!r}"
+    return f"unknown {kind} {name!r}; {listing}: {', '.join(known) or 'none'}"
+
+
+def _unknown_fusion(name: str) -> str:
+    return unknown_name("fusion", name, list(_REGISTRY), listing="registered")
 
 
 _BUILTINS_LOADED = False
