@@ -32,3 +32,15 @@ def grid(axes: Mapping[str, Mapping[str, Any]], default: Callable[..., bool]) ->
 def by_str(values: Sequence[Any]) -> dict[str, Any]:
     """{str(value): value}: the ids pytest gives strings and ints, and ``ids=str`` dtypes."""
     return {str(v): v for v in values}
+
+
+def models(cases: Sequence[tuple[str, Any]], default: tuple[str, Any]) -> list[Any]:
+    """One ``pytest.param(name, dtype)`` per (model name, dtype) case, id ``name-dtype``: the
+    ``default`` case runs by default (its compile shared through _compiled_models), the others
+    are marked slow."""
+    return [
+        pytest.param(
+            n, d, id=f"{n}-{str(d).removeprefix('torch.')}", marks=() if (n, d) == default else pytest.mark.slow
+        )
+        for n, d in cases
+    ]

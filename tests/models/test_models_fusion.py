@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from _compiled_models import compiled_model
+from _params import models
 
 from fusion_passes.models import MODEL_NAMES
 from fusion_passes.numerics import compare, tolerance
@@ -27,11 +28,7 @@ def _rel_norm_error(actual, expected):
     return compare(actual, expected).rel_norm
 
 
-@pytest.mark.parametrize(
-    "name,dtype",
-    [pytest.param(n, d, marks=() if (n, d) == DEFAULT else pytest.mark.slow) for n, d in CASES],
-    ids=[f"{n}-{str(d)[6:]}" for n, d in CASES],
-)
+@pytest.mark.parametrize("name,dtype", models(CASES, DEFAULT))
 def test_every_rms_norm_site_is_fused(name, dtype):
     compiled = compiled_model(name, dtype)
     built, report, fused, expected = compiled.built, compiled.report, compiled.fused, compiled.expected

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from _compiled_models import compiled_model
+from _params import models
 
 from fusion_passes.numerics import compare, tolerance
 from fusion_passes.patterns.qk_norm_rope import FAMILY
@@ -26,11 +27,7 @@ CASES = [(name, torch.bfloat16) for name in EXPECTED] + [("minimax-m2", torch.fl
 DEFAULT = ("qwen3", torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "name,dtype",
-    [pytest.param(n, d, marks=() if (n, d) == DEFAULT else pytest.mark.slow) for n, d in CASES],
-    ids=[f"{n}-{str(d)[6:]}" for n, d in CASES],
-)
+@pytest.mark.parametrize("name,dtype", models(CASES, DEFAULT))
 def test_every_attention_prelude_is_fused(name, dtype):
     compiled = compiled_model(name, dtype)
     report, fused, expected, sites = compiled.report, compiled.fused, compiled.expected, compiled.built.sites
