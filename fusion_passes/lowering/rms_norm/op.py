@@ -26,8 +26,12 @@ from fusion_passes.lowering.rms_norm.reference import (
 # RMSNorm over the last dim, and residual add + RMSNorm returning (normed, new_residual = x +
 # residual): see rms_norm_reference for the two rounding forms. Outputs are contiguous whatever x's
 # strides, as the fake kernels promise Inductor.
-rms_norm = op_from_reference("rms_norm", rms_norm_reference, check=check_rms_norm_args)
-add_rms_norm = op_from_reference("add_rms_norm", add_rms_norm_reference, check=check_rms_norm_args)
+rms_norm = op_from_reference(
+    "rms_norm", rms_norm_reference, check=check_rms_norm_args, lower_back=True
+)
+add_rms_norm = op_from_reference(
+    "add_rms_norm", add_rms_norm_reference, check=check_rms_norm_args, lower_back=True
+)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
