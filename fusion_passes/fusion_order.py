@@ -18,6 +18,7 @@ from fusion_passes.patterns import (
     allreduce_rms_norm_quant_fp8,
     mla_rope,
     qk_norm_rope,
+    quant_fp8,
     rms_norm,
     rms_norm_quant_fp8,
     silu_mul_quant_fp8,
@@ -32,6 +33,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "that the RoPE patterns expect to find apart",
     ),
     (qk_norm_rope, "after the norms and before that elimination, as mla_rope"),
+    (
+        quant_fp8,
+        "before the FP8 region fusions, which start from the canonical quant_fp8 it raises; "
+        "independent of the norms and RoPE (it matches the quantization alone)",
+    ),
     (
         rms_norm_quant_fp8,
         "after the norms (it matches a canonical norm followed by a quantization) and after the "

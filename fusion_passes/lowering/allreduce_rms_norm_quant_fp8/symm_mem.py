@@ -191,7 +191,7 @@ def launch_on_workspace(
     the reduced sum (residual None), a new tensor of x's shape and dtype. A seam for the CPU test,
     which runs the kernel under the Triton interpreter on workspaces of CPU tensors."""
     eps, weight_offset, cast_before_weight = norm
-    scheme, scale, _, scale_ue8m0 = quant
+    scheme, scale, _, scale_ue8m0 = quant[:4]
     n = x.shape[-1]
     num_groups, group = quant.groups(n)
     weight = weight.contiguous()  # read at unit stride

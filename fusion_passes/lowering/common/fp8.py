@@ -1,20 +1,17 @@
-"""FP8 (float8_e4m3fn) activation quantization: its arguments and its plain-torch reference, the
-single statement of the quantization every "... + FP8 quantization" op ends with.
+"""FP8 (float8_e4m3fn) activation quantization: its arguments (``QuantFP8``), the single statement
+of the quantization every "... + FP8 quantization" op ends with and of the canonical
+``quant_fp8`` op (``lowering/quant_fp8/reference.py`` holds the math; ``quant_fp8_reference`` here
+calls it).
 
-Unfused (what FP8 serving runs before a projection):
-    scale = amax(|y|) / 448 (per token or per group of G columns; or a given static scale)
+Unfused (what FP8 serving runs before a projection, in one of many spellings):
+    scale = amax(|y|) / 448 (per token, per group of G columns, per tensor; or a given static one)
     q     = fp8_e4m3fn(clamp(y / scale, -448, 448))
-Fused:   the epilogue of the norm, SiLU and allreduce kernels (common/fp8_triton.py), computing
+The spellings differ in what changes codes or scales, and each such choice is a field of
+``QuantFP8`` (see its comments): where the scale's floor sits and its value, divide vs reciprocal
+multiply vs ``448 / amax`` multiplier, the arithmetic's dtype, power-of-two rounding, saturation.
 
-    y32   = f32(y)
-    static     scale given (fp32, shape [] or [1])
-    per_token  scale = max(amax(|y32|, dim=-1) / 448, MIN_SCALE)              shape [..., 1]
-    per_group  scale = max(amax(|y32| over each G columns) / 448, MIN_SCALE)  shape [..., N / G]
-               scale_ue8m0: scale = 2^ceil(log2(scale))   (power-of-two scales, DeepSeek V3)
-    q     = fp8_e4m3fn(clamp(y32 / scale, -448, 448))        rounded to nearest, ties to even
-
-It divides by the scale (no reciprocal multiply): serving engines' native fallbacks divide, and
-the division decides the codes bit for bit.
+The defaults are the quantization the fused kernels were first written for (vLLM's per-token math
+in DeepSeek-V3's order): fp32 amax, scale = max(amax / 448, MIN_SCALE), q = fp8(clamp(y / scale)).
 """
 
 from __future__ import annotations
@@ -29,18 +26,50 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # its codes into 0 / 0 = NaN. 1 / (448 * 512) is vLLM's floor for dynamic per-token scales: far
 # below any real activation's amax / 448, so it changes nothing else.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-SCHEMES = ("static", "per_token", "per_group")
+SCHEMES = ("static", "per_token", "per_group", "per_tensor")
+FLOOR_SITES = ("scale", "amax", "none")
+APPLY_FORMS = ("divide", "reciprocal", "multiplier")
+POW2_FORMS = ("none", "ceil", "floor")
+SCALE_MATHS = ("fp32", "fp64", "input", "input_amax")
+# The activation dtypes the quantization is defined for.
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class QuantFP8(NamedTuple):
     """How an activation is quantized along its last dim: the arguments every "... + FP8
     quantization" op, reference, launcher and kernel wrapper takes, in the ops' schema order (so
-    ``op(..., *quant)`` calls an op with them)."""
+    ``op(..., *quant)`` calls an op with them). The first four fields are the original ones (same
+    order and defaults); the rest default to what those meant.
 
-    scheme: str  # "static" (scale given), "per_token" or "per_group" (scales computed)
-    scale: torch.Tensor | None = None  # the static scheme's fp32 scale, shape [] or [1]
+    The dynamic schemes compute, in this order (each step as the spellings round it):
+        amax  = max |x| over the row / group / tensor          (exact in any dtype)
+        a     = amax in scale_math's dtype; floor_site "amax": a = max(a, floor) in that dtype
+        s     = a / fp8_max   (apply "multiplier": s = reciprocal(a) * fp8_max, how torch
+                evaluates ``fp8_max / amax``), in scale_math's dtype, then cast to fp32
+        pow2  "ceil" / "floor": s = exp2(ceil / floor(log2(s))) in fp32, as torch computes it
+        floor_site "scale": s = max(s, floor)
+        scale_ue8m0: s = 2^ceil(log2(s)) exactly (from the exponent bits: ``ue8m0``)
+    then, for every scheme (static: s is the given scale):
+        q = x32 / s  ("divide") | x32 * reciprocal(s) ("reciprocal": ``x * (1 / s)`` and
+            ``x * s.reciprocal()`` alike) | x32 * s ("multiplier": s multiplies)
+        q = fp8_e4m3fn(clamp(q, -fp8_max, fp8_max)) (saturate) or fp8_e4m3fn(q) (|q| > 464: NaN)
+    and returns (codes, s): s of shape [..., 1] (per_token), [..., N / G] (per_group), []
+    (per_tensor) or the given scale's (static), fp32.
+    """
+
+    scheme: str  # "static" (scale given), "per_token", "per_group", "per_tensor" (computed)
+    scale: torch.Tensor | None = None  # the static scheme's fp32 scale, one element
     group_size: int = 128  # per_group: the columns one scale covers
-    scale_ue8m0: bool = False  # per_group: computed scales rounded up to powers of two
+    scale_ue8m0: bool = False  # computed scales rounded up to powers of two, exactly, last
+    floor_site: str = "scale"  # the floor on the amax before the divide, on the scale after, none
+    floor: float = MIN_SCALE  # its value (unused for "none")
+    apply: str = "divide"  # how the scale is applied: "divide", "reciprocal", "multiplier"
+    pow2: str = "none"  # log2-based power-of-two rounding right after the divide: "ceil", "floor"
+    saturate: bool = True  # clamp to +-fp8_max before the cast
+    fp8_max: float = FP8_MAX  # the divisor (multiplier's numerator) and the clamp bound
+    scale_math: str = "fp32"  # "fp32"; "fp64" (torchao training); "input": amax, floor and divide
+    # in the activation's dtype, then fp32 (torchao inference); "input_amax": amax and its floor
+    # in the activation's dtype, the divide in fp32 (SGLang's reference)
 
     def check(self, x: torch.Tensor) -> None:
         """Raise ValueError (one line) for arguments the ops do not define; x is the tensor
@@ -52,32 +81,59 @@ class QuantFP8(NamedTuple):
             raise ValueError("quant_fp8: the static scheme needs a scale")
         if scheme != "static" and scale is not None:
             raise ValueError(f"quant_fp8: the {scheme} scheme computes its scales; got a scale")
-        if scale is not None and (scale.dtype != torch.float32 or scale.dim() > 1 or scale.numel() != 1):
+        if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1):
             raise ValueError(
-                f"quant_fp8: the static scale must be a float32 tensor of shape [] or [1], "
+                f"quant_fp8: the static scale must be a float32 tensor of one element, "
                 f"got {scale.dtype} {tuple(scale.shape)}"
             )
         if scheme == "per_group" and (group_size < 1 or x.shape[-1] % group_size != 0):
             raise ValueError(f"quant_fp8: group_size {group_size} must divide the hidden size {x.shape[-1]}")
-        if self.scale_ue8m0 and scheme != "per_group":
-            raise ValueError("quant_fp8: scale_ue8m0 is only defined for the per_group scheme")
+        for name, value, allowed in (
+            ("floor_site", self.floor_site, FLOOR_SITES),
+            ("apply", self.apply, APPLY_FORMS),
+            ("pow2", self.pow2, POW2_FORMS),
+            ("scale_math", self.scale_math, SCALE_MATHS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"quant_fp8: {name} must be one of {allowed}, got {value!r}")
+        if self.scale_ue8m0 and self.pow2 != "none":
+            raise ValueError("quant_fp8: scale_ue8m0 and pow2 both round the scale; give one")
+        if not 0.0 < self.fp8_max <= FP8_MAX:
+            raise ValueError(f"quant_fp8: fp8_max must be in (0, {FP8_MAX}] for float8_e4m3fn, got {self.fp8_max}")
+        if self.floor_site != "none" and not self.floor > 0.0:
+            raise ValueError(f"quant_fp8: the floor must be positive, got {self.floor}")
+        if x.dtype not in INPUT_DTYPES:
+            raise ValueError(f"quant_fp8: x must be one of {INPUT_DTYPES}, got {x.dtype}")
 
     def groups(self, n: int) -> tuple[int, int]:
         """(groups, columns per group) of a row of n columns: per_group N / G groups of G, else
         one group of the whole row."""
         return (n // self.group_size, self.group_size) if self.scheme == "per_group" else (1, n)
 
+    def scale_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The shape of the scales the ops return for x."""
+        if self.scheme == "static":
+            return tuple(self.scale.shape)
+        if self.scheme == "per_tensor":
+            return ()
+        return (*x.shape[:-1], self.groups(x.shape[-1])[0])
+
     def fake_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty (codes, scales) of the shapes and dtypes the ops return for x, contiguous."""
         q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
         if self.scheme == "static":
             return q, torch.empty_like(self.scale, memory_format=torch.contiguous_format)
-        return q, x.new_empty((*x.shape[:-1], self.groups(x.shape[-1])[0]), dtype=torch.float32)
+        return q, x.new_empty(self.scale_shape(x), dtype=torch.float32)
 
     def own(self, scales: torch.Tensor) -> torch.Tensor:
         """The scales as a new contiguous tensor: the static scheme hands back the given scale,
         and an op's outputs may not alias its inputs (Inductor's buffer planning assumes so)."""
         return scales.clone() if scales is self.scale else scales.contiguous()
+
+    def is_base_form(self) -> bool:
+        """Whether the fields after the first four hold their defaults (the quantization the
+        allreduce kernels implement)."""
+        return self[4:] == QuantFP8("static")[4:]
 
 
 def ue8m0(scales: torch.Tensor) -> torch.Tensor:
@@ -94,17 +150,8 @@ def ue8m0(scales: torch.Tensor) -> torch.Tensor:
 
 
 def quant_fp8_reference(y: torch.Tensor, quant: QuantFP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize y along its last dim to float8_e4m3fn; returns (codes, scales)."""
-    quant.check(y)
-    y32 = y.to(torch.float32)
-    if quant.scheme == "static":
-        return (y32 / quant.scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), quant.scale
-    if quant.scheme == "per_group":
-        y32 = y32.unflatten(-1, quant.groups(y32.shape[-1]))
-    scales = (y32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    if quant.scale_ue8m0:
-        scales = ue8m0(scales)
-    q = (y32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    if quant.scheme == "per_group":
-        return q.flatten(-2), scales.squeeze(-1)
-    return q, scales
+    """Quantize y along its last dim to float8_e4m3fn; returns (codes, scales). The math is the
+    canonical op's reference (lowering/quant_fp8/reference.py), stated once there."""
+    from fusion_passes.lowering.quant_fp8.reference import quantize
+
+    return quantize(y, quant)

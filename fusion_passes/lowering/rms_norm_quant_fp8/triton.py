@@ -272,7 +272,7 @@ def rms_norm_quant_fp8_triton(
     row of x's device (launch.launch_policy) unless given (weight_first changes no bit of
     the results)."""
     eps, weight_offset, cast_before_weight = norm
-    scheme, scale, group_size, scale_ue8m0 = quant
+    scheme, scale, group_size, scale_ue8m0 = quant[:4]
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     quant.check(x)
     weight = weight.contiguous()  # the kernel reads weight at unit stride

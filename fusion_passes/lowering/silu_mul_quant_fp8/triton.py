@@ -277,7 +277,7 @@ def silu_mul_quant_fp8_triton(
     for the launch and device)."""
     check_silu_mul_args(gate, up)
     quant.check(gate)
-    scheme, scale, group_size, scale_ue8m0 = quant
+    scheme, scale, group_size, scale_ue8m0 = quant[:4]
     n = gate.shape[-1]
     tokens = math.prod(gate.shape[:-1])
     tokens = tokens if isinstance(tokens, int) else None  # a SymInt: dynamic

@@ -1,0 +1,1 @@
+"""FP8 activation quantization: the canonical op ``fusion_passes::quant_fp8``."""
