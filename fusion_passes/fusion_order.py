@@ -21,6 +21,7 @@ from fusion_passes.patterns import (
     quant_fp8,
     rms_norm,
     rms_norm_quant_fp8,
+    rope,
     silu_mul_quant_fp8,
 )
 
@@ -31,6 +32,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "after the norms (kv_a_layernorm is a canonical rms_norm); before the quantization "
         "fusions' common-subexpression elimination, which merges the per-layer cos / sin views "
         "that the RoPE patterns expect to find apart",
+    ),
+    (
+        rope,
+        "after mla_rope (whose patterns start from transformers' RoPE spellings, which this raises) "
+        "and before qk_norm_rope, which starts from the canonical rope op",
     ),
     (qk_norm_rope, "after the norms and before that elimination, as mla_rope"),
     (
