@@ -39,6 +39,9 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=["deepseek-v3.2", "qwen3.5-moe", "minimax-m2"])
     common.add_sizes(parser, "--tokens", [1, 4096], what="token counts")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--keep-standalone", action="store_true",
+                        help="also time fusion_passes with lower_back=False (standalone canonical "
+                             "ops kept as kernels), to measure the lower-back stage")  # fmt: skip
     args = common.parse(parser)
     device = common.device(parser, args.smoke)
     size = "tiny" if args.smoke else "real"
@@ -50,14 +53,21 @@ def main() -> int:
             )
             module, inputs = built.module.eval(), built.example_inputs
             torch._dynamo.reset()
-            report = fusion_passes.Report()
+            reports = {"fusion_passes": fusion_passes.Report()}
             variants = {  # compiled lazily, on their first call below
                 "eager": module,
                 "inductor": torch.compile(module, backend="inductor", fullgraph=True),
                 "fusion_passes": torch.compile(
-                    module, backend=fusion_passes.backend(report=report), fullgraph=True
+                    module, backend=fusion_passes.backend(report=reports["fusion_passes"]), fullgraph=True
                 ),
             }
+            if args.keep_standalone:
+                reports["fusion_passes_kept"] = fusion_passes.Report()
+                variants["fusion_passes_kept"] = torch.compile(
+                    module,
+                    backend=fusion_passes.backend(report=reports["fusion_passes_kept"], lower_back=False),
+                    fullgraph=True,
+                )
             with torch.no_grad():
                 expected = module(*inputs).float()
                 for label, fn in variants.items():
@@ -75,8 +85,10 @@ def main() -> int:
                         "graph_us": forward_us(fn, inputs, graph=True),
                         "rel_err_vs_eager": err,
                     }
-                    if label == "fusion_passes":
+                    if label in reports:
+                        report = reports[label]
                         row["matches"] = {k: v for k, v in report.matches.items() if v}
+                        row["lowered_back"] = dict(report.lowered_back())
                         row["errors"] = list(report.errors)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

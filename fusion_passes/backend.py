@@ -26,6 +26,7 @@ def backend(
     verify: bool = False,
     strict: bool = False,
     launch: str = "direct",
+    lower_back: bool = True,
     **inductor_options: Any,
 ) -> Callable[..., Any]:
     """Build a torch.compile backend.
@@ -37,11 +38,14 @@ def backend(
     strict:   re-raise a fusion's failure instead of warning and leaving the graph unchanged.
     launch:   on CUDA, "direct" lets Inductor launch the fused Triton kernels from its generated
               code; "dispatch" calls the fused ops through the PyTorch dispatcher.
+    lower_back: decompose the canonical ops (a raised norm, RoPE or quantization) that no region
+              fusion consumed back into plain torch, so Inductor fuses them with their neighbours
+              as it would the model's own code; False keeps them as standalone kernels.
     inductor_options: ``torch._inductor.config`` settings for this compile (e.g. max_autotune).
     """
-    _check_options(report, verify, strict, launch)
+    _check_options(report, verify, strict, launch, lower_back)
     _check_inductor_options(inductor_options)
-    manager = FusionPassManager(get_fusions(fusions), report, verify, strict, launch)
+    manager = FusionPassManager(get_fusions(fusions), report, verify, strict, launch, lower_back)
 
     def compile_with_fusions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._dynamo.utils import counters
@@ -74,12 +78,12 @@ def _given(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:80]
 
 
-def _check_options(report: Any, verify: Any, strict: Any, launch: Any) -> None:
+def _check_options(report: Any, verify: Any, strict: Any, launch: Any, lower_back: Any) -> None:
     """Each option of ``backend`` has the type it says (a wrong one is a one-line TypeError; the
     fusion names are get_fusions' to check)."""
     if report is not None and not isinstance(report, Report):
         raise TypeError(f"backend: report must be a fusion_passes.Report or None, got {_given(report)}")
-    for name, value in (("verify", verify), ("strict", strict)):
+    for name, value in (("verify", verify), ("strict", strict), ("lower_back", lower_back)):
         if not isinstance(value, bool):
             raise TypeError(f"backend: {name} must be a bool, got {_given(value)}")
     if not isinstance(launch, str):

@@ -522,6 +522,14 @@ def _print_report(console, header, report, checks, timings, sites, kernels) -> N
         got = report.matches.get("rms_norm", 0) + report.matches.get("add_rms_norm", 0)
         gated = f" (incl. {len(sites.gated_rms_norm)} gated)" if sites.gated_rms_norm else ""
         console.print(f"RMSNorm sites in the model: {expected}{gated}; fused: {got}")
+    lowered = report.lowered_back()
+    if lowered:
+        shown = ", ".join(f"{op.removesuffix('.default')} x{n}" for op, n in sorted(lowered.items()))
+        console.print(
+            f"lowered back (raised, then left standalone by every region; Inductor fuses them "
+            f"as it would the model's code): {shown}",
+            markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
     if report.rejected:
         rej = Table(title="matched a spelling but not rewritten")
         for col in ("fusion", "where", "reason"):
@@ -591,6 +599,7 @@ def _as_json(name, args, dtype_name, dtype_from, report, checks, sites) -> dict[
         "errors": report.errors,
         "ops_before": dict(report.ops_before()),
         "ops_after": dict(report.ops_after()),
+        "lowered_back": dict(report.lowered_back()),
         "expected_rms_norm_sites": (
             None if sites is None else len(sites.rms_norm) + len(sites.gated_rms_norm)
         ),

@@ -25,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Match, stable_topological_sort
 
 import fusion_passes
+from fusion_passes.lower_back import lower_back
 from fusion_passes.lowering.common.direct_launch import inline_triton_launches
 from fusion_passes.near_miss import find_near_misses
 from fusion_passes.regions import Region, graph_region, match_region, region_ops
@@ -62,10 +63,12 @@ class FusionPassManager(CustomGraphPass):
         verify: bool = False,
         strict: bool = False,
         launch: str = "direct",
+        lower_back: bool = True,
     ) -> None:
         if launch not in LAUNCH_MODES:
             raise ValueError(f"launch must be one of {', '.join(LAUNCH_MODES)}, got {launch!r}")
         self.launch = launch
+        self.lower_back = lower_back
         self.fusions = list(fusions)
         self.report = report if report is not None else Report()
         self.verify = verify
@@ -82,7 +85,7 @@ class FusionPassManager(CustomGraphPass):
             h.update(inspect.getsource(importlib.import_module(name)).encode())
         for fusion in self.fusions:
             h.update(fusion.source_hash().encode())
-        h.update(repr((self.verify, self.strict, self.launch)).encode())
+        h.update(repr((self.verify, self.strict, self.launch, self.lower_back)).encode())
         return h.hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -115,13 +118,20 @@ class FusionPassManager(CustomGraphPass):
             lambda: self.report.near_misses.extend(find_near_misses(graph, self.fusions, index)),
             graph,
         )
+        lowered = None
+        if self.lower_back:
+            # Canonical ops no region fusion consumed: back to plain torch, for Inductor to fuse
+            # with their neighbours (an opaque standalone norm costs a kernel; see lower_back).
+            lowered = self._guarded("lowering back", lambda: lower_back(graph), graph)
         # The report shows the canonical ops; how they launch is the lowering's business.
         after = op_counts(graph)
         if self.launch == "direct":
             self._guarded("direct Triton launch", lambda: inline_triton_launches(graph), graph)
         fusions = tuple(f.name for f in self.fusions)
         errors = tuple(self.report.errors[first_error:])
-        self.report.graphs.append(GraphRecord(before, after, fusions, errors))
+        self.report.graphs.append(
+            GraphRecord(before, after, fusions, errors, lowered_back=dict(lowered or {}))
+        )
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -220,6 +230,7 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.registry",
     "fusion_passes.verify",
     "fusion_passes.near_miss",
+    "fusion_passes.lower_back",
     # Every lowering module (ops, references, kernels, launchers): they decide the compiled code.
     *(
         m.name

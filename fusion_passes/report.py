@@ -64,13 +64,16 @@ class NearMiss:
 
 @dataclass(frozen=True)
 class GraphRecord:
-    """Op counts of one graph before and after the fusion passes."""
+    """Op counts of one graph before and after the fusion passes (after: what Inductor compiles,
+    canonical ops that no region fusion consumed already lowered back)."""
 
     ops_before: dict[str, int]
     ops_after: dict[str, int]
     fusions: tuple[str, ...] = ()  # the fusions applied to it
     errors: tuple[str, ...] = ()  # failures while rewriting it (also in Report.errors)
     from_cache: bool = False  # served by Inductor's FX graph cache; records replayed
+    # Canonical ops left standalone and decomposed back into their references: op name -> calls.
+    lowered_back: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +99,10 @@ class Report:
     def ops_after(self) -> Counter:
         return sum((Counter(g.ops_after) for g in self.graphs), Counter())
 
+    def lowered_back(self) -> Counter:
+        """Canonical ops lowered back into their references (standalone after the fusions)."""
+        return sum((Counter(g.lowered_back) for g in self.graphs), Counter())
+
     def add_site(self, site: Site) -> None:
         self.sites.append(site)
         self.matches[site.fusion] += 1
@@ -108,6 +115,7 @@ class Report:
                 {
                     "ops_before": g.ops_before,
                     "ops_after": g.ops_after,
+                    "lowered_back": g.lowered_back,
                     "fusions": list(g.fusions),
                     "errors": list(g.errors),
                     "sites": [asdict(s) for s in self.sites if s.graph == i],
@@ -122,7 +130,11 @@ class Report:
         for g in graphs:
             index = len(self.graphs)
             fusions, errors = tuple(g["fusions"]), tuple(g["errors"])
-            self.graphs.append(GraphRecord(g["ops_before"], g["ops_after"], fusions, errors, True))
+            self.graphs.append(
+                GraphRecord(
+                    g["ops_before"], g["ops_after"], fusions, errors, True, g.get("lowered_back", {})
+                )
+            )
             for message in errors:  # the cached code is the unchanged graph: say so again
                 self.errors.append(message)
                 warnings.warn(f"fusion_passes: {message}; graph left unchanged (cached)", stacklevel=2)

@@ -79,7 +79,9 @@ DIFF_REPORT_SCHEMA: dict = {
         },
         "errors": {"type": "array", "items": _STR},
         "ops_before": _COUNTS,
-        "ops_after": _COUNTS,
+        "ops_after": _COUNTS,  # what Inductor compiled: after the fusions and the lowering back
+        # canonical ops left standalone and decomposed back into plain torch: op name -> calls
+        "lowered_back": _COUNTS,
         "expected_rms_norm_sites": {"type": ["integer", "null"]},
         "numerics": {
             "type": "object",

@@ -170,12 +170,14 @@ def test_diff_on_a_factory_writes_text_and_json(factory_file, tmp_path, capsys):
     assert (data["dtype"], data["dtype_from"], data["device"]) == ("fp32", "model", "cpu")
     assert {k: v for k, v in data["matches"].items() if v} == {"add_rms_norm": 1}
     assert data["sites"][0]["module"] == "norm"
-    assert data["ops_after"]["fusion_passes.add_rms_norm.default"] == 1
+    # The norm has no region to join: raised, then lowered back for Inductor to fuse.
+    assert data["lowered_back"] == {"fusion_passes.add_rms_norm.default": 1}
+    assert "lowered back" in out and "fusion_passes.add_rms_norm x1" in out
     assert all(check["ok"] for check in data["numerics"].values())
-    # On CPU the fused op runs its reference through the dispatcher: one call, one kernel fewer.
+    # Lowered back, the generated code has stock Inductor's kernels and no call of a fused op.
     stock, ours = data["kernels"]["inductor"], data["kernels"]["fusion_passes"]
-    assert stock["fused_ops"] == 0 and ours["fused_ops"] == 1
-    assert ours["generated"] == stock["generated"] - 1
+    assert stock["fused_ops"] == ours["fused_ops"] == 0
+    assert ours["generated"] == stock["generated"]
 
 
 @pytest.mark.parametrize(

@@ -49,14 +49,21 @@ def test_backend_by_name_without_import():
         import torch
         from torch._inductor.utils import run_and_get_code
         assert "fusion_passes" in torch._dynamo.list_backends()
-        def f(x, w):
+        def norm(x, w):
             h = x.to(torch.float32)
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
             return w * h.to(x.dtype)
-        x, w = torch.randn(4, 32), torch.randn(32)
-        out, code = run_and_get_code(torch.compile(f, backend="fusion_passes"), x, w)
-        assert "fusion_passes.rms_norm" in "".join(code), code
-        torch.testing.assert_close(out, f(x, w))
+        def rotate_half(x):
+            return torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+        def f(q, k, w, cos, sin):  # q / k norm + RoPE: a region, so its fused op stays
+            q, k = norm(q, w).transpose(1, 2), norm(k, w).transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k, w = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 2, 16), torch.randn(16)
+        cos, sin = torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+        out, code = run_and_get_code(torch.compile(f, backend="fusion_passes"), q, k, w, cos, sin)
+        assert "fusion_passes.qk_norm_rope" in "".join(code), code
+        torch.testing.assert_close(out, f(q, k, w, cos, sin))
         print("ok")
         """
     )
@@ -72,13 +79,14 @@ def test_fx_graph_cache_hit_still_carries_the_fusion_and_its_report():
     with fresh_cache():
         first = fusion_passes.Report()
         torch._dynamo.reset()
-        torch.compile(norm_fn, backend=fusion_passes.backend(report=first))(*args)
+        # lower_back=False: the standalone norm stays a call of its op, which the profile shows.
+        torch.compile(norm_fn, backend=fusion_passes.backend(report=first, lower_back=False))(*args)
         assert first.matches["add_rms_norm"] == 1 and not first.graphs[0].from_cache
 
         hits = counters["inductor"]["fxgraph_cache_hit"]
         second = fusion_passes.Report()
         torch._dynamo.reset()
-        compiled = torch.compile(norm_fn, backend=fusion_passes.backend(report=second))
+        compiled = torch.compile(norm_fn, backend=fusion_passes.backend(report=second, lower_back=False))
         out = compiled(*args)
         assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
         # The cached code calls the fused op, and the report replays the stored sites.
@@ -99,6 +107,12 @@ def test_cache_hit_without_stored_records_recompiles_for_the_report():
         torch._dynamo.reset()
         torch.compile(norm_fn, backend=fusion_passes.backend(report=report))(*args)
         assert report.matches["add_rms_norm"] == 1 and not report.graphs[0].from_cache
+        assert dict(report.lowered_back()) == {"fusion_passes.add_rms_norm.default": 1}
+        # Served from the cache with the records kept: the lowering is replayed too.
+        again = fusion_passes.Report()
+        torch._dynamo.reset()
+        torch.compile(norm_fn, backend=fusion_passes.backend(report=again))(*args)
+        assert again.graphs[0].from_cache and again.lowered_back() == report.lowered_back()
 
 
 def test_enabled_fusions_and_options_change_the_cache_key():
@@ -110,8 +124,9 @@ def test_enabled_fusions_and_options_change_the_cache_key():
         FusionPassManager(get_fusions(["add_rms_norm"])).uuid(),
         FusionPassManager(get_fusions("all"), verify=True).uuid(),
         FusionPassManager(get_fusions("all"), launch="dispatch").uuid(),
+        FusionPassManager(get_fusions("all"), lower_back=False).uuid(),
     }
-    assert len(keys) == 5
+    assert len(keys) == 6
     # And Inductor uses it: another enabled set is a cache miss, compiled with its own fusions.
     args = norm_inputs()
     with fresh_cache():
