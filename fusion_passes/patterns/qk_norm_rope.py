@@ -1,24 +1,29 @@
-"""QK-norm + RoPE spellings found in real model code, mapped to ``qk_norm_rope``.
+"""QK-norm + RoPE: a region of canonical ops, fused into ``qk_norm_rope``.
 
-Canonicalize, then fuse: the RMSNorm fusion has already turned q_norm / k_norm into
-``fusion_passes.rms_norm`` calls; these patterns take both norms and the RoPE after them (q and k
-together: one kernel launch serves both). Spellings, as transformers writes them:
+Raise, then fuse: the RMSNorm fusions have turned q_norm / k_norm into ``fusion_passes.rms_norm``
+calls, and the RoPE fusions (patterns/rope.py) every RoPE spelling into ``fusion_passes.rope``.
+These patterns take both norms and the rope ops after them (q and k together, the same cos / sin
+nodes: one kernel launch serves both), so every spelling that raises reaches them:
 
-- Qwen3 / Qwen3-MoE: per-head norm, rotate_half RoPE over the whole head
-      q = q_norm(q_proj(h).view(B, S, -1, D)).transpose(1, 2)     (k alike)
-      q * cos + rotate_half(q) * sin                                cos = cos.unsqueeze(1)
-- Qwen3-Next / Qwen 3.5 / Qwen 3.5-MoE: per-head ``(1 + w)`` norm of q (a chunk of the q+gate
-  projection) and k, partial RoPE on the first R = cos.shape[-1] dims, the rest concatenated back
-      cat([q[..., :R] * cos + rotate_half(q[..., :R]) * sin, q[..., R:]], -1)
-- MiniMax-M2: the norm spans all heads of a token (weight [H * D]), then per-head partial RoPE
-      q = q_norm(q_proj(h)).view(B, S, -1, D).transpose(1, 2)
-- (whole-row norm with full RoPE completes the set: OLMo-2-style q/k norms.)
-Each in the three norm forms of rms_norm (Llama, fp32 weight, Qwen's (1 + w)).
+    q = rms_norm(q, q_w, eps)          per head ([.., H, D], weight [D]: Qwen3, Qwen3-Next,
+                                       Qwen 3.5), or over all heads of a token ([.., H * D],
+                                       weight [H * D], then viewed [.., H, D]: MiniMax-M2, Olmo2)
+    q = q.transpose(1, 2)              where the model transposes before RoPE (transformers);
+                                       absent where RoPE runs on [B, S, H, D] or flat [T, H, D]
+                                       (Meta, gpt-fast, vLLM)
+    q = rope(q, cos, sin, interleaved, compute_fp32)                        (k alike)
+
+cos / sin are the rope ops' own (any shape that broadcasts: [B, 1, S, R], [1, S, 1, R],
+[T, 1, R]); the replacement views them as the kernel's [B or 1, S, R] rows and rejects those that
+vary over heads. R = cos.shape[-1] <= D (partial rotary: the rest passed through).
 
 Unfused: 2 norm kernels (or 4 for the whole-row norm's reduction + scale) and the RoPE pointwise
          kernels, q and k written and read back between them.
 Fused:   q, k = fusion_passes.qk_norm_rope(q, k, q_w, k_w, cos, sin, eps, weight_offset, cast,
                                            norm_per_head)            (one kernel on CUDA)
+
+Not fused (the rope ops lower back): GPT-J (interleaved) RoPE, which the kernel does not compute
+(it rotates halves); q and k of different cos / sin, RoPE forms or eps; a norm of another width.
 
 eps and the head dim of the whole-row spellings are pattern arguments (scalars); head counts,
 the head dim of the per-head spellings and the rotary dim are read from the matched shapes.
@@ -29,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
@@ -40,92 +46,104 @@ HEAD_DIM_SENTINEL = 24
 # shared pattern argument was not enough: the matcher let the k norm's differ).
 K_EPS_SENTINEL = 2 * DEFAULT_SCALAR_SENTINEL
 _FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
+# The rope op's forms: (interleaved, compute_fp32).
+_ROPE_FORMS = {
+    "rope": (False, False),
+    "rope_fp32": (False, True),
+    "rope_interleaved": (True, False),
+    "rope_interleaved_fp32": (True, True),
+}
 
-# --- the RoPE spellings (transformers' apply_rotary_pos_emb, unsqueeze_dim=1) ---
-
-
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_full(q, k, cos, sin):
-    """Qwen3 / Qwen3-MoE (Llama's apply_rotary_pos_emb)."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
+# --- spellings: canonical norm op(s) -> [view] -> [transpose] -> canonical rope op ---
 
 
-def rope_partial(q, k, cos, sin):
-    """Qwen3-Next / Qwen 3.5 / MiniMax-M2: rotary on the first cos.shape[-1] dims."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
-    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
-    q_embed = torch.cat([q_embed, q_pass], dim=-1)
-    k_embed = torch.cat([k_embed, k_pass], dim=-1)
-    return q_embed, k_embed
-
-
-_ROPES = {"rope": rope_full, "partial_rope": rope_partial}
-
-# --- spellings: canonical norm op(s) -> reshape / transpose -> RoPE ---
-
-
-def _per_head(rope, offset: float, cast: bool):
+def _pattern(per_head: bool, transposed: bool, offset: float, cast: bool, interleaved: bool, fp32: bool):
     norm = torch.ops.fusion_passes.rms_norm.default
+    rope = torch.ops.fusion_passes.rope.default
 
-    def pattern(q, k, q_weight, k_weight, cos, sin, eps, k_eps):
-        q = norm(q, q_weight, eps, offset, cast).transpose(1, 2)
-        k = norm(k, k_weight, k_eps, offset, cast).transpose(1, 2)
-        return rope(q, k, cos, sin)
+    def heads(x, weight, eps, head_dim=None):
+        y = norm(x, weight, eps, offset, cast)
+        if head_dim is not None:
+            y = y.view(*x.shape[:-1], -1, head_dim)
+        return y.transpose(1, 2) if transposed else y
+
+    if per_head:
+
+        def pattern(q, k, q_weight, k_weight, cos, sin, eps, k_eps):
+            q = rope(heads(q, q_weight, eps), cos, sin, interleaved, fp32)
+            k = rope(heads(k, k_weight, k_eps), cos, sin, interleaved, fp32)
+            return q, k
+
+    else:
+
+        def pattern(q, k, q_weight, k_weight, cos, sin, eps, k_eps, head_dim):
+            q = rope(heads(q, q_weight, eps, head_dim), cos, sin, interleaved, fp32)
+            k = rope(heads(k, k_weight, k_eps, head_dim), cos, sin, interleaved, fp32)
+            return q, k
 
     return pattern
 
 
-def _whole_row(rope, offset: float, cast: bool):
-    norm = torch.ops.fusion_passes.rms_norm.default
-
-    def pattern(q, k, q_weight, k_weight, cos, sin, eps, k_eps, head_dim):
-        hidden_shape = (*q.shape[:-1], -1, head_dim)
-        q = norm(q, q_weight, eps, offset, cast).view(hidden_shape).transpose(1, 2)
-        k = norm(k, k_weight, k_eps, offset, cast).view(hidden_shape).transpose(1, 2)
-        return rope(q, k, cos, sin)
-
-    return pattern
+def _head_view(x, per_head: bool, head_dim):
+    """q / k as [.., H, D] (the whole-row norm's input viewed in heads) and as [B, S, H, D]
+    (flat tokens [T, H, D] as one sequence)."""
+    if not per_head:
+        x = x.view(*x.shape[:-1], -1, head_dim)
+    return x.unsqueeze(0) if x.dim() == 3 else x
 
 
-def _fused_per_head(offset: float, cast: bool):
-    def replacement(q, k, q_weight, k_weight, cos, sin, eps, k_eps):
+def cos_rows(cos, rope_rank: int, transposed: bool) -> torch.Tensor:
+    """cos / sin as the rope op broadcasts them against its input (rank ``rope_rank``: [B, H, S, D]
+    after the transpose, [B, S, H, D] before it, [T, H, D] flat) -> the kernel's [B or 1, S or 1, R]
+    rows; raises ValueError when they vary over heads."""
+    if cos.dim() > rope_rank:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} have more dims than the rotated tensor")
+    c = cos.reshape((1,) * (rope_rank - cos.dim()) + tuple(cos.shape))
+    if rope_rank == 3:
+        c = c.unsqueeze(0)
+    if rope_rank != 4 and rope_rank != 3:
+        raise ValueError(f"the rotated tensor has rank {rope_rank} (expected 4, or 3 for flat tokens)")
+    if transposed:
+        c = c.transpose(1, 2)
+    if c.shape[2] != 1:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} vary over heads")
+    return c.squeeze(2)
+
+
+def _replacement(per_head: bool, transposed: bool, offset: float, cast: bool, fp32: bool):
+    def fused(q, k, q_weight, k_weight, cos, sin, eps, head_dim):
+        rank = q.dim() + (0 if per_head else 1)  # the rope op's input rank
+        qh, kh = _head_view(q, per_head, head_dim), _head_view(k, per_head, head_dim)
+        c, s = cos_rows(cos, rank, transposed), cos_rows(sin, rank, transposed)
+        tokens = qh.shape[1]
+        c, s = c.expand(c.shape[0], tokens, c.shape[2]), s.expand(s.shape[0], tokens, s.shape[2])
+        if fp32:  # the kernel computes the RoPE in cos's dtype (fp32: rounded once at the end)
+            c, s = c.float(), s.float()
         q_out, k_out = torch.ops.fusion_passes.qk_norm_rope.default(
-            q, k, q_weight, k_weight, cos, sin, eps, offset, cast, True
-        )
+            qh, kh, q_weight, k_weight, c, s, eps, offset, cast, per_head
+        )  # [B, H, S, D] transposes of contiguous [B, S, H, D] tensors
+        if not transposed:
+            q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
+        if rank == 3:
+            q_out, k_out = q_out.squeeze(0), k_out.squeeze(0)
         return q_out, k_out
+
+    if per_head:
+
+        def replacement(q, k, q_weight, k_weight, cos, sin, eps, k_eps):
+            return fused(q, k, q_weight, k_weight, cos, sin, eps, None)
+
+    else:
+
+        def replacement(q, k, q_weight, k_weight, cos, sin, eps, k_eps, head_dim):
+            return fused(q, k, q_weight, k_weight, cos, sin, eps, head_dim)
 
     return replacement
 
 
-def _fused_whole_row(offset: float, cast: bool):
-    def replacement(q, k, q_weight, k_weight, cos, sin, eps, k_eps, head_dim):
-        hidden_shape = (*q.shape[:-1], -1, head_dim)
-        q_out, k_out = torch.ops.fusion_passes.qk_norm_rope.default(
-            q.view(hidden_shape), k.view(hidden_shape), q_weight, k_weight, cos, sin, eps,
-            offset, cast, False,
-        )  # fmt: skip
-        return q_out, k_out
-
-    return replacement
-
-
-def _check(offset: float, cast: bool, per_head: bool, full_rope: bool):
-    """Reject what the canonical op would compute differently: dtypes, cos/sin shapes, weights of
-    another width (a norm over another axis), a full-RoPE site whose cos does not span the head."""
+def _check(per_head: bool, transposed: bool, offset: float, cast: bool, interleaved: bool, fp32: bool):
+    """Reject what the fused op would compute differently: GPT-J pairs, another eps, dtypes,
+    cos/sin that vary over heads, weights of another width (a norm over another axis)."""
 
     def check(values: dict[str, Any]) -> str | None:
         q, k = values["q"], values["k"]
@@ -133,27 +151,38 @@ def _check(offset: float, cast: bool, per_head: bool, full_rope: bool):
             # The matcher finds k's branch from the nodes q's branch shares with it (cos / sin)
             # and may bind it to q's own branch when k's does not match (e.g. another eps).
             return "the k branch matched q's own nodes: no separate k norm + RoPE"
+        if interleaved:
+            return "GPT-J (interleaved) RoPE: the qk_norm_rope kernel rotates halves only"
         if values["eps"] != values["k_eps"]:
             return f"q_norm eps {values['eps']} != k_norm eps {values['k_eps']} (the op has one)"
-        if per_head:
-            if q.dim() != 4 or k.dim() != 4:
-                return f"per-head norm of a rank-{q.dim()} tensor (expected [B, S, H, D])"
-        else:
+        head_dim = None
+        if not per_head:
             head_dim = values["head_dim"]
-            if q.dim() != 3 or k.dim() != 3:
-                return f"whole-row norm of a rank-{q.dim()} tensor (expected [B, S, H * D])"
             if q.shape[-1] % head_dim or k.shape[-1] % head_dim:
                 return f"projection widths {q.shape[-1]}, {k.shape[-1]} not heads of {head_dim}"
-            q = q.unflatten(-1, (-1, head_dim))
-            k = k.unflatten(-1, (-1, head_dim))
-        cos = values["cos"]
-        if full_rope and cos.dim() >= 1 and cos.shape[-1] != q.shape[-1]:
-            return f"cos/sin span {cos.shape[-1]} dims, the head {q.shape[-1]}"
+        rank = q.dim() + (0 if per_head else 1)
+        if rank not in (3, 4) or k.dim() != q.dim():
+            return f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected [B, S, H, D] or flat [T, H, D] heads"
+        if transposed and rank != 4:
+            return f"a transpose of rank-{rank} heads (expected [B, S, H, D])"
+        qh, kh = _head_view(q, per_head, head_dim), _head_view(k, per_head, head_dim)
+        try:
+            c = cos_rows(values["cos"], rank, transposed)
+            s = cos_rows(values["sin"], rank, transposed)
+        except ValueError as e:
+            return str(e)
+        tokens = qh.shape[1]
+        if c.shape[1] not in (1, tokens):
+            return f"cos/sin {tuple(values['cos'].shape)} do not broadcast over {tokens} tokens"
+        c, s = c.expand(c.shape[0], tokens, c.shape[2]), s.expand(s.shape[0], tokens, s.shape[2])
+        if fp32:
+            c, s = c.float(), s.float()
+        elif c.dtype != q.dtype:
+            return f"cos/sin {c.dtype} against {q.dtype} q without fp32 RoPE math"
         try:
             check_qk_norm_rope_args(
-                q, k, values["q_weight"], values["k_weight"], cos, values["sin"], offset, cast,
-                per_head,
-            )  # fmt: skip
+                qh, kh, values["q_weight"], values["k_weight"], c, s, offset, cast, per_head
+            )
         except ValueError as e:
             return str(e)
         return None
@@ -161,73 +190,143 @@ def _check(offset: float, cast: bool, per_head: bool, full_rope: bool):
     return check
 
 
-def _examples(per_head: bool, full_rope: bool):
-    """fp32 and bf16 traces (the RoPE has no casts, but keep both as the other fusions do).
-    Sizes avoid HEAD_DIM_SENTINEL everywhere but the whole-row spellings' head dim."""
+def _examples(per_head: bool):
+    """fp32 only: canonical ops have no casts, so every dtype traces one pattern. Sizes avoid
+    HEAD_DIM_SENTINEL everywhere but the whole-row spellings' head dim; cos [1, 1, R] broadcasts
+    against the heads before and after the transpose."""
 
     def example_inputs():
         b, s, hq, hk = 2, 3, 4, 2
         d = 16 if per_head else HEAD_DIM_SENTINEL
-        r = d if full_rope else 8
-        for dtype in (torch.float32, torch.bfloat16):
-            q, k = torch.randn(b, s, hq, d, dtype=dtype), torch.randn(b, s, hk, d, dtype=dtype)
-            w_q, w_k = torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype)
-            if not per_head:
-                q, k = q.flatten(-2), k.flatten(-2)
-                w_q, w_k = torch.randn(hq * d, dtype=dtype), torch.randn(hk * d, dtype=dtype)
-            cos, sin = torch.randn(b, s, r, dtype=dtype), torch.randn(b, s, r, dtype=dtype)
-            scalars = (DEFAULT_SCALAR_SENTINEL, K_EPS_SENTINEL)
-            scalars += () if per_head else (HEAD_DIM_SENTINEL,)
-            yield (q, k, w_q, w_k, cos, sin, *scalars)
+        q, k = torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)
+        w_q, w_k = torch.randn(d), torch.randn(d)
+        if not per_head:
+            q, k = q.flatten(-2), k.flatten(-2)
+            w_q, w_k = torch.randn(hq * d), torch.randn(hk * d)
+        cos, sin = torch.randn(1, 1, d), torch.randn(1, 1, d)
+        scalars = (DEFAULT_SCALAR_SENTINEL, K_EPS_SENTINEL)
+        scalars += () if per_head else (HEAD_DIM_SENTINEL,)
+        yield (q, k, w_q, w_k, cos, sin, *scalars)
 
     return example_inputs
 
 
-def _spellings(per_head: bool, rope: str):
+def _spellings(per_head: bool) -> list[Spelling]:
     out = []
-    for form, (offset, cast) in _FORMS.items():
-        scope = "per_head" if per_head else "whole_row"
-        out.append(
-            Spelling(
-                f"{scope}_{form}_norm_{rope}",
-                (_per_head if per_head else _whole_row)(_ROPES[rope], offset, cast),
-                (_fused_per_head if per_head else _fused_whole_row)(offset, cast),
-                _check(offset, cast, per_head, rope == "rope"),
-            )
-        )
+    scope = "per_head" if per_head else "whole_row"
+    for transposed in (True, False):
+        for form, (offset, cast) in _FORMS.items():
+            for rope_form, (interleaved, fp32) in _ROPE_FORMS.items():
+                where = "transposed_" if transposed else ""
+                args = (per_head, transposed, offset, cast)
+                out.append(
+                    Spelling(
+                        f"{scope}_{form}_norm_{where}{rope_form}",
+                        _pattern(*args, interleaved, fp32),
+                        _replacement(*args, fp32),
+                        _check(*args, interleaved, fp32),
+                    )
+                )
     return out
 
 
-# One fusion per structural variant: the registry traces every spelling of a fusion with each of
-# its example inputs, and the variants need different ones (q of rank 4 or 3; cos spanning the
-# head or not, since a pattern traced with an empty pass-through part loses its cat).
-FAMILY = ("qk_norm_rope", "qk_norm_rope_partial", "qk_norm_rope_whole_row")
-_VARIANTS = {  # name: (per_head, rope), in application order
-    "qk_norm_rope_partial": (True, "partial_rope"),
-    "qk_norm_rope_whole_row": (False, "partial_rope"),
-    "qk_norm_rope": (True, "rope"),
-}
+def _fold_views(rope_node: torch.fx.Node) -> int:
+    """Views between a norm and the rope op written as two reshapes (vLLM: the per-head norm's
+    [T, H, D] viewed back to [T, H * D], then viewed [T, H, D] by the rotary embedding) folded
+    into one, and dropped where it leaves the shape as it was: the patterns see norm -> rope."""
+    reshape = torch.ops.aten.reshape.default
+    moved = 0
+    x = rope_node.args[0]
+    while (
+        isinstance(x, torch.fx.Node) and x.target == reshape
+        and isinstance(x.args[0], torch.fx.Node) and x.args[0].target == reshape
+    ):  # fmt: skip
+        x.args = (x.args[0].args[0], *x.args[1:])  # reshape(reshape(y, a), b) == reshape(y, b)
+        moved += 1
+    if isinstance(x, torch.fx.Node) and x.target == reshape:
+        src = x.args[0]
+        shapes = [getattr(n.meta.get("val"), "shape", None) for n in (x, src)]
+        if (
+            shapes[0] is not None and shapes[0] == shapes[1]
+            and all(isinstance(d, int) for d in shapes[0])
+        ):  # fmt: skip
+            rope_node.replace_input_with(x, src)
+            moved += 1
+    return moved
+
+
+def _same_value(a: Any, b: Any, depth: int = 8) -> bool:
+    """a and b compute the same thing: one node, or the same pure op of the same arguments."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return not isinstance(a, torch.fx.Node) and not isinstance(b, torch.fx.Node) and a == b
+    if depth == 0 or a.op != "call_function" or a.target != b.target or a.kwargs != b.kwargs:
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()):
+        return False
+    if len(a.args) != len(b.args):
+        return False
+    return all(_same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
+
+
+def pair_rope_ops(graph: torch.fx.Graph) -> int:
+    """Bring q's and k's rope ops into the patterns' shape (the math unchanged):
+
+    - views between the norm and the rope folded (see _fold_views);
+    - cos / sin computed twice for two consecutive rope ops (q's and k's: gpt-fast views its
+      cache in each call, vLLM unsqueezes its halves in each call, the raise rule widens each
+      copy) made one node, which the pattern needs (q and k take the same cos / sin). Only
+      consecutive pairs: a node shared further (by every layer) would let the matcher pair q of
+      one layer with k of another;
+    - each rope op's uses re-added in graph order, so the matcher, anchored at k's rope, finds q's
+      rope (not k's own) first among the users of their shared cos.
+    Returns how many nodes it folded or shared."""
+    rope = torch.ops.fusion_passes.rope.default
+    ropes = [n for n in graph.nodes if n.op == "call_function" and n.target == rope]
+    moved = sum(_fold_views(n) for n in ropes)
+    previous = None
+    for node in ropes:
+        if previous is not None and len(node.args) == len(previous.args):
+            if all(_same_value(a, b) for a, b in zip(node.args[1:], previous.args[1:])):
+                for i in (1, 2):
+                    if node.args[i] is not previous.args[i]:
+                        node.replace_input_with(node.args[i], previous.args[i])
+                        moved += 1
+                previous = None  # a pair: the next rope op starts another
+                continue
+        previous = node
+    for node in ropes:
+        node.args = tuple(node.args)  # appended to its inputs' users, in graph order
+    graph.eliminate_dead_code()
+    return moved
+
+
+FAMILY = ("qk_norm_rope", "qk_norm_rope_whole_row")
+_VARIANTS = {"qk_norm_rope_whole_row": False, "qk_norm_rope": True}  # name: per_head, in order
 
 
 def _fusion(name: str) -> Fusion:
-    per_head, rope = _VARIANTS[name]
+    per_head = _VARIANTS[name]
     scalars: dict[str, float] = {"eps": DEFAULT_SCALAR_SENTINEL, "k_eps": K_EPS_SENTINEL}
     if not per_head:
         scalars["head_dim"] = HEAD_DIM_SENTINEL
     where = {
-        "qk_norm_rope": "per-head norm, RoPE over the whole head (Qwen3, Qwen3-MoE)",
-        "qk_norm_rope_partial": "per-head norm, partial RoPE (Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE)",
-        "qk_norm_rope_whole_row": "norm over all heads, partial RoPE (MiniMax-M2)",
+        "qk_norm_rope": "per-head norm (Qwen3, Qwen3-Next, Qwen 3.5; vLLM's flat tokens)",
+        "qk_norm_rope_whole_row": "norm over all heads (MiniMax-M2, Olmo2)",
     }[name]
+    first = name == next(iter(_VARIANTS))  # its canonicalization serves both
     return Fusion(
         name=name,
         summary=f"q/k RMSNorm + RoPE, {where} -> one qk_norm_rope kernel",
         doc=__doc__.split("\n\n", 1)[1],
-        spellings=tuple(_spellings(per_head, rope)),
-        example_inputs=_examples(per_head, full_rope=rope == "rope"),
+        spellings=tuple(_spellings(per_head)),
+        example_inputs=_examples(per_head),
         scalars=scalars,
-        # Enabling qk_norm_rope by name enables the whole family (and the norms it starts from).
-        requires=("rms_norm",) + (FAMILY[1:] if name == "qk_norm_rope" else ()),
+        canonicalize=pair_rope_ops if first else None,
+        # Enabling qk_norm_rope by name enables the whole family (and the ops it starts from).
+        requires=("rms_norm", "rope", "rope_partial", "rope_half_cos", "rope_half_cos_partial",
+                  "rope_gpt_fast") + (FAMILY[1:] if name == "qk_norm_rope" else ()),
         builtin=True,
     )
 

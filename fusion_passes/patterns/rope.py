@@ -239,9 +239,9 @@ def _fusion(name: str, summary: str, spellings, example_inputs) -> Fusion:
         doc=__doc__.split("\n\n", 1)[1],
         spellings=tuple(spellings),
         example_inputs=example_inputs,
-        # rotate_half's negation marks a RoPE candidate left unraised (the other spellings'
-        # sub / stack are too common to mark one).
-        candidate_ops=("aten.neg.default",),
+        # No candidate op: every op of a RoPE spelling is common elsewhere (rotate_half's neg
+        # also feeds the exp of every SiLU / sigmoid), and candidate_ops cannot say "a neg that
+        # feeds a cat"; a near miss per MLP would bury the real ones.
         builtin=True,
     )
 

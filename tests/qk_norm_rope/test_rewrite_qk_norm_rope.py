@@ -1,6 +1,7 @@
 """Rewrite tests of QK-norm + RoPE: every spelling (per-head / whole-row norm, full / partial RoPE,
 each norm form) with exact match counts and ops before/after, outputs bit-exact against eager on
-the reference path (CPU); near misses that must not fuse."""
+the reference path (CPU); near misses that must not fuse. The RoPE is written here as transformers
+writes it; tests/qk_norm_rope/test_region_spellings.py has the other code bases' spellings."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 import fusion_passes
 from _params import by_str, grid
-from fusion_passes.patterns.qk_norm_rope import FAMILY, rope_full, rope_partial
+from fusion_passes.patterns.qk_norm_rope import FAMILY
+from fusion_passes.patterns.rope import FAMILY as ROPE_FAMILY
 from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm, offset_rms_norm
 from fusion_passes.numerics import tolerance
 from fusion_passes.registry import get_fusions
@@ -17,6 +19,36 @@ from fusion_passes.registry import get_fusions
 NORMS = {"llama": llama_rms_norm, "fp32_weight": functional_rms_norm, "offset": offset_rms_norm}
 HEAD_DIM, HQ, HK = 16, 4, 2
 ROPE_OPS = {"aten.neg.default", "aten.cat.default"}
+
+
+# --- transformers' apply_rotary_pos_emb (unsqueeze_dim=1), full and partial (Qwen3-Next) ---
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_full(q, k, cos, sin):
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def rope_partial(q, k, cos, sin):
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
 
 
 def _run(fn, *args, fusions="all"):
@@ -77,10 +109,15 @@ def _args(dtype, form, per_head, rotary, gate=False, tokens=(2, 3), cos_batch=1)
 
 SPELLINGS = {  # name: (fusion, per_head, rope, rotary dim, q+gate projection)
     "qwen3": ("qk_norm_rope", True, rope_full, HEAD_DIM, False),
-    "qwen3_5": ("qk_norm_rope_partial", True, rope_partial, HEAD_DIM // 4, True),
-    "qwen3_next_no_gate": ("qk_norm_rope_partial", True, rope_partial, HEAD_DIM // 2, False),
+    "qwen3_5": ("qk_norm_rope", True, rope_partial, HEAD_DIM // 4, True),
+    "qwen3_next_no_gate": ("qk_norm_rope", True, rope_partial, HEAD_DIM // 2, False),
     "minimax_m2": ("qk_norm_rope_whole_row", False, rope_partial, HEAD_DIM // 2, False),
 }
+
+
+def _raised(rope):
+    """The rope raise fusion that takes transformers' full / partial spelling (q and k: 2 sites)."""
+    return {"rope": 2} if rope is rope_full else {"rope_partial": 2}
 
 
 # By default each spelling in the norm form its model writes (Qwen3 and MiniMax-M2 the Llama form,
@@ -102,17 +139,17 @@ def test_spelling_fuses_bit_exact(spelling, form):
     dtype = torch.bfloat16
     fn = _attention_prelude(NORMS[form], per_head, rope, gate)
     out, expected, report = _run(fn, *_args(dtype, form, per_head, rotary, gate))
-    assert _matched(report) == {"rms_norm": 2, fusion: 1}
+    assert _matched(report) == {"rms_norm": 2, **_raised(rope), fusion: 1}
     (site,) = report.sites_of(fusion)
     scope = "per_head" if per_head else "whole_row"
-    rope_name = "rope" if rope is rope_full else "partial_rope"
-    assert site.spelling == f"{scope}_{form}_norm_{rope_name}"
+    assert site.spelling == f"{scope}_{form}_norm_transposed_rope"
     if not per_head:
         assert site.scalars["head_dim"] == HEAD_DIM
     before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
     assert ROPE_OPS <= set(before) and before["aten.rsqrt.default"] == 2
     assert after["fusion_passes.qk_norm_rope.default"] == 1
     assert not ROPE_OPS & set(after) and "fusion_passes.rms_norm.default" not in after
+    assert "fusion_passes.rope.default" not in after and not report.lowered_back()
     assert "aten.rsqrt.default" not in after and "aten.mul.Tensor" not in after
     assert not report.errors and not report.rejected
     for a, e in zip(out, expected, strict=True):
@@ -127,14 +164,15 @@ def test_other_dtypes_batch_and_eps(dtype):
         fn = _attention_prelude(NORMS["llama"], per_head, rope, gate, eps=(1e-5, 1e-5))
         args = _args(dtype, "llama", per_head, rotary, gate, tokens=(3, 5), cos_batch=3)
         out, expected, report = _run(fn, *args)
-        assert _matched(report) == {"rms_norm": 2, fusion: 1}, spelling
+        assert _matched(report) == {"rms_norm": 2, **_raised(rope), fusion: 1}, spelling
         assert report.sites_of(fusion)[0].scalars["eps"] == 1e-5
         for a, e in zip(out, expected, strict=True):
             assert torch.equal(a, e), spelling
 
 
 def test_rope_without_norm_is_not_fused():
-    """Llama's RoPE (no q/k norm): qk_norm_rope requires the norms."""
+    """Llama's RoPE (no q/k norm): qk_norm_rope requires the norms; the raised rope ops are
+    lowered back to plain torch."""
 
     def fn(q_proj, k_proj, q_weight, k_weight, cos, sin):
         b, s = q_proj.shape[:2]
@@ -143,7 +181,8 @@ def test_rope_without_norm_is_not_fused():
         return rope_full(q, k, cos, sin)
 
     out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", True, HEAD_DIM))
-    assert _matched(report) == {}
+    assert _matched(report) == {"rope": 2}
+    assert report.lowered_back() == {"fusion_passes.rope.default": 2}
     assert ROPE_OPS <= set(report.graphs[0].ops_after)
     _assert_close(out, expected)
 
@@ -163,29 +202,39 @@ def test_norm_over_another_axis_is_not_fused():
     q, k, _, _, cos, sin = _args(torch.bfloat16, "llama", True, HEAD_DIM // 2)
     w = (1 + 0.3 * torch.randn(2, 2 * HEAD_DIM)).to(torch.bfloat16)
     out, expected, report = _run(fn, q, k, w[0], w[1], cos, sin)
-    assert _matched(report) == {"rms_norm": 2}
-    assert report.graphs[0].ops_after["fusion_passes.rms_norm.default"] == 2
+    assert _matched(report) == {"rms_norm": 2, "rope_partial": 2}
+    assert report.lowered_back() == {"fusion_passes.rms_norm.default": 2, "fusion_passes.rope.default": 2}
+    assert any("weight" in r.reason for r in report.rejected if r.fusion == "qk_norm_rope")
     _assert_close(out, expected)
 
 
-@pytest.mark.parametrize("case", ["one_position", "cos_fp32", "full_rope_narrow_cos"])
+def test_one_position_for_every_token_is_fused():
+    """cos/sin of one position broadcast over the tokens (eager broadcasts them): the kernel reads
+    the row for every token (a stride-0 expand)."""
+    fusion, per_head, rope, rotary, gate = SPELLINGS["qwen3_5"]
+    q, k, wq, wk, cos, sin = _args(torch.bfloat16, "llama", per_head, rotary, gate)
+    fn = _attention_prelude(NORMS["llama"], per_head, rope, gate)
+    out, expected, report = _run(fn, q, k, wq, wk, cos[:, :1], sin[:, :1])
+    assert _matched(report) == {"rms_norm": 2, **_raised(rope), fusion: 1}
+    for a, e in zip(out, expected, strict=True):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("case", ["cos_fp32", "full_rope_narrow_cos"])
 def test_mismatched_cos_sin_is_not_fused(case):
-    """cos/sin one position for every token, in fp32 against bf16 q (eager promotes), or one
-    column wide under the full-head RoPE (eager broadcasts it): rejected with a reason."""
+    """cos/sin in fp32 against bf16 q with no cast back (eager's result is fp32), or one column
+    wide under the full-head RoPE (eager broadcasts it): the RoPE is not raised, with a reason."""
     spelling = "qwen3" if case == "full_rope_narrow_cos" else "qwen3_5"
     fusion, per_head, rope, rotary, gate = SPELLINGS[spelling]
     q, k, wq, wk, cos, sin = _args(torch.bfloat16, "llama", per_head, rotary, gate)
-    if case == "one_position":
-        cos, sin = cos[:, :1], sin[:, :1]
-    elif case == "cos_fp32":
+    if case == "cos_fp32":
         cos, sin = cos.float(), sin.float()
     else:
         cos, sin = cos[..., :1], sin[..., :1]
     fn = _attention_prelude(NORMS["llama"], per_head, rope, gate)
     out, expected, report = _run(fn, q, k, wq, wk, cos, sin)
     assert _matched(report) == {"rms_norm": 2}
-    # Each anchor the matcher tries (q's RoPE, k's) is rejected, each with a reason.
-    assert report.rejected and all(r.fusion == fusion for r in report.rejected)
+    assert report.rejected and all(r.fusion in ROPE_FAMILY for r in report.rejected)
     assert any("cos" in r.reason for r in report.rejected)
     _assert_close(out, expected)
 
@@ -197,7 +246,7 @@ def test_whole_row_norm_fused_at_prefill_sizes():
     fn = _attention_prelude(NORMS["llama"], per_head, rope, gate)
     args = _args(torch.bfloat16, "llama", per_head, rotary, tokens=(1, 4096))
     out, expected, report = _run(fn, *args)
-    assert _matched(report) == {"rms_norm": 2, fusion: 1} and not report.rejected
+    assert _matched(report) == {"rms_norm": 2, **_raised(rope), fusion: 1} and not report.rejected
     before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
     assert ROPE_OPS <= set(before) and before["aten.rsqrt.default"] == 2
     assert after["fusion_passes.qk_norm_rope.default"] == 1
@@ -212,7 +261,8 @@ def test_different_eps_or_normed_value_reused_is_not_fused():
     args = _args(torch.bfloat16, "llama", per_head, rotary, gate)
     fn = _attention_prelude(NORMS["llama"], per_head, rope, gate, eps=(1e-6, 1e-5))
     out, expected, report = _run(fn, *args)
-    assert _matched(report) == {"rms_norm": 2}
+    assert _matched(report) == {"rms_norm": 2, "rope": 2}
+    assert any("eps" in r.reason for r in report.rejected)
     _assert_close(out, expected)
 
     def reused(q_proj, k_proj, q_weight, k_weight, cos, sin):
@@ -222,7 +272,7 @@ def test_different_eps_or_normed_value_reused_is_not_fused():
         return (*rope_full(q, k, cos, sin), q * 2)
 
     out, expected, report = _run(reused, *args)
-    assert _matched(report) == {"rms_norm": 2}
+    assert _matched(report) == {"rms_norm": 2, "rope": 2}
     _assert_close(out, expected)
 
 
@@ -230,8 +280,9 @@ def test_family_is_in_all_after_rms_norm_and_enabled_by_name():
     names = [f.name for f in get_fusions("all")]
     assert set(FAMILY) <= set(names)
     assert min(names.index(n) for n in FAMILY) > names.index("rms_norm")
+    assert min(names.index(n) for n in FAMILY) > max(names.index(n) for n in ROPE_FAMILY)
     enabled = [f.name for f in get_fusions(["qk_norm_rope"])]
-    assert set(enabled) == {"rms_norm", *FAMILY}
+    assert set(enabled) == {"rms_norm", *ROPE_FAMILY, *FAMILY}
 
 
 def test_scalars_restored_where_the_recheck_drops_them(monkeypatch):
@@ -251,7 +302,7 @@ def test_scalars_restored_where_the_recheck_drops_them(monkeypatch):
         fusion, per_head, rope, rotary, gate = SPELLINGS[spelling]
         fn = _attention_prelude(NORMS["llama"], per_head, rope, gate, eps=(1e-5, 1e-5))
         out, expected, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, gate))
-        assert _matched(report) == {"rms_norm": 2, fusion: 1}, spelling
+        assert _matched(report) == {"rms_norm": 2, **_raised(rope), fusion: 1}, spelling
         assert report.sites_of(fusion)[0].scalars["eps"] == 1e-5
         assert not report.errors
         for a, e in zip(out, expected, strict=True):
@@ -259,4 +310,4 @@ def test_scalars_restored_where_the_recheck_drops_them(monkeypatch):
     fusion, per_head, rope, rotary, gate = SPELLINGS["qwen3"]
     fn = _attention_prelude(NORMS["llama"], per_head, rope, gate, eps=(1e-6, 1e-5))
     _, _, report = _run(fn, *_args(torch.bfloat16, "llama", per_head, rotary, gate))
-    assert _matched(report) == {"rms_norm": 2} and not report.errors
+    assert _matched(report) == {"rms_norm": 2, "rope": 2} and not report.errors

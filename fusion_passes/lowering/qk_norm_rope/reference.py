@@ -6,8 +6,10 @@ Between the QKV projection and attention, q and k are RMS-normalised and rotated
         y = rms_norm(x, w, eps, weight_offset, cast_before_weight)       x: [B, S, H, D], w: [D]
     whole row  (norm_per_head=False: MiniMax-M2, all heads of a token together)
         y = rms_norm(x.reshape(B, S, H * D), w, ...).reshape(B, S, H, D)  w: [H * D]
-    then rotate_half RoPE on the first R = cos.shape[-1] dims of every head, in x.dtype as
-    transformers computes it (each product and the sum rounded to x.dtype), the rest passed through:
+    then rotate_half RoPE on the first R = cos.shape[-1] dims of every head, the rest passed
+    through: the canonical ``rope`` op's math (lowering/rope/reference.py) with interleaved=False,
+    in cos's dtype: x.dtype as transformers computes it (each product and the sum rounded to
+    x.dtype), or fp32 (fp32 cos / sin: Olmo2, gpt-fast; one rounding at the end):
         y1, y2 = y[..., :R/2], y[..., R/2:R]
         out[..., :R/2]  = y1 * cos[..., :R/2] + (-y2) * sin[..., :R/2]
         out[..., R/2:R] = y2 * cos[..., R/2:] + y1 * sin[..., R/2:]
@@ -15,7 +17,7 @@ Between the QKV projection and attention, q and k are RMS-normalised and rotated
     returned as [B, H, S, D] (what attention consumes): a transpose(1, 2) view of a new
     contiguous [B, S, H, D] tensor, so the kernel writes each token's heads in one run.
 
-cos / sin are [B or 1, S, R] in x.dtype (transformers casts them to the activations' dtype once per
+cos / sin are [B or 1, S, R] in x.dtype or float32 (transformers casts them to the activations' dtype once per
 step; Qwen 3.5's interleaved MRoPE sections are already folded into them, so the op never sees
 sections). The norm's two rounding forms are rms_norm_reference's.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_passes.lowering.rope.reference import rope_reference
 from fusion_passes.lowering.rms_norm.reference import (
     SUPPORTED_DTYPES,
     check_rms_norm_args,
@@ -60,9 +63,11 @@ def check_qk_norm_rope_args(
         raise ValueError(
             f"qk_norm_rope: cos and sin must both be [B, S, R], got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    if cos.dtype != q.dtype or sin.dtype != q.dtype:
-        # q * cos would promote to cos's dtype: a different rounding than the op's.
-        raise ValueError(f"qk_norm_rope: cos/sin must be in q's dtype {q.dtype}, got {cos.dtype}")
+    if cos.dtype not in (q.dtype, torch.float32) or sin.dtype != cos.dtype:
+        # The RoPE runs in cos's dtype: q's, or fp32 (rounded once at the end).
+        raise ValueError(
+            f"qk_norm_rope: cos/sin must be in q's dtype {q.dtype} or float32, got {cos.dtype}/{sin.dtype}"
+        )
     r = cos.shape[-1]
     if cos.shape[0] not in (1, b) or cos.shape[1] != s or r % 2 or not 2 <= r <= d:
         raise ValueError(
@@ -76,14 +81,11 @@ def check_qk_norm_rope_args(
             raise ValueError(f"qk_norm_rope ({name}): {e}") from None
 
 
-def rope_reference(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE on the first cos.shape[-1] dims of y [B, H, S, D], in y.dtype, as
-    transformers' apply_rotary_pos_emb (partial form) computes it; cos/sin are [B or 1, S, R]."""
-    r = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rot, rest = y[..., :r], y[..., r:]
-    rotated = torch.cat((-rot[..., r // 2 :], rot[..., : r // 2]), dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+def _rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE on the first cos.shape[-1] dims of y [B, H, S, D] in cos's dtype (y's or
+    fp32); cos/sin are [B or 1, S, R]."""
+    compute_fp32 = cos.dtype != y.dtype
+    return rope_reference(y, cos.unsqueeze(1), sin.unsqueeze(1), False, compute_fp32)
 
 
 def _branch(x, weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head):
@@ -91,7 +93,7 @@ def _branch(x, weight, cos, sin, eps, weight_offset, cast_before_weight, norm_pe
     rows = x if norm_per_head else x.reshape(b, s, h * d)
     y = rms_norm_reference(rows, weight, eps, weight_offset, cast_before_weight)
     out = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
-    out.copy_(rope_reference(y.reshape(b, s, h, d).transpose(1, 2), cos, sin))
+    out.copy_(_rope(y.reshape(b, s, h, d).transpose(1, 2), cos, sin))
     return out
 
 

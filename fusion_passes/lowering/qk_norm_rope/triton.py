@@ -169,22 +169,25 @@ def _norm_rope_rows(
     _rope_store(
         x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_ptr + rows[:, None] * D,
         cols[None, :], pcols[None, :], half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT,
+        cos_ptr.dtype.element_ty,
     )  # fmt: skip
 
 
 @triton.jit
 def _rope_store(
     x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_row, cols, pcols, half_mask,
-    pass_mask, HALF: tl.constexpr, PASS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    pass_mask, HALF: tl.constexpr, PASS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, rope_dtype,
 ):  # fmt: skip
     """The split tiles' outputs: x1, x2 (the rotary halves) and xp (pass-through, used when PASS)
-    normalised by rstd, scaled by their weights, rotated and stored at out_row ([ROWS, 1])."""
+    normalised by rstd, scaled by their weights, rotated and stored at out_row ([ROWS, 1]).
+    The RoPE rounds each product and the sum to rope_dtype, cos / sin's dtype (see the reference)."""
     dtype = out_row.dtype.element_ty
     y1 = _rounded(scale_by_weight(x1 * rstd, w1, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
     y2 = _rounded(scale_by_weight(x2 * rstd, w2, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
-    # transformers' RoPE runs in x.dtype: every product and the sum are rounded.
-    o1 = _rounded(y1 * c1, dtype) - _rounded(y2 * s1, dtype)
-    o2 = _rounded(y2 * c2, dtype) + _rounded(y1 * s2, dtype)
+    # transformers' RoPE runs in x.dtype: every product and the sum are rounded (fp32 cos / sin:
+    # Olmo2's and gpt-fast's fp32 math, rounded once at the store).
+    o1 = _rounded(_rounded(y1 * c1, rope_dtype) - _rounded(y2 * s1, rope_dtype), rope_dtype)
+    o2 = _rounded(_rounded(y2 * c2, rope_dtype) + _rounded(y1 * s2, rope_dtype), rope_dtype)
     tl.store(out_row + cols, o1.to(dtype), mask=half_mask)
     tl.store(out_row + HALF + cols, o2.to(dtype), mask=half_mask)
     if PASS > 0:
@@ -212,7 +215,7 @@ def _load_split_heads(x_token, heads, stride_h, H: tl.constexpr, HALF: tl.conste
 def _store_split_heads(
     x1, x2, xp, heads, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H: tl.constexpr,
     HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, rope_dtype,
 ):  # fmt: skip
     """_load_split_heads' step normalised by the token's rstd with its heads' weights (loaded
     here, each head its slice of the [H * D] weight), rotated and stored."""
@@ -227,7 +230,7 @@ def _store_split_heads(
     wp = tl.load(w_row + 2 * HALF + pcols, mask=pass_mask, other=0.0).to(tl.float32)
     _rope_store(
         x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, (out_token + heads * D)[:, None],
-        cols, pcols, half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT,
+        cols, pcols, half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT, rope_dtype,
     )  # fmt: skip
 
 
@@ -277,23 +280,23 @@ def _whole_row_split_steps(
     out_token = out_ptr + token.to(tl.int64) * (H * D)
     _store_split_heads(
         x1a, x2a, xpa, lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H, HALF, PASS,
-        BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
+        BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
     )  # fmt: skip
     if STEPS > 1:
         _store_split_heads(
             x1b, x2b, xpb, ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H,
-            HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
-        )  # fmt: skip
+            HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
+    )  # fmt: skip
     if STEPS > 2:
         _store_split_heads(
             x1c, x2c, xpc, 2 * ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset,
-            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
-        )  # fmt: skip
+            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
+    )  # fmt: skip
     if STEPS > 3:
         _store_split_heads(
             x1d, x2d, xpd, 3 * ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset,
-            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT,
-        )  # fmt: skip
+            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -313,6 +316,7 @@ def _rotary_tile(
     D: tl.constexpr = 2 * HALF + PASS
     R: tl.constexpr = 2 * HALF
     dtype = out_row.dtype.element_ty
+    rope_dtype = cos_row.dtype.element_ty  # the RoPE's rounding: x.dtype, or fp32 (see _rope_store)
     if NORM_HERE or PASS > 0:
         cols = tl.arange(0, BLOCK_D)[None, :]
         # With rstd given, only the pass-through columns are read (R..D: no L1 / L2 reads of the
@@ -344,7 +348,7 @@ def _rotary_tile(
     # rotate_half: the first half subtracts its partner's product, the second adds it (negation
     # is exact, so the rounding matches the reference's separate sub and add).
     sign = tl.where(rc < HALF, -1.0, 1.0)
-    o = _rounded(y * c, dtype) + sign * _rounded(y_partner * s, dtype)
+    o = _rounded(_rounded(y * c, rope_dtype) + sign * _rounded(y_partner * s, rope_dtype), rope_dtype)
     tl.store(out_row + rc, o.to(dtype), mask=rot)
 
 

@@ -1,0 +1,224 @@
+"""RoPE as other code bases write it (each function: a model's attention prelude from the
+projection outputs to the rotated q and k), written here from how those projects compute it, not
+from the patterns' helpers. Inputs are built by ``inputs(dtype)``; every function returns (q, k)."""
+
+from __future__ import annotations
+
+import torch
+
+B, S, HQ, HK, D = 2, 5, 3, 1, 12  # odd sizes: 5 tokens, 3 + 1 heads of 12
+
+
+def _hf_rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def llama(q_proj, k_proj, cos, sin):
+    """transformers Llama / Qwen3 (no q/k norm here): view, transpose, cos.unsqueeze(1)."""
+    b, s = q_proj.shape[:2]
+    q = q_proj.view(b, s, -1, D).transpose(1, 2)
+    k = k_proj.view(b, s, -1, D).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_embed = (q * cos) + (_hf_rotate_half(q) * sin)
+    k_embed = (k * cos) + (_hf_rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def gemma(q_proj, k_proj, cos32, sin32):
+    """transformers Gemma: the rotary embedding's fp32 cos / sin cast to the activations' dtype."""
+    cos, sin = cos32.to(dtype=q_proj.dtype), sin32.to(dtype=q_proj.dtype)
+    return llama(q_proj, k_proj, cos, sin)
+
+
+def olmo2(q_proj, k_proj, cos32, sin32):
+    """transformers Olmo2: fp32 cos / sin (q * cos promotes), each result cast back."""
+    b, s = q_proj.shape[:2]
+    q = q_proj.view(b, s, -1, D).transpose(1, 2)
+    k = k_proj.view(b, s, -1, D).transpose(1, 2)
+    q_type, k_type = q.dtype, k.dtype
+    cos, sin = cos32.unsqueeze(1), sin32.unsqueeze(1)
+    q_embed = (q * cos) + (_hf_rotate_half(q) * sin)
+    k_embed = (k * cos) + (_hf_rotate_half(k) * sin)
+    return q_embed.to(q_type), k_embed.to(k_type)
+
+
+def phi3(qkv, cos_half, sin_half):
+    """transformers Phi-3: one qkv projection sliced, partial rotary (cos spans R < D)."""
+    b, s = qkv.shape[:2]
+    query_pos = HQ * D
+    q = qkv[..., :query_pos].view(b, s, -1, D).transpose(1, 2)
+    k = qkv[..., query_pos : query_pos + HK * D].view(b, s, -1, D).transpose(1, 2)
+    cos, sin = cos_half.unsqueeze(1), sin_half.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = torch.cat([(q_rot * cos) + (_hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (_hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+def _glm_rotate_half(x):
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def glm4(q_proj, k_proj, cos_half, sin_half):
+    """transformers GLM4: GPT-J pairs on the first half of the head, cos / sin of the rotary
+    embedding's cat((freqs, freqs)) cut to their first half and repeat_interleave(2)-ed."""
+    b, s = q_proj.shape[:2]
+    q = q_proj.view(b, s, -1, D).transpose(1, 2)
+    k = k_proj.view(b, s, -1, D).transpose(1, 2)
+    cos = cos_half.unsqueeze(1)
+    sin = sin_half.unsqueeze(1)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (_glm_rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (_glm_rotate_half(k_rot) * sin)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+
+
+def _gpt_fast_apply(x, freqs_cis):
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        -1,
+    )
+    x_out2 = x_out2.flatten(3)
+    return x_out2.type_as(x)
+
+
+def gpt_fast(qkv, freqs_cache, input_pos):
+    """gpt-fast: fused wqkv + split, RoPE on [B, S, H, D] before the transpose, bf16 cache."""
+    bsz, seqlen = qkv.shape[:2]
+    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    q = q.view(bsz, seqlen, HQ, D)
+    k = k.view(bsz, seqlen, HK, D)
+    freqs_cis = freqs_cache[input_pos]
+    q = _gpt_fast_apply(q, freqs_cis)
+    k = _gpt_fast_apply(k, freqs_cis)
+    q, k = map(lambda x: x.transpose(1, 2), (q, k))
+    return q, k
+
+
+def _vllm_apply(x, cos, sin, is_neox_style):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def _vllm(positions, query, key, cos_sin_cache, rotary_dim, is_neox_style):
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    out = []
+    for x in (query, key):
+        shape = x.shape
+        x = x.view(num_tokens, -1, D)
+        if rotary_dim == D:
+            x = _vllm_apply(x, cos, sin, is_neox_style)
+        else:
+            x_rot = x[..., :rotary_dim]
+            x_pass = x[..., rotary_dim:]
+            x_rot = _vllm_apply(x_rot, cos, sin, is_neox_style)
+            x = torch.cat((x_rot, x_pass), dim=-1)
+        out.append(x.reshape(shape))
+    return tuple(out)
+
+
+def vllm(neox: bool, rotary_dim: int):
+    """vLLM's RotaryEmbedding.forward_native on flat [T, H * D] q / k."""
+
+    def fn(positions, query, key, cos_sin_cache):
+        return _vllm(positions, query, key, cos_sin_cache, rotary_dim, neox)
+
+    fn.__name__ = f"vllm_{'neox' if neox else 'gptj'}_{rotary_dim}"
+    return fn
+
+
+def _angles(s, half, batch=B):
+    return 50 * torch.rand(batch, s, half)
+
+
+def inputs(name: str, dtype: torch.dtype, seed: int = 0):
+    g = torch.manual_seed(seed)
+    del g
+    q_proj = torch.randn(B, S, HQ * D).to(dtype)
+    k_proj = torch.randn(B, S, HK * D).to(dtype)
+    if name in ("llama", "gemma", "olmo2"):
+        a = _angles(S, D // 2)
+        a = torch.cat((a, a), -1)
+        cos, sin = a.cos(), a.sin()
+        if name == "llama":
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return q_proj, k_proj, cos, sin
+    if name in ("phi3", "glm4"):
+        a = _angles(S, D // 4)  # rotary D / 2 (partial_rotary_factor 0.5)
+        a = torch.cat((a, a), -1)
+        cos, sin = a.cos().to(dtype), a.sin().to(dtype)
+        if name == "phi3":
+            return torch.randn(B, S, (HQ + 2 * HK) * D).to(dtype), cos, sin
+        return q_proj, k_proj, cos, sin
+    if name == "gpt_fast":
+        a = 50 * torch.rand(16, D // 2)
+        cache = torch.stack([a.cos(), a.sin()], dim=-1).to(torch.bfloat16)
+        qkv = torch.randn(1, S, (HQ + 2 * HK) * D).to(dtype)
+        return qkv, cache, torch.tensor([3, 7, 0, 15, 9])
+    if name.startswith("vllm"):
+        rotary = int(name.rsplit("_", 1)[1])
+        a = 50 * torch.rand(32, rotary // 2)
+        cache = torch.cat([a.cos(), a.sin()], dim=-1).to(dtype)
+        t = 7
+        return (
+            torch.tensor([5, 0, 31, 2, 2, 17, 9]),
+            torch.randn(t, HQ * D).to(dtype),
+            torch.randn(t, HK * D).to(dtype),
+            cache,
+        )
+    raise KeyError(name)
+
+
+SPELLINGS = {
+    "llama": llama,
+    "gemma": gemma,
+    "olmo2": olmo2,
+    "phi3": phi3,
+    "glm4": glm4,
+    "gpt_fast": gpt_fast,
+    "vllm_neox_12": vllm(True, 12),
+    "vllm_neox_8": vllm(True, 8),
+    "vllm_gptj_12": vllm(False, 12),
+    "vllm_gptj_8": vllm(False, 8),
+}
+# The raise fusion each spelling's two sites (q and k) go to.
+RAISED_BY = {
+    "llama": "rope",
+    "gemma": "rope",
+    "olmo2": "rope",
+    "phi3": "rope_partial",
+    "glm4": "rope_partial",
+    "gpt_fast": "rope_gpt_fast",
+    "vllm_neox_12": "rope_half_cos",
+    "vllm_neox_8": "rope_half_cos_partial",
+    "vllm_gptj_12": "rope_half_cos",
+    "vllm_gptj_8": "rope_half_cos_partial",
+}
