@@ -5,9 +5,18 @@ Spellings (as transformers writes them):
   MiniMaxM2RMSNorm (and the norm inside Qwen3-Next / Qwen 3.5 RMSNormGated):
       h = x.to(f32); h = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps); weight * h.to(x.dtype)
 - ``F.rms_norm`` / ``nn.RMSNorm``: the weight is multiplied in fp32, rounded once at the end.
-- Qwen3-Next / Qwen 3.5 / Qwen 3.5-MoE ``(1 + w)`` form:
+- Qwen3-Next / Qwen 3.5 / Qwen 3.5-MoE ``(1 + w)`` form (Gemma and Gemma 3 write it alike):
       o = x.float(); o = o * rsqrt(o.pow(2).mean(-1, keepdim=True) + eps);
       (o * (1.0 + weight.float())).type_as(x)
+- Meta's reference Llama (and vLLM's native forward without a residual): the Llama form with the
+  weight on the right, ``_norm(x.float()).type_as(x) * weight``.
+- gpt-fast: the same with the square written ``x * x``: ``mean(x * x, -1)`` (bit-equal to
+  ``pow(2)``: both are one correctly rounded product).
+- Olmo2: ``(weight * h).to(dtype)``, the weight multiplied in fp32 (promoted) before the one
+  cast: the F.rms_norm form.
+- vLLM's native forward with a residual: the add in fp32, the fp32 sum normalised unrounded,
+  its rounding the new residual (``add_rms_norm(..., residual_in_fp32=True)``):
+      x = x.to(f32) + residual.to(f32); residual = x.to(dtype); ...; x.to(dtype) * weight
 Each with and without the decoder layer's residual add before it (``residual + hidden_states``,
 whose sum is the next residual); the add's operand order does not matter (IEEE addition
 commutes), so one spelling covers ``x + residual`` and ``residual + x``.
@@ -44,6 +53,47 @@ def offset_rms_norm(x, weight, eps):
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
     o = o * (1.0 + weight.float())
     return o.type_as(x)
+
+
+def meta_rms_norm(x, weight, eps):
+    def _norm(h):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+    return _norm(x.float()).type_as(x) * weight
+
+
+def gpt_fast_rms_norm(x, weight, eps):
+    def _norm(h):
+        return h * torch.rsqrt(torch.mean(h * h, dim=-1, keepdim=True) + eps)
+
+    return _norm(x.float()).type_as(x) * weight
+
+
+def olmo2_rms_norm(x, weight, eps):
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return (weight * h).to(input_dtype)
+
+
+def vllm_add_rms_norm(x, residual, weight, eps):
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x + residual.to(torch.float32)
+    residual = x.to(orig_dtype)
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x.to(orig_dtype)
+    x = x * weight
+    return x, residual
+
+
+def _vllm_fused_add_rms_norm(x, residual, weight, eps):
+    out, new_residual = torch.ops.fusion_passes.add_rms_norm.default(
+        x, residual, weight, eps, 0.0, True, True
+    )
+    return out, new_residual
 
 
 def _with_residual(norm):
@@ -108,6 +158,9 @@ _FORMS = (  # spelling, weight_offset, cast_before_weight
     (llama_rms_norm, 0.0, True),
     (functional_rms_norm, 0.0, False),
     (offset_rms_norm, 1.0, False),
+    (meta_rms_norm, 0.0, True),
+    (gpt_fast_rms_norm, 0.0, True),
+    (olmo2_rms_norm, 0.0, False),
 )
 
 ADD_RMS_NORM = Fusion(
@@ -118,7 +171,8 @@ ADD_RMS_NORM = Fusion(
     Unfused: r = residual + x; h = f32(r); n = h * rsqrt(mean(h^2, -1) + eps); y = scale(n, w)
              (3 kernels in eager per norm; Inductor 1, reading x and residual, writing y and r)
     Fused:   y, r = fusion_passes.add_rms_norm(x, residual, w, eps, weight_offset, cast)
-    Forms:   Llama (weight * n.to(dtype)), F.rms_norm / nn.RMSNorm (n * f32(w)), Qwen (1 + w)""",
+    Forms:   Llama (weight * n.to(dtype)), F.rms_norm / nn.RMSNorm (n * f32(w)), Qwen (1 + w);
+             the add in fp32, its sum normalised unrounded (vLLM's native forward)""",
     spellings=tuple(
         Spelling(
             f"add_{fn.__name__}",
@@ -127,6 +181,11 @@ ADD_RMS_NORM = Fusion(
             _check_form(offset, cast),
         )
         for fn, offset, cast in _FORMS
+    )
+    + (
+        # After the rounded-add forms: in fp32 graphs the two adds coincide, and the rounded form
+        # is the one every region fusion takes.
+        Spelling("vllm_add_rms_norm", vllm_add_rms_norm, _vllm_fused_add_rms_norm, _check_form(0.0, True)),
     ),
     example_inputs=_examples(with_residual=True),
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},

@@ -36,6 +36,10 @@ def test_kernel_matches_reference(shape, dtype, form):
     ref_out, ref_residual = add_rms_norm_reference(x, residual, weight, 1e-5, offset, cast)
     assert torch.equal(new_residual, ref_residual)  # one rounding of an fp32 sum: bit-exact
     assert compare(out, ref_out).ok
+    # vLLM's native form: the fp32 sum normalised before its rounding.
+    out, new_residual = rms_norm_triton(x, weight, 1e-5, offset, cast, True, residual=residual)
+    ref_out, ref_residual = add_rms_norm_reference(x, residual, weight, 1e-5, offset, cast, True)
+    assert torch.equal(new_residual, ref_residual) and compare(out, ref_out).ok
 
 
 def decoder_like(x, residual, w1, w2, w3):

@@ -41,16 +41,19 @@ def _randn(shape, dtype, generator):
     return torch.randn(shape, generator=generator).to(DEVICE, dtype)
 
 
-def _reference(x, weight, eps, weight_offset, cast_before_weight, residual):
+def _reference(x, weight, eps, weight_offset, cast_before_weight, residual, residual_in_fp32=False):
     if residual is None:
         return rms_norm_reference(x, weight, eps, weight_offset, cast_before_weight), None
-    return add_rms_norm_reference(x, residual, weight, eps, weight_offset, cast_before_weight)
+    return add_rms_norm_reference(
+        x, residual, weight, eps, weight_offset, cast_before_weight, residual_in_fp32
+    )
 
 
-def _check(x, weight, eps, weight_offset, cast_before_weight, residual):
+def _check(x, weight, eps, weight_offset, cast_before_weight, residual, residual_in_fp32=False):
     """Run the kernel and assert it matches the reference within the dtype's tolerance."""
-    out, new_residual = rms_norm_triton(x, weight, eps, weight_offset, cast_before_weight, residual)
-    ref, ref_residual = _reference(x, weight, eps, weight_offset, cast_before_weight, residual)
+    form = (eps, weight_offset, cast_before_weight, residual_in_fp32)
+    out, new_residual = rms_norm_triton(x, weight, *form, residual=residual)
+    ref, ref_residual = _reference(x, weight, *form[:3], residual, residual_in_fp32)
     rtol, atol = TOLERANCE[x.dtype]
     assert out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
     torch.testing.assert_close(out.double(), ref.double(), rtol=rtol, atol=atol)
@@ -83,6 +86,7 @@ def _cases(draw):
         weight_offset=weight_offset,
         cast_before_weight=cast_before_weight,
         with_residual=draw(st.booleans()),
+        residual_in_fp32=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -95,18 +99,19 @@ def test_matches_reference(case):
     x = _randn(shape, dtype, g)
     weight = _randn(shape[-1], case["weight_dtype"], g)
     residual = _randn(shape, dtype, g) if case["with_residual"] else None
-    _check(x, weight, case["eps"], case["weight_offset"], case["cast_before_weight"], residual)
+    form = (case["eps"], case["weight_offset"], case["cast_before_weight"])
+    _check(x, weight, *form, residual, case["residual_in_fp32"] and residual is not None)
 
 
 @pytest.mark.parametrize("hidden", [1, 7, 100, 129, 3072, 7168])
-@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True, "fp32"])
 def test_hidden_sizes_llama_bf16(hidden, with_residual):
-    """The model sizes and odd sizes, in the Llama form the benchmark times."""
+    """The model sizes and odd sizes, in the Llama form the benchmark times (and vLLM's fp32 add)."""
     g = torch.Generator().manual_seed(hidden)
     x = _randn((3, hidden), torch.bfloat16, g)
     weight = _randn(hidden, torch.bfloat16, g)
     residual = _randn((3, hidden), torch.bfloat16, g) if with_residual else None
-    _check(x, weight, 1e-6, 0.0, True, residual)
+    _check(x, weight, 1e-6, 0.0, True, residual, with_residual == "fp32")
 
 
 def test_outputs_fully_written(monkeypatch):

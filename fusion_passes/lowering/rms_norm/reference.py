@@ -4,6 +4,8 @@ Two flags say where a model spelling rounds, so that one op reproduces every spe
 
     r = x + residual                       add_rms_norm only; rounded to x.dtype, as the model does
     n = f32(r) * rsqrt(mean(f32(r)^2, dim=-1) + eps)
+        residual_in_fp32=True (vLLM's native forward): s = f32(x) + f32(residual) is normalised
+        unrounded, n = s * rsqrt(mean(s^2) + eps), and r = s.to(x.dtype) is the new residual
 
     cast_before_weight=True   (Llama form: DeepSeek V3/V3.2, Qwen 3, MiniMax-M2)
         y = weight * n.to(x.dtype)          the normalised value is rounded, then scaled in x.dtype
@@ -70,14 +72,18 @@ def rms_norm_reference(
     cast_before_weight: bool = False,
 ) -> torch.Tensor:
     """Reference RMSNorm over the last dim (see the module docstring for the two forms)."""
-    h = x.to(torch.float32)
+    return _normalize(x.to(torch.float32), weight, eps, weight_offset, cast_before_weight, x.dtype)
+
+
+def _normalize(h, weight, eps, weight_offset, cast_before_weight, dtype):
+    """The norm of fp32 rows h, scaled and rounded to ``dtype`` in the form's order."""
     n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if cast_before_weight:
-        return weight * n.to(x.dtype)
+        return weight * n.to(dtype)
     w = weight.to(torch.float32)
     if weight_offset != 0.0:
         w = w + weight_offset
-    return (n * w).to(x.dtype)
+    return (n * w).to(dtype)
 
 
 def add_rms_norm_reference(
@@ -87,8 +93,14 @@ def add_rms_norm_reference(
     eps: float,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    residual_in_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference residual add + RMSNorm: returns (normed, new_residual = x + residual)."""
+    """Reference residual add + RMSNorm: returns (normed, new_residual = x + residual); with
+    ``residual_in_fp32`` the fp32 sum is normalised before its rounding (module docstring)."""
+    if residual_in_fp32:
+        s = x.to(torch.float32) + residual.to(torch.float32)
+        normed = _normalize(s, weight, eps, weight_offset, cast_before_weight, x.dtype)
+        return normed, s.to(x.dtype)
     new_residual = x + residual
     return (
         rms_norm_reference(new_residual, weight, eps, weight_offset, cast_before_weight),

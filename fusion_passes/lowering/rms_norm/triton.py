@@ -4,7 +4,7 @@ Unfused: r = x + residual (rounded to x.dtype), then rms_norm(r): two passes ove
     reading x, residual, writing r, then reading r again and writing y.
 Fused:   one pass per row, all math in fp32, rounding exactly where rms_norm/reference.py does:
     r   = to_x_dtype(f32(x) + f32(residual))          stored as new_residual (add form only)
-    n   = f32(r) * rsqrt(sum(f32(r)^2) / N + eps)
+    n   = f32(r) * rsqrt(sum(f32(r)^2) / N + eps)     (residual_in_fp32: of the unrounded sum)
     cast_before_weight (Llama form):  y = to_x_dtype(f32(to_x_dtype(n)) * f32(weight))
     otherwise:                        y = to_x_dtype(n * (f32(weight) + weight_offset))
 
@@ -38,6 +38,7 @@ def _rms_norm_kernel(
     eps,  # added to mean(r^2) before the rsqrt
     weight_offset,  # added to f32(weight) in the fp32-weight form (1.0 for Qwen3-Next), else 0.0
     HAS_RESIDUAL: tl.constexpr,  # add residual first and store r (the add_rms_norm form)
+    RESIDUAL_IN_FP32: tl.constexpr,  # normalise the fp32 sum, not its rounding (vLLM's form)
     CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form: round n to x.dtype before scaling by weight
     BLOCK_N: tl.constexpr,  # next_power_of_2(N): one block holds a whole row
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program normalises, as a [ROWS, BLOCK_N] block
@@ -60,10 +61,12 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + rows * stride_residual + cols[None, :]
         residual = tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)
-        # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value.
-        r_rounded = (r + residual).to(dtype)
+        # The model adds in x.dtype: round the fp32 sum, store it, normalise the rounded value
+        # (or, adding in fp32, the sum itself).
+        total = r + residual
+        r_rounded = total.to(dtype)
         tl.store(residual_out_ptr + rows * N + cols[None, :], r_rounded, mask=mask)
-        r = r_rounded.to(tl.float32)
+        r = total if RESIDUAL_IN_FP32 else r_rounded.to(tl.float32)
 
     # Masked columns hold 0, so they add nothing to the sum; divide by the true N.
     rstd = tl.rsqrt(tl.sum(r * r, axis=1) / N + eps)
@@ -77,6 +80,7 @@ def rms_norm_triton(
     eps: float,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
+    residual_in_fp32: bool = False,
     residual: torch.Tensor | None = None,
     *,
     wrap: Callable | None = None,
@@ -113,6 +117,7 @@ def rms_norm_triton(
         eps,
         weight_offset,
         HAS_RESIDUAL=residual is not None,
+        RESIDUAL_IN_FP32=residual_in_fp32,
         CAST_BEFORE_WEIGHT=cast_before_weight,
         BLOCK_N=block_n,
         ROWS_PER_PROGRAM=rows_per_program,
