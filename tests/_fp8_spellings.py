@@ -5,23 +5,27 @@ spelling it was traced from (the lowering references stay what they are for: the
 
 e4m3: FP8_MAX = 448; vLLM floors its dynamic scales at MIN_SCALING_FACTOR = 1 / (448 * 512).
 
-Fused today (the ``(add_)rms_norm_quant_fp8_*`` and ``silu_mul_quant_fp8_*`` patterns match them):
+Every quantization below raises to the canonical ``quant_fp8`` (patterns/quant_fp8.py), and the
+norm / SiLU region fusions take it where their kernels compute it (see tests/quant_fp8):
     torchao_quantize_affine_float8  static: torchao's ``_quantize_affine_float8``, as written
-    per_token_quant                 vLLM's per-token math in DeepSeek-V3 act_quant's order (below)
-    per_group_quant                 the same per group of 128 (DeepSeek V3's block-wise activations)
-
-Not fused today (known gaps; the first op of the post-grad graph where each parts from the
-patterns, which upcast to fp32, take ``aten.amax`` of |y32|, divide, floor the scale after the
-divide at MIN_SCALING_FACTOR and have no power-of-two rounding):
-    vllm_quant_fp8_native            static: ``aten.reciprocal`` of the scale (the patterns divide);
-                                     per token: ``aten.abs`` of the input in its own dtype (bf16),
-                                     ``aten.max.dim`` in fp32, then the reciprocal multiply
-    vllm_quant_fp8_group_native      ``aten.abs`` of the bf16 input, ``aten.max.dim`` in fp32; with
-                                     use_ue8m0 also ``aten.log2`` / ``ceil`` / ``exp2`` on the scale
-    sglang_per_token_group_quant_fp8 ``aten.max.dim``, then the amax floored at 1e-10 before the
-                                     divide (other scales than the patterns' for amax < 1/512)
-    vllm_ref_dynamic_per_token_quant ``aten.abs`` of the bf16 input / ``aten.max.dim``: numerically
-                                     per_token_quant bit for bit (the max of bf16 values is exact)
+    per_token_quant / per_group_quant  vLLM's per-token math in DeepSeek-V3 act_quant's order
+    vllm_quant_fp8_native            vLLM QuantFP8.forward_native: static, per token, per tensor;
+                                     ``x * scale.reciprocal()``, the floor after the divide
+    vllm_quant_fp8_group_native      vLLM's group quant; with use_ue8m0 ``exp2(ceil(log2(s)))``
+                                     scales (raised, not fused: the kernels round exactly)
+    sglang_per_token_group_quant_fp8 SGLang's native group quant: amax floored at 1e-10 in x's dtype
+    sglang_per_token_group_quant_fp8_reciprocal  SGLang's Triton group kernel in torch: fp32 amax
+                                     floored at eps, ``y * (1 / s)``
+    deepgemm_per_token_cast_to_fp8   DeepGEMM's per-token-group cast: amax clamped at 1e-4,
+                                     ``x * (1 / s)``, no saturation
+    deepseek_v3_act_quant            DeepSeek-V3's act_quant kernel in torch: no floor, no clamp
+    torchao_float8_per_row / torchao_float8_per_tensor  torchao's inference Float8 (bf16 amax and
+                                     scale, no floor): raised, not fused (scale in bf16)
+    torchao_training_tensorwise      torchao's training float8: fp64 amax, ``448 / amax``
+                                     multiplier, optional power-of-two floor: raised, not fused
+    te_current_scaling               a Transformer-Engine-style multiplier ``448 / max(amax, eps)``
+                                     per tensor: raised, not fused (per tensor)
+    vllm_ref_dynamic_per_token_quant vLLM's test reference (constants built as tensors): not raised
 """
 
 from __future__ import annotations
@@ -188,6 +192,98 @@ def vllm_ref_dynamic_per_token_quant(x):
     torch_out = as_float32_tensor(x) / scales
     torch_out = torch_out.clamp(FP8_MIN, FP8_MAX).to(FP8_DTYPE)
     return torch_out, scales
+
+
+def sglang_per_token_group_quant_fp8_reciprocal(x, group_size=GROUP_SIZE, eps=1e-10):
+    """SGLang's ``_per_token_group_quant_fp8`` Triton kernel (srt/layers/quantization/
+    fp8_kernel.py), written in torch: each group loaded as fp32, ``_absmax = max(max(|y|), eps)``,
+    ``y_s = _absmax / fp8_max``, ``y_s_inv = 1.0 / y_s``, ``clamp(y * y_s_inv)``."""
+    y = x.reshape(-1, group_size).to(torch.float32)
+    absmax = torch.clamp(y.abs().amax(dim=-1, keepdim=True), min=eps)
+    y_s = absmax / FP8_MAX
+    y_s_inv = 1.0 / y_s
+    y_q = torch.clamp(y * y_s_inv, FP8_MIN, FP8_MAX).to(FP8_DTYPE)
+    return y_q.reshape(x.shape), y_s.reshape(*x.shape[:-1], -1)
+
+
+def deepgemm_per_token_cast_to_fp8(x):
+    """DeepGEMM ``per_token_cast_to_fp8`` (deep_gemm/utils, tests): 2D x, groups of 128, the
+    amax clamped at 1e-4, ``x * (1 / sf)``, no saturating clamp. Returns (codes, sf [m, n / 128])."""
+    assert x.dim() == 2
+    m, n = x.shape
+    pad_size = (128 - (n % 128)) % 128
+    x = torch.nn.functional.pad(x, (0, pad_size), value=0) if pad_size > 0 else x
+    x_view = x.view(m, -1, 128)
+    x_amax = x_view.abs().float().amax(dim=2).view(m, -1).clamp(1e-4)
+    sf = x_amax / 448.0
+    return (x_view * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n + pad_size)[:, :n].contiguous(), sf
+
+
+def deepseek_v3_act_quant(x, block_size=128):
+    """DeepSeek-V3 ``act_quant`` (inference/kernel.py) in torch: per block of 128, ``x`` loaded as
+    fp32, ``s = max(|x|) / 448.``, ``y = x / s``, cast; no floor, no clamp. Returns (y, s)."""
+    x32 = x.to(torch.float32).view(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    s = torch.amax(torch.abs(x32), dim=-1, keepdim=True) / 448.0
+    y = (x32 / s).to(torch.float8_e4m3fn)
+    return y.view(x.shape), s.squeeze(-1)
+
+
+def _torchao_choose_scale_float8(tensor, block_size):
+    """torchao ``_choose_scale_float8`` (quantization/quant_primitives.py), no lower / upper bound:
+    the amax and its division by 448 in the tensor's dtype, then fp32."""
+    shape_for_reduction, reduction_dims = [], []
+    for i, (dim, block) in enumerate(zip(tensor.shape, block_size)):
+        if block != dim and block > 1:
+            shape_for_reduction += [dim // block, block]
+            reduction_dims.append(len(shape_for_reduction) - 1)
+        else:
+            shape_for_reduction.append(dim)
+            if block > 1:
+                reduction_dims.append(i if not reduction_dims else len(shape_for_reduction) - 1)
+    output_shape = [dim // block for dim, block in zip(tensor.shape, block_size)]
+    tensor_reshaped = tensor.view(shape_for_reduction)
+    max_abs = tensor_reshaped.abs().amax(dim=reduction_dims, keepdim=True)
+    scale = max_abs / torch.finfo(FP8_DTYPE).max
+    scale = scale.reshape(output_shape)
+    return scale.to(dtype=torch.float32)
+
+
+def torchao_float8_per_row(x):
+    """torchao Float8Tensor with PerRow granularity (the activation of Float8DynamicActivation
+    Float8WeightConfig): block (1, ..., N); returns (codes, scale [..., 1])."""
+    scale = _torchao_choose_scale_float8(x, [1] * (x.dim() - 1) + [x.shape[-1]])
+    return torchao_quantize_affine_float8(x, scale), scale
+
+
+def torchao_float8_per_tensor(x):
+    """torchao Float8Tensor with PerTensor granularity: block = x.shape; scale [1, ..., 1]."""
+    scale = _torchao_choose_scale_float8(x, list(x.shape))
+    return torchao_quantize_affine_float8(x, scale), scale
+
+
+def torchao_training_tensorwise(x, round_scales_to_power_of_2=False):
+    """torchao training float8 (float8/float8_utils.py ``tensor_to_amax``, ``amax_to_scale``,
+    ``to_fp8_saturated``): the amax in fp64, ``448 / clamp(amax, EPS)`` as a multiplier, fp32,
+    optionally ``exp2(floor(log2(scale)))``; returns (codes, scale)."""
+    EPS = 1e-12
+    amax = torch.max(torch.abs(x))
+    amax = amax.to(torch.float64)
+    res = torch.finfo(FP8_DTYPE).max / torch.clamp(amax, min=EPS)
+    res = res.to(torch.float32)
+    if round_scales_to_power_of_2:
+        res = torch.exp2(torch.floor(torch.log2(res)))
+    x_scaled = x.to(torch.float32) * res
+    return x_scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE), res
+
+
+def te_current_scaling(x, amax_epsilon=1e-6):
+    """Transformer-Engine-style current scaling in torch: the tensor's amax floored at epsilon,
+    scale = 448 / amax a multiplier (TE computes it in its kernel; torch evaluates ``448 / t`` as
+    ``448 * t.reciprocal()``), saturated. Returns (codes, scale)."""
+    amax = torch.max(torch.abs(x.float()))
+    amax = torch.clamp(amax, min=amax_epsilon)
+    scale = FP8_MAX / amax
+    return torch.clamp(x.float() * scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def bits(t):

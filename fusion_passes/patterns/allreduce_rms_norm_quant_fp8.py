@@ -235,7 +235,10 @@ def _fusion(with_residual: bool, scheme: str) -> Fusion:
         example_inputs=_examples(with_residual, scheme),
         scalars={"eps": DEFAULT_SCALAR_SENTINEL},
         # get_fusions adds a fusion's requirements one level deep: list the norms too.
-        requires=("add_rms_norm", "rms_norm", quant_fusion),
+        requires=(
+            "add_rms_norm", "rms_norm", "quant_fp8_dynamic", "quant_fp8_unfloored", "quant_fp8_static",
+            quant_fusion,
+        ),  # fmt: skip
         opt_in="tensor parallel FP8 only; as allreduce_rms_norm, measured on two H200s over "
         "NVLink and on no other topology",
         string_args={"group_name": GROUP_SENTINEL},

@@ -133,11 +133,13 @@ def sglang_group_reciprocal(x, floor):
 def deepgemm_group(x, floor):
     # DeepGEMM writes ``amax(dim=2).view(m, -1)``: a view to the shape it has, which Inductor's
     # post-grad graph drops (so the pattern has none).
-    m, n = x.shape
+    # It takes [m, n] only and views the codes back as (m, n): here x.shape, so that the pattern
+    # also traces at the other ranks the family is traced at (the 2D graph is DeepGEMM's).
+    m = x.shape[0]
     x_view = x.view(m, -1, GROUP)
     x_amax = x_view.abs().float().amax(dim=2).clamp(floor)
     sf = x_amax / MAX
-    return (x_view * (1.0 / sf.unsqueeze(2))).to(E4M3).view(m, n), sf
+    return (x_view * (1.0 / sf.unsqueeze(2))).to(E4M3).view(x.shape), sf
 
 
 def deepseek_v3_group(x):
@@ -151,7 +153,8 @@ def deepseek_v3_group(x):
 
 
 def torchao_per_row(x):
-    max_abs = x.abs().amax(dim=-1, keepdim=True)
+    # torchao reduces over the block's dims, counted from the front (the last: x.dim() - 1).
+    max_abs = x.abs().amax(dim=x.dim() - 1, keepdim=True)
     scale = (max_abs / MAX).to(torch.float32)
     q = (x.to(torch.float32) / scale).clamp(min=-MAX, max=MAX)
     return q.to(E4M3), scale
@@ -180,9 +183,12 @@ def _torchao_training(pow2: bool):
 
 
 def te_multiplier(x, floor):
-    amax = x.to(torch.float32).abs().amax()
-    scale = MAX / amax.clamp(min=floor)
-    q = (x.to(torch.float32) * scale).clamp(-MAX, MAX)
+    # One upcast for the amax and the product (a spelling that upcasts twice has them merged by
+    # the common-subexpression elimination before the raise).
+    x32 = x.to(torch.float32)
+    amax = torch.max(torch.abs(x32))
+    scale = MAX / torch.clamp(amax, min=floor)
+    q = (x32 * scale).clamp(-MAX, MAX)
     return q.to(E4M3), scale
 
 
@@ -302,18 +308,23 @@ def _check(fields):
 
 def _examples(kind: str):
     """fp32 graphs lack the casts bf16 graphs have (fp16 matches the bf16 pattern: the matcher
-    re-traces each candidate with its own dtypes). Not cast by ``Fusion.dtypes``: the static scale
-    stays fp32."""
+    re-traces each candidate with its own dtypes). bf16 first: the fp32 pattern also matches a
+    bf16 graph's quantization from its upcast on, and the canonical op must take the activation
+    itself (the norm's or SiLU's output, for the region fusions). Not cast by ``Fusion.dtypes``:
+    the static scale stays fp32."""
 
     def example_inputs():
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(4, 2 * GROUP, dtype=dtype)
-            if kind == "static":
-                yield (x, torch.tensor([0.05]))
-            elif kind == "floored":
-                yield (x, FLOOR_SENTINEL)
-            else:
-                yield (x,)
+        # Rank 2 and 3: the spellings' reshapes back to the input's shape are no-ops at one rank
+        # and real at the other, and Inductor drops the no-ops.
+        for dtype in (torch.bfloat16, torch.float32):
+            for shape in ((4, 2 * GROUP), (2, 3, 2 * GROUP)):
+                x = torch.randn(shape, dtype=dtype)
+                if kind == "static":
+                    yield (x, torch.tensor([0.05]))
+                elif kind == "floored":
+                    yield (x, FLOOR_SENTINEL)
+                else:
+                    yield (x,)
 
     return example_inputs
 

@@ -1,7 +1,8 @@
 """SiLU-and-mul (the gated MLP's activation) followed by FP8 activation quantization -> one op.
 
-The activation as the models write it, then the quantization as serving engines write their
-native fallback (the spellings of ``rms_norm_quant_fp8``: static, per_token, per_group of 128):
+The activation as the models write it, then the canonical ``quant_fp8`` that every quantization
+spelling raises to (patterns/quant_fp8.py); its fields are pattern arguments, as in
+``rms_norm_quant_fp8``:
 
     transformers  down_proj(act_fn(gate_proj(x)) * up_proj(x)), act_fn = SiLU: F.silu(gate) * up
     vLLM-style    gate, up = gate_up_proj(x).chunk(2, -1) (or .split(d, -1), or [..., :d] and
@@ -18,11 +19,12 @@ scheme matches both forms, and the fused op reads the two halves in place (row-s
 
 Unfused: a silu-and-mul kernel writes y, an amax reduction reads it, a scale-and-cast kernel
          reads it again.
-Fused:   q, scales = fusion_passes.silu_mul_quant_fp8(gate, up, scheme, scale, 128, False)
+Fused:   q, scales = fusion_passes.silu_mul_quant_fp8(gate, up, *quant)      (QuantFP8's fields)
 
 Not matched (the check or the matcher rejects them): y or silu(gate) also used by another
 consumer (it needs the unfused value), gate and up of different shapes (a broadcast) or dtypes,
-another group size, another fp8 format.
+a quantization the kernel does not compute (common/fp8_triton.kernel_problem; its canonical op
+is then lowered back).
 """
 
 from __future__ import annotations
@@ -32,15 +34,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.lowering.common.fp8 import QuantFP8
+import fusion_passes.lowering.quant_fp8.op  # noqa: F401  (the canonical op matched)
+import fusion_passes.lowering.silu_mul_quant_fp8.op  # noqa: F401  (the fused op)
+from fusion_passes.fusion import Fusion, Spelling
+from fusion_passes.lowering.common.fp8 import kernel_problem
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import check_silu_mul_args
 from fusion_passes.patterns.rms_norm_quant_fp8 import (
-    GROUP_SIZE,
-    quant_per_group,
-    quant_per_token,
-    quant_static,
+    QUANT_SCALARS,
+    QUANT_STRINGS,
+    _BOOLS,
+    _outputs,
+    matched_quant,
+    quant_fields,
+    quant_fp8_call,
 )
-from fusion_passes.fusion import Fusion, Spelling
 
 SCHEMES = ("static", "per_token", "per_group")
 
@@ -50,72 +57,88 @@ def silu_mul(gate, up):
     return F.silu(gate) * up
 
 
-def _pattern(scheme: str):
+def _pattern(scheme: str, ue8m0: bool, saturate: bool):
+    def pattern(gate, up, scale, floor_site, apply, pow2, scale_math, floor, fp8_max, group_size):
+        q = dict(floor_site=floor_site, apply=apply, pow2=pow2, scale_math=scale_math, floor=floor,
+                 fp8_max=fp8_max, group_size=group_size)  # fmt: skip
+        codes, scales = quant_fp8_call(silu_mul(gate, up), scheme, scale, ue8m0, saturate, q)
+        return _outputs(scheme, codes, scales)
+
+    return _signature(pattern, scheme)
+
+
+def _replacement(scheme: str, ue8m0: bool, saturate: bool):
+    def replacement(gate, up, scale, floor_site, apply, pow2, scale_math, floor, fp8_max, group_size):
+        q = dict(floor_site=floor_site, apply=apply, pow2=pow2, scale_math=scale_math, floor=floor,
+                 fp8_max=fp8_max, group_size=group_size)  # fmt: skip
+        codes, scales = torch.ops.fusion_passes.silu_mul_quant_fp8.default(
+            gate, up, *quant_fields(scheme, scale, ue8m0, saturate, q)
+        )
+        return _outputs(scheme, codes, scales)
+
+    return _signature(replacement, scheme)
+
+
+def _signature(fn, scheme: str):
+    """No scale argument where the scheme computes its own (the call gets None)."""
     if scheme == "static":
+        return fn
 
-        def pattern(gate, up, scale):
-            return quant_static(silu_mul(gate, up), scale)
+    def bound(gate, up, floor_site, apply, pow2, scale_math, floor, fp8_max, group_size):
+        return fn(gate, up, None, floor_site, apply, pow2, scale_math, floor, fp8_max, group_size)
 
-    elif scheme == "per_token":
-
-        def pattern(gate, up):
-            return quant_per_token(silu_mul(gate, up))
-
-    else:
-
-        def pattern(gate, up):
-            return quant_per_group(silu_mul(gate, up))
-
-    return pattern
+    return bound
 
 
-def _replacement(scheme: str):
-    op = torch.ops.fusion_passes.silu_mul_quant_fp8.default
-    if scheme == "static":
-
-        def replacement(gate, up, scale):
-            return op(gate, up, "static", scale, GROUP_SIZE, False)[0]
-
-    else:
-
-        def replacement(gate, up):
-            return op(gate, up, scheme, None, GROUP_SIZE, False)
-
-    return replacement
-
-
-def _check(scheme: str):
+def _check(scheme: str, ue8m0: bool, saturate: bool):
     def check(values: dict[str, Any]) -> str | None:
+        quant = matched_quant(values, scheme, ue8m0, saturate)
         try:
             check_silu_mul_args(values["gate"], values["up"])
-            QuantFP8(scheme, values.get("scale"), GROUP_SIZE).check(values["gate"])
+            quant.check(values["gate"])
         except ValueError as e:
             return str(e)
-        return None
+        return kernel_problem(quant)
 
     return check
 
 
 def _examples(scheme: str):
     def example_inputs():
-        # fp32 graphs lack the converts bf16 graphs have; fp16 graphs match the bf16 pattern (the
-        # matcher re-traces each candidate with its own dtypes).
-        for dtype in (torch.float32, torch.bfloat16):
-            gate, up = (torch.randn(4, 2 * GROUP_SIZE, dtype=dtype) for _ in range(2))
-            yield (gate, up, torch.tensor(0.05)) if scheme == "static" else (gate, up)
+        # fp32 graphs lack the converts bf16 graphs have, and fp16 graphs convert to fp16: the
+        # patterns are traced once per dtype (used as traced: string_args).
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            # Meta tensors: the canonical op is traced with the sentinels, which only its fake
+            # kernel accepts.
+            gate, up = (torch.empty(4, 256, dtype=dtype, device="meta") for _ in range(2))
+            scale = torch.empty((), device="meta")
+            tensors = (gate, up, scale) if scheme == "static" else (gate, up)
+            yield (*tensors, *QUANT_STRINGS.values(), *QUANT_SCALARS.values())
 
     return example_inputs
 
 
 def _fusion(scheme: str) -> Fusion:
+    spellings = []
+    for ue8m0, saturate in _BOOLS["static" if scheme == "static" else "dynamic"]:
+        suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
+        spellings.append(
+            Spelling(
+                f"silu_mul_then_{scheme}{suffix}",
+                _pattern(scheme, ue8m0, saturate),
+                _replacement(scheme, ue8m0, saturate),
+                _check(scheme, ue8m0, saturate),
+            )
+        )
     return Fusion(
         name=f"silu_mul_quant_fp8_{scheme}",
         summary=f"SiLU-and-mul + {scheme} FP8 quantization -> one kernel",
         doc=__doc__.split("\n\n", 1)[1],
-        spellings=(
-            Spelling(f"silu_mul_then_{scheme}", _pattern(scheme), _replacement(scheme), _check(scheme)),
-        ),
+        spellings=tuple(spellings),
         example_inputs=_examples(scheme),
+        scalars=dict(QUANT_SCALARS),
+        string_args=dict(QUANT_STRINGS),
+        requires=("quant_fp8_dynamic", "quant_fp8_unfloored", "quant_fp8_static"),
         opt_in="FP8 models only; on one H200 the static scheme is 0.91x stock Inductor at 1-16 "
         "tokens (per-token and per-group 0.99-2.47x; BENCHMARKS.md)",
         builtin=True,

@@ -35,6 +35,11 @@ def check_allreduce_rms_norm_quant_fp8_args(
     quantization's, both applied to x (the sum has x's shape and dtype)."""
     check_allreduce_rms_norm_args(x, weight, norm, residual)
     quant.check(x)
+    if not quant.is_base_form():
+        raise ValueError(
+            "allreduce_rms_norm_quant_fp8: only the default quantization form (scale floored at "
+            "1/(448*512) after the divide, a divide, saturated, fp32) is defined"
+        )
 
 
 def allreduce_add_rms_norm_quant_fp8_reference(

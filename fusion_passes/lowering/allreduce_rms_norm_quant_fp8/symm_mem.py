@@ -77,7 +77,7 @@ from fusion_passes.lowering.allreduce_rms_norm.symm_mem import (
     require_eligible,
 )
 from fusion_passes.lowering.common.fast_launch import FastLauncher, specialization_key
-from fusion_passes.lowering.common.fp8 import FP8_DTYPE, QuantFP8
+from fusion_passes.lowering.common.fp8 import FP8_DTYPE, MIN_SCALE, QuantFP8
 from fusion_passes.lowering.rms_norm.reference import RMSNormForm
 from fusion_passes.lowering.common.fp8_triton import load_static_scale
 from fusion_passes.lowering.rms_norm_quant_fp8.launch import launch_shape
@@ -158,10 +158,12 @@ def _one_shot_allreduce_add_rms_norm_quant_fp8_kernel(
             r.to(tl.float32), w, eps, weight_offset, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols,
             N, num_groups, group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS,
             CAST_BEFORE_WEIGHT, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
+            _MIN_SCALE, 0,  # QuantFP8's default floor and form: the only one these ops take
         )  # fmt: skip
 
 
 # Every call of the op launches this kernel: the launch's host time counts (see fast_launch).
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 _launch_one_shot = FastLauncher(_one_shot_allreduce_add_rms_norm_quant_fp8_kernel)
 # The GPU's fp8 conversion instruction, except under the interpreter (rms_norm_quant_fp8_triton's
 # rule; the environment is read once, as triton reads it at import).

@@ -13,12 +13,32 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.common.fp8 import FP8_MAX, MIN_SCALE
+from fusion_passes.lowering.common.fp8 import APPLY_FORMS, FLOOR_SITES, FP8_MAX, QuantFP8, kernel_problem  # noqa: F401
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
+# |q| above this rounds to float8_e4m3fn's NaN code (0x7F) in torch's cast: 464 is the midpoint
+# of 448 (0x7E) and the next step 480, and ties go to 448's even mantissa.
+_OVERFLOW = tl.constexpr(464.0)
 # fp32(1 / 448), rounded once as torch's CUDA division by a scalar rounds it (448 = 7 * 2^6).
 _RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
+
+
+def quant_form(quant: QuantFP8) -> int:
+    """The epilogue's QUANT_FORM constexpr of ``quant``: bits 0-1 the floor site (FLOOR_SITES'
+    index: scale, amax, none), bits 2-3 the apply form (APPLY_FORMS' index: divide, reciprocal,
+    multiplier), bit 4 no saturation. 0 is the defaults of QuantFP8."""
+    return FLOOR_SITES.index(quant.floor_site) | APPLY_FORMS.index(quant.apply) << 2 | (not quant.saturate) << 4
+
+
+def kernel_floor(quant: QuantFP8, dtype: torch.dtype) -> float:
+    """The floor the epilogue compares in fp32: ``scale_math="input_amax"`` floors the amax in the
+    activation's dtype, so the floor is rounded to it first (the max of a value of that dtype and
+    the rounded floor is the dtype's clamp: no value of the dtype lies between the two)."""
+    if quant.floor_site == "none":
+        return 0.0
+    if quant.scale_math == "input_amax" and quant.floor_site == "amax":
+        return float(torch.tensor(quant.floor, dtype=torch.float32).to(dtype).float())
+    return float(torch.tensor(quant.floor, dtype=torch.float32))
 
 
 @triton.jit
@@ -125,17 +145,27 @@ def load_static_scale(scale_ptr, STATIC: tl.constexpr):
 
 
 @triton.jit
-def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constexpr):
-    """scale = max(amax / 448, MIN_SCALE), rounded up to a power of two under SCALE_UE8M0."""
-    # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by a
-    # Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
-    # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an approximate
-    # division on NVIDIA GPUs (div.full.f32, 2 ulp).
-    if AMAX_TIMES_RECIPROCAL:
+def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constexpr, floor, QUANT_FORM: tl.constexpr):
+    """The scales of amax under QUANT_FORM (quant_form): floored on the amax (bits 0-1 == 1) or
+    on the scale (== 0) at floor, amax / 448 or the multiplier reciprocal(amax) * 448 (bits 2-3
+    == 2), rounded up to a power of two under SCALE_UE8M0."""
+    FLOOR_SITE: tl.constexpr = QUANT_FORM & 3
+    APPLY: tl.constexpr = (QUANT_FORM >> 2) & 3
+    if FLOOR_SITE == 1:
+        amax = tl.maximum(amax, floor, propagate_nan=tl.PropagateNan.ALL)
+    if APPLY == 2:
+        # torch evaluates ``448 / amax`` as reciprocal(amax) * 448: two roundings, both here.
+        scale = tl.div_rn(1.0, amax) * _FP8_MAX
+    elif AMAX_TIMES_RECIPROCAL:
+        # The model's `amax / 448`, as torch computes it on the device: on CUDA, torch divides by
+        # a Python scalar as a multiply by its fp32 reciprocal (one ulp off the quotient for 54%
+        # of bf16 amax values); on CPU it divides. div_rn, not '/': Triton's '/' is an
+        # approximate division on NVIDIA GPUs (div.full.f32, 2 ulp).
         scale = amax * _RECIPROCAL_FP8_MAX
     else:
         scale = tl.div_rn(amax, _FP8_MAX)
-    scale = tl.maximum(scale, _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    if FLOOR_SITE == 0:
+        scale = tl.maximum(scale, floor, propagate_nan=tl.PropagateNan.ALL)
     if SCALE_UE8M0:
         # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries the exponent up by one
         # (a NaN's would carry out of the exponent: it stays NaN).
@@ -147,11 +177,11 @@ def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constex
 @triton.jit
 def store_scales(
     amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0: tl.constexpr,
-    AMAX_TIMES_RECIPROCAL: tl.constexpr,
+    AMAX_TIMES_RECIPROCAL: tl.constexpr, floor, QUANT_FORM: tl.constexpr,
 ):  # fmt: skip
     """scales_of(amax) per group, stored at scale_ptr[rows * num_groups + groups] and returned
     [ROWS, GROUPS] (store_quantized's computed scales; arguments as there)."""
-    scale = scales_of(amax, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL)
+    scale = scales_of(amax, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, floor, QUANT_FORM)
     tl.store(scale_ptr + rows[:, None] * num_groups + groups[None, :], scale, mask=group_mask)
     return scale
 
@@ -177,6 +207,8 @@ def store_quantized(
     SCALE_UE8M0: tl.constexpr,
     AMAX_TIMES_RECIPROCAL: tl.constexpr,
     HW_CONVERT: tl.constexpr,
+    floor,  # fp32: the floor of the computed scales (kernel_floor)
+    QUANT_FORM: tl.constexpr,  # floor site, apply form, saturation (quant_form)
 ):
     """quant_fp8_reference on a block: scales (computed per group and stored, or the static one),
     then codes = fp8(clamp(y / scale, -448, 448)); returns the scales [ROWS, BLOCK_GROUPS] so a
@@ -190,19 +222,27 @@ def store_quantized(
         # Masked elements hold 0: nothing to the amax.
         amax = max_keeping_nan(tl.reduce(tl.abs(y), 2, max_keeping_nan), more_amax)
         scale = store_scales(amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0,
-                             AMAX_TIMES_RECIPROCAL)  # fmt: skip
-    store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT, SCALE_UE8M0)
+                             AMAX_TIMES_RECIPROCAL, floor, QUANT_FORM)  # fmt: skip
+    store_codes(y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC, HW_CONVERT, SCALE_UE8M0, QUANT_FORM)
     return scale
 
 
 @triton.jit
 def store_codes(
     y, scale, given, q_ptr, rows_3d, cols, N, mask, STATIC: tl.constexpr, HW_CONVERT: tl.constexpr,
-    SCALE_UE8M0: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr, QUANT_FORM: tl.constexpr,
 ):  # fmt: skip
-    """codes = fp8(clamp(y / scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
-    (store_quantized's second half, arguments as there)."""
-    if not HW_CONVERT:
+    """codes = fp8(clamp(y op scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
+    (store_quantized's second half, arguments as there): op a divide, a multiply by the rounded
+    reciprocal (QUANT_FORM bits 2-3 == 1) or by the scale (== 2); without saturation (bit 4)
+    torch's cast gives NaN past 464, as here."""
+    APPLY: tl.constexpr = (QUANT_FORM >> 2) & 3
+    SATURATE: tl.constexpr = ((QUANT_FORM >> 4) & 1) == 0
+    if APPLY == 1:
+        q = y * tl.div_rn(1.0, scale)[:, :, None]
+    elif APPLY == 2:
+        q = y * scale[:, :, None]
+    elif not HW_CONVERT:
         q = tl.div_rn(y, scale[:, :, None])
     elif STATIC:
         q = _static_quotient(y, given, scale, mask)
@@ -216,7 +256,13 @@ def store_codes(
         q = y * tl.div_rn(1.0, scale)[:, :, None]
     else:
         q = exact_quotient(y, scale)
-    if not HW_CONVERT:  # cvt.rn.satfinite saturates to +-448 itself (2 instructions an element)
+    if SATURATE and not HW_CONVERT:  # cvt.rn.satfinite saturates to +-448 itself (2 instructions an element)
         q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
                        propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-    tl.store(q_ptr + rows_3d * N + cols, _fp8_e4m3fn_codes(q, HW_CONVERT), mask=mask)
+    codes = _fp8_e4m3fn_codes(q, HW_CONVERT)
+    if not SATURATE:
+        # Past 464 (inf included) torch's cast gives the NaN code with q's sign, where satfinite
+        # would give 448 and the integer steps would carry into the sign bit.
+        sign = ((q.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        codes = tl.where(tl.abs(q) > _OVERFLOW, sign | 0x7F, codes)
+    tl.store(q_ptr + rows_3d * N + cols, codes, mask=mask)

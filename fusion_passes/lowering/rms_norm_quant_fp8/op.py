@@ -6,7 +6,7 @@ Unfused (what FP8 serving runs after each norm):
 Fused:
     q, scale, r = add_rms_norm_quant_fp8(x, residual, weight, *norm, *quant)
     with norm = (eps, weight_offset, cast_before_weight)             rms_norm.reference.RMSNormForm
-         quant = (scheme, scale, group_size, scale_ue8m0)            common.fp8.QuantFP8
+         quant = QuantFP8's fields (scheme, scale, group_size, ...)    common.fp8.QuantFP8
 
 The math lives in ``reference``; this module only registers the ops: the reference is the
 implementation on every device, and CUDA tensors go to the Triton kernel of ``triton``. The
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fusion_passes.lowering.common.direct_launch import register_launcher
-from fusion_passes.lowering.common.fp8 import QuantFP8
+from fusion_passes.lowering.common.fp8 import FP8_MAX, MIN_SCALE, QuantFP8
 from fusion_passes.lowering.rms_norm.reference import RMSNormForm, check_rms_norm_args
 from fusion_passes.lowering.rms_norm_quant_fp8.reference import (
     add_rms_norm_quant_fp8_reference,
@@ -37,9 +37,16 @@ def rms_norm_quant_fp8(
     scale: torch.Tensor | None = None,
     group_size: int = 128,
     scale_ue8m0: bool = False,
+    floor_site: str = "scale",
+    floor: float = MIN_SCALE,
+    apply: str = "divide",
+    pow2: str = "none",
+    saturate: bool = True,
+    fp8_max: float = FP8_MAX,
+    scale_math: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm + FP8 quantization: returns (codes, scales); see rms_norm_quant_fp8_reference."""
-    norm, quant = RMSNormForm(eps, weight_offset, cast_before_weight), QuantFP8(scheme, scale, group_size, scale_ue8m0)
+    norm, quant = RMSNormForm(eps, weight_offset, cast_before_weight), QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max, scale_math)
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight)
     q, scales = rms_norm_quant_fp8_reference(x, weight, norm, quant)
     return q.contiguous(), quant.own(scales)
@@ -57,9 +64,16 @@ def add_rms_norm_quant_fp8(
     scale: torch.Tensor | None = None,
     group_size: int = 128,
     scale_ue8m0: bool = False,
+    floor_site: str = "scale",
+    floor: float = MIN_SCALE,
+    apply: str = "divide",
+    pow2: str = "none",
+    saturate: bool = True,
+    fp8_max: float = FP8_MAX,
+    scale_math: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm + FP8 quantization: returns (codes, scales, new_residual)."""
-    norm, quant = RMSNormForm(eps, weight_offset, cast_before_weight), QuantFP8(scheme, scale, group_size, scale_ue8m0)
+    norm, quant = RMSNormForm(eps, weight_offset, cast_before_weight), QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max, scale_math)
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     q, scales, new_residual = add_rms_norm_quant_fp8_reference(x, residual, weight, norm, quant)
     return q.contiguous(), quant.own(scales), new_residual.contiguous()

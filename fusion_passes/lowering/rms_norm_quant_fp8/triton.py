@@ -25,8 +25,11 @@ import triton.language as tl
 
 from fusion_passes.lowering.common.fp8 import FP8_DTYPE, QuantFP8
 from fusion_passes.lowering.common.fp8_triton import (
+    kernel_floor,
+    kernel_problem,
     load_static_scale,
     max_keeping_nan,
+    quant_form,
     scales_of,
     store_codes,
     store_quantized,
@@ -78,6 +81,8 @@ def rms_norm_quantize_block(
     SCALE_UE8M0: tl.constexpr,
     AMAX_TIMES_RECIPROCAL: tl.constexpr,
     HW_CONVERT: tl.constexpr,
+    floor,  # fp32: the computed scales' floor (common/fp8_triton.kernel_floor)
+    QUANT_FORM: tl.constexpr,  # floor site, apply form, saturation (common/fp8_triton.quant_form)
 ):  # fmt: skip
     """RMSNorm of a [ROWS, GROUPS, GROUP] block, rounded to the model's dtype, then quantized and
     stored (store_quantized). Shared by the norm + quant kernel below and the one-shot allreduce
@@ -89,7 +94,7 @@ def rms_norm_quantize_block(
     y = y.to(dtype).to(tl.float32)
     store_quantized(
         y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask, 0.0,
-        ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+        ROWS, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT, floor, QUANT_FORM,
     )  # fmt: skip
 
 
@@ -99,6 +104,7 @@ def _rms_norm_quantize_chunks(
     CAST_BEFORE_WEIGHT: tl.constexpr, STATIC: tl.constexpr, SCALE_UE8M0: tl.constexpr,
     AMAX_TIMES_RECIPROCAL: tl.constexpr, HW_CONVERT: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
     BLOCK_GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+    floor, QUANT_FORM: tl.constexpr,
 ):  # fmt: skip
     """The norm-only kernel on rows held as CHUNKS chunks of CHUNK = BLOCK_GROUPS * BLOCK_GROUP
     columns, N = CHUNKS * CHUNK exactly (arguments as the kernel's): the same math and rounding
@@ -149,11 +155,12 @@ def _rms_norm_quantize_chunks(
         scales = tl.zeros((ROWS, BLOCK_GROUPS, CHUNKS_PADDED), tl.float32)
         for c in tl.static_range(CHUNKS):
             scale = scales_of(
-                tl.reduce(tl.abs(ys[c]), 2, max_keeping_nan), SCALE_UE8M0, AMAX_TIMES_RECIPROCAL
+                tl.reduce(tl.abs(ys[c]), 2, max_keeping_nan), SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, floor,
+                QUANT_FORM,
             )
             scales = tl.where(chunk_ids == c, scale[:, :, None], scales)
             store_codes(ys[c], scale, given, q_ptr, rows_3d, c * CHUNK + local, N, mask, STATIC, HW_CONVERT,
-                        SCALE_UE8M0)  # fmt: skip
+                        SCALE_UE8M0, QUANT_FORM)  # fmt: skip
         scale_offsets = rows_3d * num_groups + chunk_ids * BLOCK_GROUPS + groups[None, :, None]
         tl.store(scale_ptr + scale_offsets, scales, mask=group_mask[:, :, None] & (chunk_ids < CHUNKS))
     else:
@@ -165,10 +172,10 @@ def _rms_norm_quantize_chunks(
                 magnitude = max_keeping_nan(magnitude, tl.abs(ys[c]))
             amax = tl.reduce(magnitude, 2, max_keeping_nan)
             scale = store_scales(amax, scale_ptr, rows, groups, num_groups, group_mask, SCALE_UE8M0,
-                                 AMAX_TIMES_RECIPROCAL)  # fmt: skip
+                                 AMAX_TIMES_RECIPROCAL, floor, QUANT_FORM)  # fmt: skip
         for c in tl.static_range(CHUNKS):
             store_codes(ys[c], scale, given, q_ptr, rows_3d, c * CHUNK + local, N, mask, STATIC, HW_CONVERT,
-                        SCALE_UE8M0)  # fmt: skip
+                        SCALE_UE8M0, QUANT_FORM)  # fmt: skip
 
 
 @triton.jit
@@ -198,16 +205,19 @@ def _rms_norm_quant_fp8_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
     CHUNKS: tl.constexpr,  # 1: a row is one padded block; more: exact chunks (norm_only_chunks)
     WEIGHT_FIRST: tl.constexpr,  # the row's values made to depend on the weight (after_weight)
+    floor,  # the computed scales' floor, fp32 (common/fp8_triton.kernel_floor)
+    QUANT_FORM: tl.constexpr,  # floor site, apply form, saturation (common/fp8_triton.quant_form)
 ):
     # Inductor's launches pass Python floats as fp64: pin the scalars to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
     weight_offset = tl.cast(weight_offset, tl.float32)
+    floor = tl.cast(floor, tl.float32)
     if CHUNKS > 1:
         tl.static_assert(not HAS_RESIDUAL, "chunked rows are for the norm-only form")
         _rms_norm_quantize_chunks(
             x_ptr, weight_ptr, q_ptr, scale_ptr, M, N, num_groups, stride_x, eps, weight_offset,
             CAST_BEFORE_WEIGHT, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
-            BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, CHUNKS, WEIGHT_FIRST,
+            BLOCK_GROUPS, BLOCK_GROUP, ROWS_PER_PROGRAM, CHUNKS, WEIGHT_FIRST, floor, QUANT_FORM,
         )  # fmt: skip
         return
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
@@ -241,7 +251,7 @@ def _rms_norm_quant_fp8_kernel(
     rms_norm_quantize_block(
         r, w, eps, weight_offset, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups,
         group_mask, mask, dtype, ROWS_PER_PROGRAM, BLOCK_GROUPS, CAST_BEFORE_WEIGHT, STATIC,
-        SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT,
+        SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_FP8_CONVERT, floor, QUANT_FORM,
     )  # fmt: skip
 
 
@@ -275,6 +285,9 @@ def rms_norm_quant_fp8_triton(
     scheme, scale, group_size, scale_ue8m0 = quant[:4]
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     quant.check(x)
+    problem = kernel_problem(quant)
+    if problem:
+        raise ValueError(f"rms_norm_quant_fp8: {problem}")
     weight = weight.contiguous()  # the kernel reads weight at unit stride
     n = x.shape[-1]
     num_groups, group = quant.groups(n)
@@ -335,6 +348,8 @@ def rms_norm_quant_fp8_triton(
         ROWS_PER_PROGRAM=rows_per_program,
         CHUNKS=chunks,
         WEIGHT_FIRST=weight_first,
+        floor=kernel_floor(quant, x.dtype),
+        QUANT_FORM=quant_form(quant),
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales, residual_out

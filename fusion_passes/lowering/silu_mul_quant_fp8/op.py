@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fusion_passes.lowering.common.direct_launch import register_launcher
-from fusion_passes.lowering.common.fp8 import QuantFP8
+from fusion_passes.lowering.common.fp8 import FP8_MAX, MIN_SCALE, QuantFP8
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import silu_mul_quant_fp8_reference
 
 
@@ -30,9 +30,16 @@ def silu_mul_quant_fp8(
     scale: torch.Tensor | None = None,
     group_size: int = 128,
     scale_ue8m0: bool = False,
+    floor_site: str = "scale",
+    floor: float = MIN_SCALE,
+    apply: str = "divide",
+    pow2: str = "none",
+    saturate: bool = True,
+    fp8_max: float = FP8_MAX,
+    scale_math: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU-and-mul + FP8 quantization: returns (codes, scales); see silu_mul_quant_fp8_reference."""
-    quant = QuantFP8(scheme, scale, group_size, scale_ue8m0)
+    quant = QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max, scale_math)
     q, scales = silu_mul_quant_fp8_reference(gate, up, quant)
     return q.contiguous(), quant.own(scales)
 

@@ -37,8 +37,11 @@ import triton.language as tl
 
 from fusion_passes.lowering.common.fp8 import FP8_DTYPE, QuantFP8
 from fusion_passes.lowering.common.fp8_triton import (
+    kernel_floor,
+    kernel_problem,
     load_static_scale,
     max_keeping_nan,
+    quant_form,
     store_codes,
     store_quantized,
 )
@@ -127,7 +130,10 @@ def _silu_mul_quant_fp8_kernel(
     BLOCK_GROUP: tl.constexpr,  # power of two >= group_size, or per_token with a tail: <= N
     BLOCK_TAIL: tl.constexpr,  # per_token: a second block for columns BLOCK_GROUP..N (0: none)
     ROWS_PER_PROGRAM: tl.constexpr,  # rows each program works on, as one [ROWS, GROUPS, GROUP] block
+    floor,  # the computed scales' floor, fp32 (common/fp8_triton.kernel_floor)
+    QUANT_FORM: tl.constexpr,  # floor site, apply form, saturation (common/fp8_triton.quant_form)
 ):
+    floor = tl.cast(floor, tl.float32)
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     groups = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     in_group = tl.arange(0, BLOCK_GROUP)
@@ -160,10 +166,11 @@ def _silu_mul_quant_fp8_kernel(
     scale = store_quantized(
         y, q_ptr, scale_ptr, given, rows, groups, rows_3d, cols, N, num_groups, group_mask, mask,
         tail_amax, ROWS_PER_PROGRAM, BLOCK_GROUPS, STATIC, SCALE_UE8M0, AMAX_TIMES_RECIPROCAL, HW_CONVERT,
+        floor, QUANT_FORM,
     )  # fmt: skip
     if BLOCK_TAIL > 0:
         store_codes(y_tail, scale, given, q_ptr, rows_3d, tail_cols, N, tail_mask, STATIC, HW_CONVERT,
-                    SCALE_UE8M0)  # fmt: skip
+                    SCALE_UE8M0, QUANT_FORM)  # fmt: skip
 
 
 def _pow2_floor(v: int) -> int:
@@ -277,6 +284,9 @@ def silu_mul_quant_fp8_triton(
     for the launch and device)."""
     check_silu_mul_args(gate, up)
     quant.check(gate)
+    problem = kernel_problem(quant)
+    if problem:
+        raise ValueError(f"silu_mul_quant_fp8: {problem}")
     scheme, scale, group_size, scale_ue8m0 = quant[:4]
     n = gate.shape[-1]
     tokens = math.prod(gate.shape[:-1])
@@ -324,6 +334,8 @@ def silu_mul_quant_fp8_triton(
         BLOCK_GROUP=layout.block_group,
         BLOCK_TAIL=layout.block_tail,
         ROWS_PER_PROGRAM=rows_per_program,
+        floor=kernel_floor(quant, gate.dtype),
+        QUANT_FORM=quant_form(quant),
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales
