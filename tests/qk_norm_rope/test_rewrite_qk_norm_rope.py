@@ -60,10 +60,11 @@ def _run(fn, *args, fusions="all"):
     return out, expected, report
 
 
-def _assert_close(out, expected):
-    """Unfused sites stay Inductor's: it computes the RoPE in fp32 without rounding in between."""
+def _assert_close(out, expected, dtype=None):
+    """Unfused sites stay Inductor's: it computes the RoPE in fp32 without rounding in between
+    (``dtype``: the inputs' dtype, where eager's result is promoted past it)."""
     for a, e in zip(out, expected, strict=True):
-        tol = tolerance(e.dtype)
+        tol = tolerance(dtype or e.dtype)
         torch.testing.assert_close(a, e, rtol=tol.rtol, atol=tol.atol)
 
 
@@ -204,7 +205,7 @@ def test_norm_over_another_axis_is_not_fused():
     out, expected, report = _run(fn, q, k, w[0], w[1], cos, sin)
     assert _matched(report) == {"rms_norm": 2, "rope_partial": 2}
     assert report.lowered_back() == {"fusion_passes.rms_norm.default": 2, "fusion_passes.rope.default": 2}
-    assert any("weight" in r.reason for r in report.rejected if r.fusion == "qk_norm_rope")
+    assert not report.sites_of("qk_norm_rope") and not report.errors
     _assert_close(out, expected)
 
 
@@ -236,7 +237,7 @@ def test_mismatched_cos_sin_is_not_fused(case):
     assert _matched(report) == {"rms_norm": 2}
     assert report.rejected and all(r.fusion in ROPE_FAMILY for r in report.rejected)
     assert any("cos" in r.reason for r in report.rejected)
-    _assert_close(out, expected)
+    _assert_close(out, expected, torch.bfloat16)
 
 
 def test_whole_row_norm_fused_at_prefill_sizes():
