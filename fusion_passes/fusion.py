@@ -84,6 +84,9 @@ class Fusion:
     # Ops that mark a candidate site ("aten.rsqrt.default" for norms): one left in the graph after
     # the passes is a near miss, reported with the closest spelling and where it diverged.
     candidate_ops: tuple[str, ...] = ()
+    # Narrows candidate_ops where the op alone is common elsewhere: a node of one of those ops is
+    # a candidate only where this returns True (RoPE: a neg that feeds a cat, not SiLU's neg).
+    candidate: Callable[[Any], bool] | None = None
     # Fusions whose canonical ops this one's patterns start from: enabled along with it.
     requires: tuple[str, ...] = ()
     # Why the fusion is left out of fusions="all" and enabled by name only ("": it is in "all").

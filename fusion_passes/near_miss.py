@@ -2,7 +2,8 @@
 first node where the graph diverged from it.
 
 A fusion names the ops that mark a candidate site (``Fusion.candidate_ops``: ``aten.rsqrt`` for
-the RMSNorm family). After the passes, every such op still in the graph is a candidate that no
+the RMSNorm family), narrowed by ``Fusion.candidate`` where the op is common elsewhere. After the
+passes, every such op still in the graph is a candidate that no
 spelling matched. Each spelling is traced with the candidate's dtype and rank, then walked
 against the graph from the candidate op outwards (inputs and users, breadth first), comparing
 targets, literal arguments and dtypes; the first difference is the reason. The spelling that
@@ -37,18 +38,24 @@ def find_near_misses(graph: torch.fx.Graph, fusions: Sequence[Fusion], index: in
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        best: tuple[int, int, str, Fusion, Spelling] | None = None
+        best: tuple[tuple[float, int], int, int, str, Fusion, Spelling] | None = None
         for fusion in by_op[op_name(node)]:
+            if fusion.candidate is not None and not fusion.candidate(node):
+                continue
             for spelling in fusion.spellings:
                 for dtype in _DTYPES:
                     spelled = _trace(fusion, spelling, dtype, val.dim())
                     if spelled is None:
                         continue
-                    matched, total, reason = _Walk(spelling, fusion, spelled).run(node, op_name(node))
-                    if best is None or (matched / total, matched) > (best[0] / best[1], best[0]):
-                        best = (matched, total, reason, fusion, spelling)
+                    walk = _Walk(spelling, fusion, spelled)
+                    matched, total, reason = walk.run(node, op_name(node))
+                    # An op found with other arguments (a canonical op with another form) counts
+                    # half: closer than an op not found at all.
+                    score = ((matched + 0.5 * walk.same_op) / total, matched)
+                    if best is None or score > best[0]:
+                        best = (score, matched, total, reason, fusion, spelling)
         if best is not None:
-            matched, total, reason, fusion, spelling = best
+            _score, matched, total, reason, fusion, spelling = best
             out.append(
                 NearMiss(
                     fusion.name,
@@ -103,6 +110,7 @@ class _Walk:
     def __init__(self, spelling: Spelling, fusion: Fusion, spelled: torch.fx.GraphModule) -> None:
         self.spelled = spelled
         self.scalars = set(fusion.scalars.values())
+        self.strings = set(fusion.string_args.values())  # a process-group name's sentinel
         names = list(inspect.signature(spelling.pattern).parameters)
         placeholders = [n for n in spelled.graph.nodes if n.op == "placeholder"]
         self.names = dict(zip(placeholders, names))  # make_fx may rename them arg0_1 ...
@@ -114,6 +122,7 @@ class _Walk:
         if not anchors:
             return 0, len(self.ops), f"the spelling has no {op}"
         self.paired: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.same_op = 0  # divergences at the spelling's own op (its arguments differ)
         self.bound: dict[torch.fx.Node, torch.fx.Node] = {}
         queue = deque([(start, anchors[0])])
         first = None
@@ -124,9 +133,14 @@ class _Walk:
             g, s = queue.popleft()
             reason = self._step(g, s, queue)
             first = first or reason
+        # getitem (an output of a multi-output op) is bookkeeping, not an op of the spelling:
+        # counted, it would rank a spelling with a two-output op below a one-output one.
+        def ops(nodes):
+            return sum(op_name(n) != "getitem" for n in nodes)
+
         return (
-            len(self.paired),
-            len(self.ops),
+            ops(self.paired),
+            ops(self.ops),
             first or "every op lined up: a check rejected it, or an intermediate is used outside",
         )
 
@@ -143,6 +157,7 @@ class _Walk:
         if g.op != "call_function" or g.target != s.target:
             return f"expected {op_name(s)}, found {_describe(g)}"
         reason = self._compare_args(g, s)
+        self.same_op += reason is not None
         if reason is None and _dtype(g) != _dtype(s):
             reason = self._input_dtype_reason(g, s) or (
                 f"{op_name(s)} gives {_dtype(g)}, the spelling {_dtype(s)}"
@@ -183,6 +198,8 @@ class _Walk:
                     return f"{op_name(s)} argument {i} is the constant {ga!r}"
             elif isinstance(sa, float) and sa in self.scalars:
                 continue  # a scalar pattern argument (eps): any value matches
+            elif isinstance(sa, str) and sa in self.strings and isinstance(ga, str):
+                continue  # a string pattern argument (the group name): any name matches
             elif ga != sa:
                 return f"{op_name(s)} argument {i} is {ga!r}, the spelling has {sa!r}"
         return None

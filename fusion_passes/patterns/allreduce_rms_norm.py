@@ -188,6 +188,21 @@ def _examples(with_residual: bool):
     return example_inputs
 
 
+_NORM_TARGETS = ("fusion_passes.rms_norm.", "fusion_passes.add_rms_norm.", "aten.rsqrt.")
+
+
+def feeds_a_norm(node: torch.fx.Node, depth: int = 5) -> bool:
+    """Whether an all_reduce's sum reaches a norm (a canonical one, or an rsqrt no spelling
+    raised) within ``depth`` ops (wait_tensor, a view, the residual add, casts): a candidate site
+    of the allreduce fusions; an all_reduce feeding anything else (a logits gather) is not."""
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u.op == "call_function"]
+        if any(str(u.target).startswith(_NORM_TARGETS) for u in frontier):
+            return True
+    return False
+
+
 def _fusion(name: str, summary: str, spellings: list[Spelling], with_residual: bool) -> Fusion:
     return Fusion(
         name=name,
@@ -201,6 +216,9 @@ def _fusion(name: str, summary: str, spellings: list[Spelling], with_residual: b
         "and on no other topology (elsewhere NCCL + the fused norm)",
         string_args={"group_name": GROUP_SENTINEL},
         canonicalize=views_into_allreduce,
+        # Each all_reduce left that feeds a norm is a near miss, with the closest spelling.
+        candidate_ops=("_c10d_functional.all_reduce.default",),
+        candidate=feeds_a_norm,
         builtin=True,
     )
 

@@ -110,6 +110,18 @@ def sum_read_elsewhere_not_fused(x, residual, w):
     return llama_rms_norm(h, w, 1e-6), h, s * 3
 
 
+def vllm_fp32_add_not_fused(x, residual, w):
+    """vLLM's native add + norm after the reduction: the add in fp32, its sum normalised before
+    rounding. It raises (add_rms_norm with residual_in_fp32), but the allreduce fusions take the
+    rounded add only: not fused, a near miss naming the difference."""
+    s = funcol.all_reduce(x, "sum", _group())
+    orig_dtype = s.dtype
+    h = s.to(torch.float32) + residual.to(torch.float32)
+    residual = h.to(orig_dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+    return h.to(orig_dtype) * w, residual
+
+
 # name -> (fn, dtype, subgroup, the fused op's fusion or None, its spelling, the norm fusion)
 CASES = {
     "llama_residual_plus_sum": (
@@ -154,6 +166,9 @@ CASES = {
     "max_not_fused": (max_not_fused, torch.float32, False, None, None, "add_rms_norm"),
     "sum_read_elsewhere_not_fused": (
         sum_read_elsewhere_not_fused, torch.float32, False, None, None, "add_rms_norm",
+    ),
+    "vllm_fp32_add_not_fused_bf16": (
+        vllm_fp32_add_not_fused, torch.bfloat16, False, None, None, "add_rms_norm",
     ),
 }
 
@@ -206,7 +221,13 @@ def test_allreduce_norm_spelling(spellings, case):
             assert r["matches"] == {norm_fusion: 1}, (rank, r["matches"])
             assert all(after.get(op) == 1 for op in C10D)
             assert r["fallbacks"] == {}, (rank, r["fallbacks"])  # no collective op was added
+            # The all_reduce feeding the norm is reported with the closest spelling and why.
+            (miss,) = r["near_misses"]
+            assert miss[0] in FUSIONS, (rank, miss)
+            if case.startswith("vllm_fp32_add"):
+                assert "add_rms_norm" in miss[2] and "7 arguments" in miss[2], (rank, miss)
             continue
+        assert not r["near_misses"], (rank, r["near_misses"])
         # The report names the path the op took at run time on this group: on a CPU, the reference.
         op = f"fusion_passes.{fusion}.default"
         # (The table is per process: groups of earlier cases stay in it.)
