@@ -537,13 +537,13 @@ def test_ops_match_the_reference_and_fake(scheme, scale, group_size, scale_ue8m0
 @pytest.mark.parametrize(
     ("scheme", "scale", "group_size", "scale_ue8m0"),
     [
-        ("per_tensor", None, 128, False),  # unknown scheme
+        ("per_channel", None, 128, False),  # unknown scheme
         ("static", None, 128, False),  # static without its scale
         ("per_token", torch.tensor(1.0), 128, False),  # a dynamic scheme given a scale
         ("static", torch.tensor(1.0, dtype=torch.float16), 128, False),  # scale not fp32
         ("static", torch.ones(2), 128, False),  # scale of two elements
         ("per_group", None, 96, False),  # group size not dividing 256
-        ("per_token", None, 128, True),  # UE8M0 scales outside per_group
+        ("per_group", None, 0, False),  # no columns a group
     ],
 )
 def test_bad_arguments_raise(scheme, scale, group_size, scale_ue8m0):

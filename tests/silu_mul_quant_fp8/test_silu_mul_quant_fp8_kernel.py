@@ -411,12 +411,12 @@ def test_op_matches_the_reference_and_fake(scheme, scale, group_size, scale_ue8m
         ((2, 256), (1, 256), "per_token", None, 128, False),  # up broadcast: not one shape
         ((2, 256), (2, 256, torch.float16), "per_token", None, 128, False),  # dtypes differ
         ((2, 256, torch.float64), (2, 256, torch.float64), "per_token", None, 128, False),  # fp64
-        ((2, 256), (2, 256), "per_tensor", None, 128, False),  # unknown scheme
+        ((2, 256), (2, 256), "per_channel", None, 128, False),  # unknown scheme
         ((2, 256), (2, 256), "static", None, 128, False),  # static without its scale
         ((2, 256), (2, 256), "per_token", torch.tensor(1.0), 128, False),  # dynamic given a scale
         ((2, 256), (2, 256), "per_group", None, 96, False),  # group size not dividing 256
         ((2, 192), (2, 192), "per_group", None, 128, False),  # 128 not dividing 192
-        ((2, 256), (2, 256), "per_token", None, 128, True),  # UE8M0 scales outside per_group
+        ((2, 256), (2, 256), "per_group", None, 0, False),  # no columns a group
     ],
 )
 def test_bad_arguments_raise(gate, up, scheme, scale, group_size, scale_ue8m0):
