@@ -12,6 +12,7 @@ nodes: one kernel launch serves both), so every spelling that raises reaches the
                                        absent where RoPE runs on [B, S, H, D] or flat [T, H, D]
                                        (Meta, gpt-fast, vLLM)
     q = rope(q, cos, sin, interleaved, compute_fp32)                        (k alike)
+                                       (rotate_half or GPT-J pairs, x.dtype or fp32 math)
 
 cos / sin are the rope ops' own (any shape that broadcasts: [B, 1, S, R], [1, S, 1, R],
 [T, 1, R]); the replacement views them as the kernel's [B or 1, S, R] rows and rejects those that
@@ -20,10 +21,11 @@ vary over heads. R = cos.shape[-1] <= D (partial rotary: the rest passed through
 Unfused: 2 norm kernels (or 4 for the whole-row norm's reduction + scale) and the RoPE pointwise
          kernels, q and k written and read back between them.
 Fused:   q, k = fusion_passes.qk_norm_rope(q, k, q_w, k_w, cos, sin, eps, weight_offset, cast,
-                                           norm_per_head)            (one kernel on CUDA)
+                                           norm_per_head, interleaved)   (one kernel on CUDA;
+         cos / sin cast to fp32 for the fp32 form: the kernel computes the RoPE in their dtype)
 
-Not fused (the rope ops lower back): GPT-J (interleaved) RoPE, which the kernel does not compute
-(it rotates halves); q and k of different cos / sin, RoPE forms or eps; a norm of another width.
+Not fused (the rope ops lower back): q and k of different cos / sin, RoPE forms or eps; a norm
+of another width or axis; cos / sin that vary over heads.
 
 eps and the head dim of the whole-row spellings are pattern arguments (scalars); head counts,
 the head dim of the per-head spellings and the rotary dim are read from the matched shapes.
@@ -110,7 +112,7 @@ def cos_rows(cos, rope_rank: int, transposed: bool) -> torch.Tensor:
     return c.squeeze(2)
 
 
-def _replacement(per_head: bool, transposed: bool, offset: float, cast: bool, fp32: bool):
+def _replacement(per_head: bool, transposed: bool, offset: float, cast: bool, interleaved: bool, fp32: bool):
     def fused(q, k, q_weight, k_weight, cos, sin, eps, head_dim):
         rank = q.dim() + (0 if per_head else 1)  # the rope op's input rank
         qh, kh = _head_view(q, per_head, head_dim), _head_view(k, per_head, head_dim)
@@ -120,7 +122,7 @@ def _replacement(per_head: bool, transposed: bool, offset: float, cast: bool, fp
         if fp32:  # the kernel computes the RoPE in cos's dtype (fp32: rounded once at the end)
             c, s = c.float(), s.float()
         q_out, k_out = torch.ops.fusion_passes.qk_norm_rope.default(
-            qh, kh, q_weight, k_weight, c, s, eps, offset, cast, per_head
+            qh, kh, q_weight, k_weight, c, s, eps, offset, cast, per_head, interleaved
         )  # [B, H, S, D] transposes of contiguous [B, S, H, D] tensors
         if not transposed:
             q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
@@ -142,8 +144,8 @@ def _replacement(per_head: bool, transposed: bool, offset: float, cast: bool, fp
 
 
 def _check(per_head: bool, transposed: bool, offset: float, cast: bool, interleaved: bool, fp32: bool):
-    """Reject what the fused op would compute differently: GPT-J pairs, another eps, dtypes,
-    cos/sin that vary over heads, weights of another width (a norm over another axis)."""
+    """Reject what the fused op would compute differently: another eps, dtypes, cos/sin that vary
+    over heads, weights of another width (a norm over another axis)."""
 
     def check(values: dict[str, Any]) -> str | None:
         q, k = values["q"], values["k"]
@@ -151,8 +153,6 @@ def _check(per_head: bool, transposed: bool, offset: float, cast: bool, interlea
             # The matcher finds k's branch from the nodes q's branch shares with it (cos / sin)
             # and may bind it to q's own branch when k's does not match (e.g. another eps).
             return "the k branch matched q's own nodes: no separate k norm + RoPE"
-        if interleaved:
-            return "GPT-J (interleaved) RoPE: the qk_norm_rope kernel rotates halves only"
         if values["eps"] != values["k_eps"]:
             return f"q_norm eps {values['eps']} != k_norm eps {values['k_eps']} (the op has one)"
         head_dim = None
@@ -181,7 +181,8 @@ def _check(per_head: bool, transposed: bool, offset: float, cast: bool, interlea
             return f"cos/sin {c.dtype} against {q.dtype} q without fp32 RoPE math"
         try:
             check_qk_norm_rope_args(
-                qh, kh, values["q_weight"], values["k_weight"], c, s, offset, cast, per_head
+                qh, kh, values["q_weight"], values["k_weight"], c, s, offset, cast, per_head,
+                interleaved,
             )
         except ValueError as e:
             return str(e)
@@ -223,7 +224,7 @@ def _spellings(per_head: bool) -> list[Spelling]:
                     Spelling(
                         f"{scope}_{form}_norm_{where}{rope_form}",
                         _pattern(*args, interleaved, fp32),
-                        _replacement(*args, fp32),
+                        _replacement(*args, interleaved, fp32),
                         _check(*args, interleaved, fp32),
                     )
                 )

@@ -1,11 +1,11 @@
-"""The canonical op ``fusion_passes::qk_norm_rope``: q/k RMSNorm + rotate_half RoPE before attention.
+"""The canonical op ``fusion_passes::qk_norm_rope``: q/k RMSNorm + RoPE before attention.
 
-Unfused (transformers' Qwen3 / Qwen3-Next / Qwen 3.5 / MiniMax-M2 attention, after the RMSNorm
-fusion): rms_norm(q), rms_norm(k), reshape/transpose to [B, H, S, D], then
-    q * cos + rotate_half(q) * sin  on the first R dims, the rest concatenated back
+Unfused (after the raise stage): rms_norm(q), rms_norm(k), views / transposes, then
+    rope(q, cos, sin, interleaved, compute_fp32), rope(k, ...)   (canonical ops, see patterns/)
 Fused:
     q_out, k_out = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, weight_offset,
-                                cast_before_weight, norm_per_head)
+                                cast_before_weight, norm_per_head, interleaved)
+the RoPE computed in cos's dtype (q's, or fp32 for the compute_fp32 form).
 
 q [B, S, Hq, D] and k [B, S, Hk, D] are the projections' outputs (any strides: Qwen 3.5's q is a
 chunk of the q+gate projection); the rotary dim R is cos.shape[-1] (transformers reads it there

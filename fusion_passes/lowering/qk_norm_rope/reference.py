@@ -6,19 +6,19 @@ Between the QKV projection and attention, q and k are RMS-normalised and rotated
         y = rms_norm(x, w, eps, weight_offset, cast_before_weight)       x: [B, S, H, D], w: [D]
     whole row  (norm_per_head=False: MiniMax-M2, all heads of a token together)
         y = rms_norm(x.reshape(B, S, H * D), w, ...).reshape(B, S, H, D)  w: [H * D]
-    then rotate_half RoPE on the first R = cos.shape[-1] dims of every head, the rest passed
-    through: the canonical ``rope`` op's math (lowering/rope/reference.py) with interleaved=False,
-    in cos's dtype: x.dtype as transformers computes it (each product and the sum rounded to
-    x.dtype), or fp32 (fp32 cos / sin: Olmo2, gpt-fast; one rounding at the end):
-        y1, y2 = y[..., :R/2], y[..., R/2:R]
-        out[..., :R/2]  = y1 * cos[..., :R/2] + (-y2) * sin[..., :R/2]
-        out[..., R/2:R] = y2 * cos[..., R/2:] + y1 * sin[..., R/2:]
-        out[..., R:]    = y[..., R:]
+    then RoPE on the first R = cos.shape[-1] dims of every head, the rest passed through: the
+    canonical ``rope`` op's math (lowering/rope/reference.py), rotate_half's pairs (j, j + R/2)
+    or GPT-J's (2j, 2j + 1) (interleaved), in cos's dtype: x.dtype as transformers computes it
+    (each product and the sum rounded to x.dtype), or fp32 (fp32 cos / sin: Olmo2's and gpt-fast's
+    fp32 math, rounded once at the end). For a pair (a, b) = (y[lo], y[hi]):
+        out[lo] = a * cos[lo] + (-b) * sin[lo]
+        out[hi] = b * cos[hi] + a * sin[hi]
+        out[R:] = y[R:]
     returned as [B, H, S, D] (what attention consumes): a transpose(1, 2) view of a new
     contiguous [B, S, H, D] tensor, so the kernel writes each token's heads in one run.
 
-cos / sin are [B or 1, S, R] in x.dtype or float32 (transformers casts them to the activations' dtype once per
-step; Qwen 3.5's interleaved MRoPE sections are already folded into them, so the op never sees
+cos / sin are [B or 1, S, R] in x.dtype or float32, one value per rotated element (transformers
+casts them to the activations' dtype once per step; Qwen 3.5's interleaved MRoPE sections are already folded into them, so the op never sees
 sections). The norm's two rounding forms are rms_norm_reference's.
 """
 
@@ -44,6 +44,7 @@ def check_qk_norm_rope_args(
     weight_offset: float = 0.0,
     cast_before_weight: bool = True,
     norm_per_head: bool = True,
+    interleaved: bool = False,
 ) -> None:
     """Raise ValueError (one line) for inputs the canonical op does not define."""
     if q.dim() != 4 or k.dim() != 4:
@@ -81,19 +82,19 @@ def check_qk_norm_rope_args(
             raise ValueError(f"qk_norm_rope ({name}): {e}") from None
 
 
-def _rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE on the first cos.shape[-1] dims of y [B, H, S, D] in cos's dtype (y's or
-    fp32); cos/sin are [B or 1, S, R]."""
+def _rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of y [B, H, S, D] in cos's dtype (y's or fp32);
+    cos/sin are [B or 1, S, R]."""
     compute_fp32 = cos.dtype != y.dtype
-    return rope_reference(y, cos.unsqueeze(1), sin.unsqueeze(1), False, compute_fp32)
+    return rope_reference(y, cos.unsqueeze(1), sin.unsqueeze(1), interleaved, compute_fp32)
 
 
-def _branch(x, weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head):
+def _branch(x, weight, cos, sin, eps, weight_offset, cast_before_weight, norm_per_head, interleaved):
     b, s, h, d = x.shape
     rows = x if norm_per_head else x.reshape(b, s, h * d)
     y = rms_norm_reference(rows, weight, eps, weight_offset, cast_before_weight)
     out = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
-    out.copy_(_rope(y.reshape(b, s, h, d).transpose(1, 2), cos, sin))
+    out.copy_(_rope(y.reshape(b, s, h, d).transpose(1, 2), cos, sin, interleaved))
     return out
 
 
@@ -108,11 +109,13 @@ def qk_norm_rope_reference(
     weight_offset: float = 0.0,
     cast_before_weight: bool = True,
     norm_per_head: bool = True,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference QK-norm + RoPE (see the module docstring): returns (q_out, k_out), each
     [B, H, S, D] with the strides of a contiguous [B, S, H, D] tensor."""
     check_qk_norm_rope_args(
-        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head
+        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head,
+        interleaved,
     )
-    args = (cos, sin, eps, weight_offset, cast_before_weight, norm_per_head)
+    args = (cos, sin, eps, weight_offset, cast_before_weight, norm_per_head, interleaved)
     return _branch(q, q_weight, *args), _branch(k, k_weight, *args)

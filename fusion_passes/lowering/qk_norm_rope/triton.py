@@ -70,6 +70,15 @@ def _token_offset(token, S, stride_b, stride_s, ONE_SEQ: tl.constexpr):
 
 
 @triton.jit
+def _pair_cols(cols, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The columns of each rotated pair's two elements: (j, j + R/2) for rotate_half, (2j, 2j + 1)
+    for GPT-J pairs (interleaved), j < R/2. Every other step is the same for both styles."""
+    if INTERLEAVED:
+        return 2 * cols, 2 * cols + 1
+    return cols, HALF + cols
+
+
+@triton.jit
 def _load_cols(ptr, cols, row_mask, col_mask, PER_ROW: tl.constexpr):
     """Columns as fp32: of each row's own pointer ([ROWS, 1]), or of one shared row loaded once
     (a per-head norm's [D] weight, a whole-row program's cos / sin) and broadcast over the rows."""
@@ -106,6 +115,7 @@ def _norm_rope_rows(
     NORM_PER_HEAD: tl.constexpr,  # normalise each head alone, else all heads of a token together
     CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form (see rms_norm_triton.scale_by_weight)
     ONE_SEQ: tl.constexpr,  # B == 1 (see _token_offset)
+    INTERLEAVED: tl.constexpr,  # GPT-J pairs (see _pair_cols)
 ):
     D: tl.constexpr = 2 * HALF + PASS
     lanes = tl.arange(0, ROWS)
@@ -129,24 +139,25 @@ def _norm_rope_rows(
         sin_row = sin_ptr + _token_offset(local_pid, S, sin_stride_b, sin_stride_s, ONE_SEQ)
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
+    lo, hi = _pair_cols(cols, HALF, INTERLEAVED)
     half_mask = row_mask[:, None] & (cols < HALF)[None, :]
     pcols = tl.arange(0, BLOCK_PASS)
     pass_mask = row_mask[:, None] & (pcols < PASS)[None, :]
     # Loads first (x, weight, cos, sin), so their latencies overlap before the reduction.
-    x1 = tl.load(x_row[:, None] + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row[:, None] + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row[:, None] + lo[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row[:, None] + hi[None, :], mask=half_mask, other=0.0).to(tl.float32)
     if NORM_PER_HEAD:  # one [D] weight shared by every head: load it once, broadcast over rows
-        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+        w1 = tl.load(w_ptr + lo, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + hi, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
     else:  # each head its own slice of the [H * D] weight
         w_row = (w_ptr + head * D)[:, None]
-        w1 = tl.load(w_row + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_row + HALF + cols[None, :], mask=half_mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w_row + lo[None, :], mask=half_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_row + hi[None, :], mask=half_mask, other=0.0).to(tl.float32)
     in_half = (cols < HALF)[None, :]
-    c1 = _load_cols(cos_row, cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
-    c2 = _load_cols(cos_row, HALF + cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
-    s1 = _load_cols(sin_row, cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
-    s2 = _load_cols(sin_row, HALF + cols[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    c1 = _load_cols(cos_row, lo[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    c2 = _load_cols(cos_row, hi[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    s1 = _load_cols(sin_row, lo[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
+    s2 = _load_cols(sin_row, hi[None, :], row_mask[:, None], in_half, NORM_PER_HEAD)
     squares = tl.sum(x1 * x1 + x2 * x2, axis=1)
     if PASS > 0:
         xp_ptrs = x_row[:, None] + 2 * HALF + pcols[None, :]
@@ -168,18 +179,19 @@ def _norm_rope_rows(
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
     _rope_store(
         x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_ptr + rows[:, None] * D,
-        cols[None, :], pcols[None, :], half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT,
-        cos_ptr.dtype.element_ty,
+        lo[None, :], hi[None, :], pcols[None, :], half_mask, pass_mask, HALF, PASS,
+        CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
     )  # fmt: skip
 
 
 @triton.jit
 def _rope_store(
-    x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_row, cols, pcols, half_mask,
+    x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_row, lo, hi, pcols, half_mask,
     pass_mask, HALF: tl.constexpr, PASS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, rope_dtype,
 ):  # fmt: skip
     """The split tiles' outputs: x1, x2 (the rotary halves) and xp (pass-through, used when PASS)
-    normalised by rstd, scaled by their weights, rotated and stored at out_row ([ROWS, 1]).
+    normalised by rstd, scaled by their weights, rotated and stored at out_row ([ROWS, 1]), the
+    pairs' two elements at columns lo and hi (see _pair_cols).
     The RoPE rounds each product and the sum to rope_dtype, cos / sin's dtype (see the reference)."""
     dtype = out_row.dtype.element_ty
     y1 = _rounded(scale_by_weight(x1 * rstd, w1, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
@@ -188,8 +200,8 @@ def _rope_store(
     # Olmo2's and gpt-fast's fp32 math, rounded once at the store).
     o1 = _rounded(_rounded(y1 * c1, rope_dtype) - _rounded(y2 * s1, rope_dtype), rope_dtype)
     o2 = _rounded(_rounded(y2 * c2, rope_dtype) + _rounded(y1 * s2, rope_dtype), rope_dtype)
-    tl.store(out_row + cols, o1.to(dtype), mask=half_mask)
-    tl.store(out_row + HALF + cols, o2.to(dtype), mask=half_mask)
+    tl.store(out_row + lo, o1.to(dtype), mask=half_mask)
+    tl.store(out_row + hi, o2.to(dtype), mask=half_mask)
     if PASS > 0:
         yp = scale_by_weight(xp * rstd, wp, weight_offset, dtype, CAST_BEFORE_WEIGHT)
         tl.store(out_row + 2 * HALF + pcols, yp.to(dtype), mask=pass_mask)
@@ -197,14 +209,15 @@ def _rope_store(
 
 @triton.jit
 def _load_split_heads(x_token, heads, stride_h, H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):  # fmt: skip
+                      BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
     """One step of a token's heads as the split tiles hold them: (x1, x2, xp) fp32 [ROWS, *] of
     heads `heads` (masked at H, masked elements 0) and their sum of squares [ROWS]."""
     x_row = (x_token + heads * stride_h)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
+    lo, hi = _pair_cols(cols, HALF, INTERLEAVED)
     half_mask = (heads < H)[:, None] & (cols < HALF)
-    x1 = tl.load(x_row + cols, mask=half_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + HALF + cols, mask=half_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + lo, mask=half_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + hi, mask=half_mask, other=0.0).to(tl.float32)
     pcols = tl.arange(0, BLOCK_PASS)[None, :]
     xp = tl.load(x_row + 2 * HALF + pcols, mask=(heads < H)[:, None] & (pcols < PASS), other=0.0)
     xp = xp.to(tl.float32)
@@ -215,22 +228,23 @@ def _load_split_heads(x_token, heads, stride_h, H: tl.constexpr, HALF: tl.conste
 def _store_split_heads(
     x1, x2, xp, heads, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H: tl.constexpr,
     HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, rope_dtype,
+    CAST_BEFORE_WEIGHT: tl.constexpr, rope_dtype, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """_load_split_heads' step normalised by the token's rstd with its heads' weights (loaded
     here, each head its slice of the [H * D] weight), rotated and stored."""
     D: tl.constexpr = 2 * HALF + PASS
     cols = tl.arange(0, BLOCK_HALF)[None, :]
+    lo, hi = _pair_cols(cols, HALF, INTERLEAVED)
     pcols = tl.arange(0, BLOCK_PASS)[None, :]
     half_mask = (heads < H)[:, None] & (cols < HALF)
     pass_mask = (heads < H)[:, None] & (pcols < PASS)
     w_row = (w_ptr + heads * D)[:, None]
-    w1 = tl.load(w_row + cols, mask=half_mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_row + HALF + cols, mask=half_mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_row + lo, mask=half_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_row + hi, mask=half_mask, other=0.0).to(tl.float32)
     wp = tl.load(w_row + 2 * HALF + pcols, mask=pass_mask, other=0.0).to(tl.float32)
     _rope_store(
         x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, (out_token + heads * D)[:, None],
-        cols, pcols, half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT, rope_dtype,
+        lo, hi, pcols, half_mask, pass_mask, HALF, PASS, CAST_BEFORE_WEIGHT, rope_dtype,
     )  # fmt: skip
 
 
@@ -241,6 +255,7 @@ def _whole_row_split_steps(
     eps, weight_offset,
     HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     ROWS: tl.constexpr, STEPS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, ONE_SEQ: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """A whole-row norm (one token a program) in the split tiles' registers, its heads taken ROWS
     at a time in STEPS <= 4 steps (48 heads: 3 steps of 16, where one tile pads them to 64):
@@ -254,49 +269,50 @@ def _whole_row_split_steps(
     cos_row = cos_ptr + _token_offset(token, S, cos_stride_b, cos_stride_s, ONE_SEQ)
     sin_row = sin_ptr + _token_offset(token, S, sin_stride_b, sin_stride_s, ONE_SEQ)
     cols = tl.arange(0, BLOCK_HALF)
-    c1 = tl.load(cos_row + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_row + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_row + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_row + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    lo, hi = _pair_cols(cols, HALF, INTERLEAVED)
+    c1 = tl.load(cos_row + lo, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + hi, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + lo, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + hi, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
     x1a, x2a, xpa, squares = _load_split_heads(
-        x_token, lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+        x_token, lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, INTERLEAVED
     )
     if STEPS > 1:
         x1b, x2b, xpb, more = _load_split_heads(
-            x_token, ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+            x_token, ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, INTERLEAVED
         )
         squares += more
     if STEPS > 2:
         x1c, x2c, xpc, more = _load_split_heads(
-            x_token, 2 * ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+            x_token, 2 * ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, INTERLEAVED
         )
         squares += more
     if STEPS > 3:
         x1d, x2d, xpd, more = _load_split_heads(
-            x_token, 3 * ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS
+            x_token, 3 * ROWS + lanes, stride_h, H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, INTERLEAVED
         )
         squares += more
     rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
     out_token = out_ptr + token.to(tl.int64) * (H * D)
     _store_split_heads(
         x1a, x2a, xpa, lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H, HALF, PASS,
-        BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
+        BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty, INTERLEAVED,
     )  # fmt: skip
     if STEPS > 1:
         _store_split_heads(
             x1b, x2b, xpb, ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset, H,
-            HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
-    )  # fmt: skip
+            HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty, INTERLEAVED,
+        )  # fmt: skip
     if STEPS > 2:
         _store_split_heads(
             x1c, x2c, xpc, 2 * ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset,
-            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
-    )  # fmt: skip
+            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty, INTERLEAVED,
+        )  # fmt: skip
     if STEPS > 3:
         _store_split_heads(
             x1d, x2d, xpd, 3 * ROWS + lanes, w_ptr, out_token, c1, c2, s1, s2, rstd, weight_offset,
-            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
-    )  # fmt: skip
+            H, HALF, PASS, BLOCK_HALF, BLOCK_PASS, CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty, INTERLEAVED,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -304,12 +320,14 @@ def _rotary_tile(
     x_row, w_row, out_row, cos_row, sin_row, row_mask, rstd, weight_offset,
     HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     NORM_HERE: tl.constexpr, W_PER_ROW: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, eps,
+    INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Head rows ([ROWS, 1] pointers) normalised and rotated as two tiles: the whole head
     [ROWS, BLOCK_D] (the sum of squares when NORM_HERE, else rstd is given; the pass-through
     columns R..D stored from it) and the rotary columns [ROWS, BLOCK_R] with their partners
     (j + R/2 in the first half, j - R/2 in the second), read by shifted loads of the same rows,
     which L1 serves: DRAM sees each byte once, and the RoPE arithmetic runs on R columns only.
+    GPT-J pairs (INTERLEAVED): the partner of an even column is the next, of an odd one the last.
         out[j] = to_x_dtype(to_x_dtype(y[j] * cos[j]) -+ to_x_dtype(y[partner(j)] * sin[j]))  j < R
         out[j] = y[j]                                                                      j >= R
     """
@@ -331,15 +349,20 @@ def _rotary_tile(
             y = scale_by_weight(x * rstd, w, weight_offset, dtype, CAST_BEFORE_WEIGHT)
             tl.store(out_row + cols, y.to(dtype), mask=mask & (cols >= R))
     rc = tl.arange(0, BLOCK_R)[None, :]
-    lo, hi = rc < HALF, (rc >= HALF) & (rc < R)  # partner at j + R/2, at j - R/2
+    if INTERLEAVED:  # partner at j + 1 (even j), at j - 1 (odd j)
+        lo, hi = (rc % 2 == 0) & (rc < R), (rc % 2 == 1) & (rc < R)
+        shift = 1
+    else:  # partner at j + R/2, at j - R/2
+        lo, hi = rc < HALF, (rc >= HALF) & (rc < R)
+        shift = HALF
     first, second = row_mask & lo, row_mask & hi
     rot = first | second
     x = tl.load(x_row + rc, mask=rot, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_row + rc + HALF, mask=first, other=0.0).to(tl.float32)
-    x_partner += tl.load(x_row + rc - HALF, mask=second, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_row + rc + shift, mask=first, other=0.0).to(tl.float32)
+    x_partner += tl.load(x_row + rc - shift, mask=second, other=0.0).to(tl.float32)
     w = _load_cols(w_row, rc, row_mask, lo | hi, W_PER_ROW)
-    w_partner = _load_cols(w_row, rc + HALF, row_mask, lo, W_PER_ROW)
-    w_partner += _load_cols(w_row, rc - HALF, row_mask, hi, W_PER_ROW)
+    w_partner = _load_cols(w_row, rc + shift, row_mask, lo, W_PER_ROW)
+    w_partner += _load_cols(w_row, rc - shift, row_mask, hi, W_PER_ROW)
     c = _load_cols(cos_row, rc, row_mask, lo | hi, NORM_HERE)
     s = _load_cols(sin_row, rc, row_mask, lo | hi, NORM_HERE)
     y = _rounded(scale_by_weight(x * rstd, w, weight_offset, dtype, CAST_BEFORE_WEIGHT), dtype)
@@ -347,7 +370,7 @@ def _rotary_tile(
     y_partner = _rounded(y_partner, dtype)
     # rotate_half: the first half subtracts its partner's product, the second adds it (negation
     # is exact, so the rounding matches the reference's separate sub and add).
-    sign = tl.where(rc < HALF, -1.0, 1.0)
+    sign = tl.where(lo, -1.0, 1.0)
     o = _rounded(_rounded(y * c, rope_dtype) + sign * _rounded(y_partner * s, rope_dtype), rope_dtype)
     tl.store(out_row + rc, o.to(dtype), mask=rot)
 
@@ -359,7 +382,7 @@ def _norm_rope_rows_tile(
     eps, weight_offset,
     HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     ROWS: tl.constexpr, NORM_PER_HEAD: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-    STEPS: tl.constexpr, ONE_SEQ: tl.constexpr,
+    STEPS: tl.constexpr, ONE_SEQ: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """_norm_rope_rows with each head row as whole-head and rotary tiles (_rotary_tile): contiguous,
     vectorised loads whatever the split of rotary and pass-through dims (the narrow tiles of
@@ -381,6 +404,7 @@ def _norm_rope_rows_tile(
         _rotary_tile(
             x_row[:, None], w_ptr, out_row[:, None], cos_row[:, None], sin_row[:, None], row_mask,
             0.0, weight_offset, HALF, PASS, BLOCK_D, BLOCK_R, True, False, CAST_BEFORE_WEIGHT, eps,
+            INTERLEAVED,
         )  # fmt: skip
     else:
         token = local_pid
@@ -402,7 +426,7 @@ def _norm_rope_rows_tile(
             _rotary_tile(
                 (x_token + heads * stride_h)[:, None], (w_ptr + heads * D)[:, None], out_row[:, None],
                 cos_row, sin_row, (heads < H)[:, None], rstd, weight_offset, HALF, PASS, BLOCK_D,
-                BLOCK_R, False, True, CAST_BEFORE_WEIGHT, eps,
+                BLOCK_R, False, True, CAST_BEFORE_WEIGHT, eps, INTERLEAVED,
             )  # fmt: skip
 
 
@@ -447,6 +471,7 @@ def _qk_norm_rope_kernel(
     Q_STEPS: tl.constexpr,  # whole-row norm: cdiv(HQ, ROWS) steps over a token's q heads (else 1)
     K_STEPS: tl.constexpr,  # the same for k
     ONE_SEQ: tl.constexpr,  # B == 1: token offsets without a division by S
+    INTERLEAVED: tl.constexpr,  # GPT-J pairs (2j, 2j + 1), else rotate_half's (j, j + R/2)
 ):
     # Inductor's launches pass Python floats as fp64: pin them to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
@@ -458,41 +483,42 @@ def _qk_norm_rope_kernel(
                 q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
                 q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
                 sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, BLOCK_R, ROWS,
-                NORM_PER_HEAD, CAST_BEFORE_WEIGHT, Q_STEPS, ONE_SEQ,
+                NORM_PER_HEAD, CAST_BEFORE_WEIGHT, Q_STEPS, ONE_SEQ, INTERLEAVED,
             )  # fmt: skip
         else:
             _norm_rope_rows_tile(
                 k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
                 k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
                 sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_PASS, BLOCK_R, ROWS_K,
-                NORM_PER_HEAD, CAST_BEFORE_WEIGHT, K_STEPS, ONE_SEQ,
+                NORM_PER_HEAD, CAST_BEFORE_WEIGHT, K_STEPS, ONE_SEQ, INTERLEAVED,
             )  # fmt: skip
     elif not NORM_PER_HEAD and Q_STEPS > 1 and pid < q_programs:
         _whole_row_split_steps(
             q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, S, HQ, q_stride_b, q_stride_s,
             q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps, weight_offset,
             HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS, Q_STEPS, CAST_BEFORE_WEIGHT, ONE_SEQ,
+            INTERLEAVED,
         )  # fmt: skip
     elif not NORM_PER_HEAD and K_STEPS > 1 and pid >= q_programs:
         _whole_row_split_steps(
             k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, S, HK, k_stride_b,
             k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps,
             weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K, K_STEPS, CAST_BEFORE_WEIGHT,
-            ONE_SEQ,
+            ONE_SEQ, INTERLEAVED,
         )  # fmt: skip
     elif pid < q_programs:
         _norm_rope_rows(
             q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
             q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
-            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
         )  # fmt: skip
     else:
         _norm_rope_rows(
             k_ptr, k_weight_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
             k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
-            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
         )  # fmt: skip
 
 
@@ -545,6 +571,7 @@ def qk_norm_rope_triton(
     weight_offset: float = 0.0,
     cast_before_weight: bool = True,
     norm_per_head: bool = True,
+    interleaved: bool = False,
     *,
     wrap: Callable | None = None,
     whole_head_tile: bool | None = None,
@@ -555,7 +582,8 @@ def qk_norm_rope_triton(
     [B, H, S, D] transposes of new contiguous [B, S, H, D] tensors; inputs are only read. `wrap`
     (torch.library.wrap_triton) is applied to the kernel so make_fx can trace the launch."""
     check_qk_norm_rope_args(
-        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head
+        q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head,
+        interleaved,
     )
     q, k, cos, sin = (_unit_columns(t) for t in (q, k, cos, sin))
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
@@ -615,6 +643,7 @@ def qk_norm_rope_triton(
         Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),  # a whole-row norm's steps, either body
         K_STEPS=1 if norm_per_head else triton.cdiv(hk, rows_k),
         ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
+        INTERLEAVED=interleaved,
         num_warps=num_warps,
     )  # fmt: skip
     # permute, not transpose: inlined as a direct launch, this lands in Inductor's post-grad graph,
