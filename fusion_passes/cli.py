@@ -507,21 +507,24 @@ def _print_report(console, header, report, checks, timings, sites, kernels) -> N
 
     console.rule("fusion_passes diff")
     console.print(header, markup=False, highlight=False, soft_wrap=True)
-    table = Table(title="fusions")
-    for col in ("fusion", "sites", "where (module / source line)"):
+    table = Table(title="fusions (sites: rewrites in the compiled graph)")
+    for col in ("fusion", "sites", "rewritten, then", "where (module / source line)"):
         table.add_column(col)
+    final = report.final()
     for fusion, count in report.matches.items():
         where = "\n".join(
-            f"{s.module or '(root)'}  {s.location}" for s in report.sites_of(fusion)
+            f"{s.module or '(root)'}  {s.location}" for s in report.sites_of(fusion) if not s.fate
         )
-        table.add_row(fusion, str(count), where or "-")
+        fates = ", ".join(f"{n} {fate}" for fate, n in sorted(report.fates(fusion).items()))
+        then = f"{count}: {fates}" if fates else "-"
+        table.add_row(fusion, str(final[fusion]), then, where or "-")
     console.print(table)
     if sites is not None:
         # A gated RMSNorm (linear attention) fuses its norm; the SiLU gate stays an Inductor op.
         expected = len(sites.rms_norm) + len(sites.gated_rms_norm)
         got = report.matches.get("rms_norm", 0) + report.matches.get("add_rms_norm", 0)
         gated = f" (incl. {len(sites.gated_rms_norm)} gated)" if sites.gated_rms_norm else ""
-        console.print(f"RMSNorm sites in the model: {expected}{gated}; fused: {got}")
+        console.print(f"RMSNorm sites in the model: {expected}{gated}; raised: {got}")
     lowered = report.lowered_back()
     if lowered:
         shown = ", ".join(f"{op.removesuffix('.default')} x{n}" for op, n in sorted(lowered.items()))
@@ -600,6 +603,7 @@ def _as_json(name, args, dtype_name, dtype_from, report, checks, sites) -> dict[
         "ops_before": dict(report.ops_before()),
         "ops_after": dict(report.ops_after()),
         "lowered_back": dict(report.lowered_back()),
+        "final": dict(report.final()),
         "expected_rms_norm_sites": (
             None if sites is None else len(sites.rms_norm) + len(sites.gated_rms_norm)
         ),

@@ -333,13 +333,26 @@ def _fusions(data: dict[str, Any]) -> str:
     for i, s in enumerate(data.get("sites", [])):
         module = escape(s.get("module") or "(root)")
         links.setdefault(s["fusion"], []).append(f'<a href="#site-{i}">{module}</a>')
-    matches = data.get("matches", {})
-    rows = [[_code(f), str(n), ", ".join(links.get(f, [])) or "-"] for f, n in matches.items()]
-    out = _table(["fusion", "sites", "where"], rows, numeric=(1,))
+    matches, final = data.get("matches", {}), data.get("final", {})
+    fates: dict[str, dict[str, int]] = {}
+    for s in data.get("sites", []):
+        if s.get("fate"):
+            fates.setdefault(s["fusion"], {}).setdefault(s["fate"], 0)
+            fates[s["fusion"]][s["fate"]] += 1
+    rows = [
+        [
+            _code(f),
+            str(final.get(f, n)),
+            escape(", ".join(f"{k} {fate}" for fate, k in sorted(fates.get(f, {}).items())) or "-"),
+            ", ".join(links.get(f, [])) or "-",
+        ]
+        for f, n in matches.items()
+    ]
+    out = _table(["fusion", "sites in the compiled graph", "rewrites not left", "where"], rows, numeric=(1,))
     expected = data.get("expected_rms_norm_sites")
     if expected is not None:
-        fused = sum(matches.get(f, 0) for f in ("rms_norm", "add_rms_norm"))
-        out += f'<p class="none">RMSNorm sites in the model: {int(expected)}; fused: {fused}</p>'
+        raised = sum(matches.get(f, 0) for f in ("rms_norm", "add_rms_norm"))
+        out += f'<p class="none">RMSNorm sites in the model: {int(expected)}; raised: {raised}</p>'
     return out
 
 
@@ -413,6 +426,7 @@ def _site(i: int, site: dict[str, Any]) -> str:
     sub = (
         f"spelling {_code(site['spelling'])}{scalars} · graph {int(site.get('graph', 0))}"
         f" · {removed} ops replaced by {added}"
+        + (f" · then {escape(site['fate'])}" if site.get("fate") else "")
     )
     before = region_svg(site.get("before", {}), "before", f"{i}b")
     after = region_svg(site.get("after", {}), "after", f"{i}a")
@@ -433,5 +447,6 @@ def render_html(data: dict[str, Any]) -> str:
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>fusion-passes diff: {model}</title><style>{CSS}</style></head><body>"
         f'<h1>fusion-passes diff</h1><p class="meta">{meta}</p>{_summary(data)}'
-        f"<h2>rewritten sites ({len(sites)})</h2>{body}</body></html>\n"
+        f"<h2>rewrites ({len(sites)}; {sum(not s.get('fate') for s in sites)} in the compiled graph)</h2>"
+        f"{body}</body></html>\n"
     )

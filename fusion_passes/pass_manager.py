@@ -9,6 +9,7 @@ Inductor's FX graph cache stays on and never serves a graph compiled under other
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -27,6 +28,7 @@ from torch._inductor.pattern_matcher import Match, stable_topological_sort
 import fusion_passes
 from fusion_passes.lower_back import lower_back
 from fusion_passes.lowering.common.direct_launch import inline_triton_launches
+from fusion_passes.lowering.common.ops import LOWER_BACK
 from fusion_passes.near_miss import find_near_misses
 from fusion_passes.regions import Region, graph_region, match_region, region_ops
 from fusion_passes.fusion import (
@@ -47,6 +49,10 @@ from fusion_passes.report import (
 )
 from fusion_passes.verify import Unverifiable, verify_match
 
+
+# node.meta key: the index in Report.sites of the rewrite that created a fusion_passes op node,
+# so a later fusion consuming it (or the lowering back) is recorded as that site's fate.
+SITE_KEY = "fusion_passes_site"
 
 # "direct": CUDA canonical ops become Inductor-emitted Triton launches; "dispatch": they stay
 # custom-op calls through the dispatcher. CPU always runs the reference through the dispatcher.
@@ -74,6 +80,8 @@ class FusionPassManager(CustomGraphPass):
         self.verify = verify
         self.strict = strict
         self._pending: list[tuple[Fusion, Spelling, Match, Region, str, str]] = []
+        self._tag: tuple[int, int] | None = None  # (pass token, pending index) of the last match
+        self._taken: list[tuple[int, str]] = []  # (site index, fusion) consumed by this pass
 
     # -- CustomGraphPass ------------------------------------------------------------------------
 
@@ -122,7 +130,12 @@ class FusionPassManager(CustomGraphPass):
         if self.lower_back:
             # Canonical ops no region fusion consumed: back to plain torch, for Inductor to fuse
             # with their neighbours (an opaque standalone norm costs a kernel; see lower_back).
+            standalone = [
+                n.meta.get(SITE_KEY) for n in graph.nodes if n.op == "call_function" and n.target in LOWER_BACK
+            ]
             lowered = self._guarded("lowering back", lambda: lower_back(graph), graph)
+            if lowered is not None:
+                self._set_fates([(i, "lowered back") for i in standalone if isinstance(i, int)])
         # The report shows the canonical ops; how they launch is the lowering's business.
         after = op_counts(graph)
         if self.launch == "direct":
@@ -156,21 +169,44 @@ class FusionPassManager(CustomGraphPass):
             return None
 
     def _apply(self, fusion: Fusion, graph: torch.fx.Graph, index: int) -> None:
-        self._pending = []
-        count = self._guarded(
-            f"fusion {fusion.name!r}", lambda: pattern_pass(fusion).apply(graph), graph
-        )
+        self._pending, self._taken = [], []
+        token = id(self._pending)
+        module = graph.owning_module
+
+        def tag(node: torch.fx.Node) -> None:
+            # The matcher applies each accepted match right after _on_match: the fused op nodes
+            # created now are that match's replacement.
+            if self._tag is not None and node.op == "call_function" and str(node.target).startswith("fusion_passes."):
+                node.meta[SITE_KEY] = self._tag
+
+        if module is not None:
+            module._register_create_node_hook(tag)
+        try:
+            count = self._guarded(
+                f"fusion {fusion.name!r}", lambda: pattern_pass(fusion).apply(graph), graph
+            )
+        finally:
+            self._tag = None
+            if module is not None:
+                module._unregister_create_node_hook(tag)
         if count is None:
             return
+        # Site indices: the pending matches become sites in reverse order, from len(sites) on.
+        first, last = len(self.report.sites), len(self.report.sites) + len(self._pending) - 1
+        for node in graph.nodes:
+            t = node.meta.get(SITE_KEY)
+            if isinstance(t, tuple) and t[0] == token:
+                node.meta[SITE_KEY] = last - t[1]
+        self._set_fates([(i, f"taken by {name}") for i, name in self._taken if i < first])
         # The matches the pass applied, one per count; the matcher walks the graph backwards.
-        for f, spelling, match, before, module, location in reversed(self._pending):
+        for f, spelling, match, before, module_name, location in reversed(self._pending):
             after = _replacement_region(f, spelling)
             self.report.add_site(
                 Site(
                     fusion=f.name,
                     spelling=spelling.name,
                     graph=index,
-                    module=module,
+                    module=module_name,
                     location=location,
                     ops_removed=region_ops(before),
                     ops_added=region_ops(after),
@@ -216,10 +252,20 @@ class FusionPassManager(CustomGraphPass):
         # The matched nodes are erased once the pass applies the match: record them now.
         anchor = _anchor(match)
         region = match_region(match, _argnames(spelling))
+        for node in match.nodes:  # fused ops of earlier rewrites that this region consumes
+            site = node.meta.get(SITE_KEY)
+            if isinstance(site, int):
+                self._taken.append((site, fusion.name))
         self._pending.append(
             (fusion, spelling, match, region, module_path(anchor), source_location(anchor))
         )
+        self._tag = (id(self._pending), len(self._pending) - 1)
         return True
+
+    def _set_fates(self, fates: list[tuple[int, str]]) -> None:
+        for i, fate in fates:
+            if 0 <= i < len(self.report.sites) and not self.report.sites[i].fate:
+                self.report.sites[i] = dataclasses.replace(self.report.sites[i], fate=fate)
 
 
 # Modules whose code decides what a rewritten graph computes or launches.

@@ -34,6 +34,9 @@ class Site:
     scalars: dict[str, float] = field(default_factory=dict)  # matched scalar arguments (eps)
     before: dict = field(default_factory=dict)  # the matched region (regions.py format)
     after: dict = field(default_factory=dict)  # what replaced it
+    # What became of the rewrite: "" (its op is in the compiled graph), "taken by <fusion>" (a
+    # later fusion's region consumed it) or "lowered back" (left standalone, back to plain torch).
+    fate: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,17 @@ class Report:
     def ops_after(self) -> Counter:
         return sum((Counter(g.ops_after) for g in self.graphs), Counter())
 
+    def final(self) -> Counter:
+        """Sites per fusion whose op is in the compiled graph (neither taken by a later fusion nor
+        lowered back); every fusion that ran is present, with 0 where none is left."""
+        counts = Counter(dict.fromkeys(self.matches, 0))
+        counts.update(s.fusion for s in self.sites if not s.fate)
+        return counts
+
+    def fates(self, fusion: str) -> Counter:
+        """What became of ``fusion``'s rewrites that are not in the compiled graph, by fate."""
+        return Counter(s.fate for s in self.sites if s.fusion == fusion and s.fate)
+
     def lowered_back(self) -> Counter:
         """Canonical ops lowered back into their references (standalone after the fusions)."""
         return sum((Counter(g.lowered_back) for g in self.graphs), Counter())
@@ -160,7 +174,11 @@ class Report:
 
     def summary(self) -> str:
         """A few plain lines: matches per fusion, rejections, failures, run-time fallbacks."""
-        lines = [f"{name}: {n} site(s)" for name, n in sorted(self.matches.items())]
+        final = self.final()
+        lines = []
+        for name, n in sorted(self.matches.items()):
+            fates = "".join(f", {k} {f}" for f, k in sorted(self.fates(name).items()))
+            lines.append(f"{name}: {final[name]} site(s)" + (f" ({n} rewritten{fates})" if fates else ""))
         lines += [f"rejected {r.fusion} at {r.module or r.location}: {r.reason}" for r in self.rejected]
         lines += [
             f"unfused candidate at {m.module or m.location}: closest {m.spelling} "

@@ -56,7 +56,8 @@ DIFF_REPORT_SCHEMA: dict = {
         "dtype": {"enum": ["fp32", "bf16", "fp16", "fp64"]},  # the dtype the model ran in
         # where that dtype came from: --dtype, the factory's model itself, or the built-in default
         "dtype_from": {"enum": ["--dtype", "model", "default"]},
-        "matches": _COUNTS,  # fusion name -> sites rewritten
+        "matches": _COUNTS,  # fusion name -> sites rewritten (taken or lowered later included)
+        "final": _COUNTS,  # fusion name -> its rewrites left in the compiled graph
         "sites": {
             "type": "array",
             "items": _record(
@@ -66,6 +67,8 @@ DIFF_REPORT_SCHEMA: dict = {
                     "scalars": {"type": "object", "additionalProperties": {"type": "number"}},
                     "before": _REGION,
                     "after": _REGION,
+                    # "" (in the compiled graph), "taken by <fusion>" or "lowered back"
+                    "fate": _STR,
                 },
                 ["ops_removed", "ops_added", "before", "after"],
             ),

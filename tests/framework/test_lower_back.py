@@ -28,6 +28,16 @@ def _compile(fn, args, **options):
     return out, report, count_kernels(codes)
 
 
+def rope_full(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb (unsqueeze_dim=1)."""
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def _decoder_step(norm):
     """A residual add, the norm, and consumers Inductor fuses with a plain norm (a scale, the
     next add), as between two projections."""
@@ -69,8 +79,7 @@ def test_standalone_norm_is_lowered_back_to_stock_inductor(form, dtype):
 def test_consumed_norms_are_not_lowered_back():
     """q_norm / k_norm consumed by the QK-norm + RoPE region stay in its fused op; the layer's
     own input norm, standalone, is lowered back."""
-    from fusion_passes.patterns.qk_norm_rope import rope_full
-
+    
     g = torch.Generator().manual_seed(2)
     b, s, hq, hk, d = 1, 3, 4, 2, 16
     x = torch.randn(b, s, 32, generator=g)
@@ -89,6 +98,11 @@ def test_consumed_norms_are_not_lowered_back():
     assert dict(report.lowered_back()) == {"fusion_passes.rms_norm.default": 1}
     ops = report.graphs[0].ops_after
     assert ops["fusion_passes.qk_norm_rope.default"] == 1 and "fusion_passes.rms_norm.default" not in ops
+    # Each rewrite's fate: the q / k norms taken by the region, the input norm lowered back; the
+    # final counts hold only what the compiled graph runs.
+    assert report.fates("rms_norm") == {"taken by qk_norm_rope": 2, "lowered back": 1}
+    assert report.final()["rms_norm"] == 0 and report.final()["qk_norm_rope"] == 1
+    assert "rms_norm: 0 site(s) (3 rewritten, 1 lowered back, 2 taken by qk_norm_rope)" in report.summary()
     for a, e in zip(out, attention_prelude(x, cos, sin), strict=True):
         torch.testing.assert_close(a, e)
 
