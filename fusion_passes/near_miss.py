@@ -141,8 +141,25 @@ class _Walk:
         return (
             ops(self.paired),
             ops(self.ops),
-            first or "every op lined up: a check rejected it, or an intermediate is used outside",
+            first or self._outside_reader() or "every op lined up and no intermediate is read "
+            "elsewhere: the matcher's re-trace on the site's values (shapes, dtypes) did not match",
         )
+
+    def _outside_reader(self) -> str | None:
+        """An intermediate of the spelling that the graph also feeds to an op outside it: the
+        rewrite would have to keep it, so the pattern does not match (name both, and where)."""
+        matched = set(self.paired.values())
+        for s, g in self.paired.items():
+            if any(u.op == "output" for u in s.users):
+                continue  # an output of the spelling: others may read it
+            for user in g.users:
+                if user not in matched:
+                    where = module_path(user) or source_location(user) or "the graph"
+                    return (
+                        f"every op lined up, but the intermediate {op_name(g)} ({g.name}) is also read "
+                        f"by {_describe(user)} ({user.name}, {where}): the rewrite would drop it"
+                    )
+        return None
 
     def _step(self, g: torch.fx.Node, s: torch.fx.Node, queue: deque) -> str | None:
         if s in self.paired:

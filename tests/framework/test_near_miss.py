@@ -63,6 +63,27 @@ def test_near_miss_names_closest_spelling_and_divergence(fn):
     assert 0 < miss.matched <= miss.total and miss.location.endswith(f"in {fn.__name__}")
 
 
+def test_an_intermediate_read_elsewhere_is_named():
+    """Every op lines up, but the normalised fp32 value is also returned: the near miss names the
+    intermediate and its other reader."""
+
+    def norm_and_its_fp32_value(x, w):
+        h = x.to(torch.float32)
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * n.to(x.dtype), n.sum()
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, dtype=torch.bfloat16)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    torch.compile(norm_and_its_fp32_value, backend=fusion_passes.backend(report=report))(x, w)
+    assert report.matches["rms_norm"] == 0
+    (miss,) = report.near_misses
+    assert miss.matched == miss.total, miss
+    assert "every op lined up, but the intermediate aten.mul.Tensor" in miss.reason, miss
+    assert "is also read by aten.sum" in miss.reason and "the rewrite would drop it" in miss.reason
+
+
 def test_fused_sites_leave_no_near_miss():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     w = torch.randn(64, dtype=torch.bfloat16)
