@@ -45,7 +45,8 @@ ULPS = 4
 TILES = {"split_tiles": False, "whole_head_tile": True}
 
 
-def _inputs(config, dtype, form, tokens=(2, 3), seed=0, q_chunk=False, cos_batch=1):
+def _inputs(config, dtype, form, tokens=(2, 3), seed=0, q_chunk=False, cos_batch=1, interleaved=False,
+            cos_dtype=None):  # fmt: skip
     hq, hk, d, r, per_head = config
     b, s = tokens
     g = torch.Generator().manual_seed(seed)
@@ -56,11 +57,15 @@ def _inputs(config, dtype, form, tokens=(2, 3), seed=0, q_chunk=False, cos_batch
     wq = offset + 0.3 * torch.randn(d if per_head else hq * d, generator=g)
     wk = offset + 0.3 * torch.randn(d if per_head else hk * d, generator=g)
     angles = 100 * torch.rand(cos_batch, s, r // 2, generator=g)
-    angles = torch.cat((angles, angles), dim=-1)  # transformers' cat((freqs, freqs))
+    if interleaved:  # GLM's repeat_interleave(2): one angle per pair (2j, 2j + 1)
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:  # transformers' cat((freqs, freqs))
+        angles = torch.cat((angles, angles), dim=-1)
     w_dtype = dtype if FORMS[form][1] else torch.float32
+    cos_dtype = cos_dtype or dtype  # float32: the RoPE in fp32 (Olmo2, gpt-fast)
     return (
         q.to(DEVICE, dtype)[..., :d], k.to(DEVICE, dtype), wq.to(DEVICE, w_dtype), wk.to(DEVICE, w_dtype),
-        angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype),
+        angles.cos().to(DEVICE, cos_dtype), angles.sin().to(DEVICE, cos_dtype),
     )  # fmt: skip
 
 
@@ -76,11 +81,11 @@ def _assert_close(actual, expected, dtype):
     assert torch.all((a - e).abs() <= bound), float(((a - e).abs() / scale).max())
 
 
-def _check(args, eps, form, per_head, dtype, whole_head_tile=None, rows=None):
+def _check(args, eps, form, per_head, dtype, whole_head_tile=None, rows=None, interleaved=False):
     offset, cast = FORMS[form]
-    outs = qk_norm_rope_triton(*args, eps, offset, cast, per_head, whole_head_tile=whole_head_tile,
-                               rows=rows)  # fmt: skip
-    refs = qk_norm_rope_reference(*args, eps, offset, cast, per_head)
+    outs = qk_norm_rope_triton(*args, eps, offset, cast, per_head, interleaved,
+                               whole_head_tile=whole_head_tile, rows=rows)  # fmt: skip
+    refs = qk_norm_rope_reference(*args, eps, offset, cast, per_head, interleaved)
     for out, ref in zip(outs, refs, strict=True):
         assert not out.isnan().any()
         _assert_close(out, ref, dtype)
@@ -160,6 +165,32 @@ def test_strided_q_batched_cos_and_one_token(config, tile):
         _check(args, 1e-6, "offset", per_head, torch.bfloat16, tile)
 
 
+# GPT-J pairs (GLM, gpt-fast, vLLM is_neox_style=False) and the fp32 RoPE (Olmo2's fp32 cos / sin,
+# gpt-fast's fp32 math): under the interpreter by default one case of each body and norm scope.
+ROPE_FORMS = {"interleaved": (True, None), "fp32": (False, torch.float32), "interleaved_fp32": (True, torch.float32)}
+_ROPE_DEFAULT = {("qwen3", "interleaved", False), ("odd_whole_row", "interleaved", True),
+                 ("qwen3_5", "fp32", True), ("minimax_m2", "interleaved_fp32", False)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "rope", "tile"),
+    grid(
+        {"config": by_str(list(CONFIGS)), "rope": by_str(list(ROPE_FORMS)), "tile": TILES},
+        default=lambda config, rope, tile: DEVICE == "cuda" or (config, rope, tile) in _ROPE_DEFAULT,
+    ),
+)
+def test_interleaved_and_fp32_rope(config, rope, tile):
+    """Both row bodies with GPT-J pairs (the pair's elements at 2j, 2j + 1: strided loads and
+    stores in the split tiles, the neighbour as partner in the whole-head tile) and with the RoPE
+    in fp32 (products not rounded to the activations' dtype)."""
+    interleaved, cos_dtype = ROPE_FORMS[rope]
+    per_head = CONFIGS[config][4]
+    for i, form in enumerate(FORMS):
+        args = _inputs(CONFIGS[config], torch.bfloat16, form, seed=20 + i, q_chunk=i == 1,
+                       interleaved=interleaved, cos_dtype=cos_dtype)  # fmt: skip
+        _check(args, 1e-6, form, per_head, torch.bfloat16, tile, interleaved=interleaved)
+
+
 @st.composite
 def _shapes(draw):
     """Any head counts, head dim and rotary dim the op allows (R even, 2 <= R <= D), either norm
@@ -181,6 +212,8 @@ def _shapes(draw):
         tile=tile,
         rows=draw(st.sampled_from([None, *rows_options])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        interleaved=draw(st.booleans()),
+        cos_fp32=draw(st.booleans()),
     )
 
 
@@ -190,8 +223,9 @@ def test_any_head_configuration(case):
     """Property: every head configuration, body and launch shape matches the reference."""
     cos_batch = case["tokens"][0] if case["per_sequence_cos"] else 1
     args = _inputs(case["config"], case["dtype"], case["form"], case["tokens"], case["seed"], case["q_chunk"],
-                   cos_batch)  # fmt: skip
-    _check(args, 1e-6, case["form"], case["config"][4], case["dtype"], case["tile"], case["rows"])
+                   cos_batch, case["interleaved"], torch.float32 if case["cos_fp32"] else None)  # fmt: skip
+    _check(args, 1e-6, case["form"], case["config"][4], case["dtype"], case["tile"], case["rows"],
+           case["interleaved"])  # fmt: skip
 
 
 def test_rotation_is_applied_per_position():
@@ -226,11 +260,12 @@ def test_outputs_fully_written(monkeypatch):
 def test_op_matches_reference_and_fake():
     """The custom op: schema, fake (shapes, dtypes, the transposed strides) and dispatch checked by
     opcheck; on DEVICE it returns the reference's outputs (CPU) or the kernel's (CUDA)."""
-    for config, form in (("qwen3", "llama"), ("minimax_m2", "llama"), ("qwen3_5", "offset")):
+    for config, form, interleaved in (("qwen3", "llama", False), ("minimax_m2", "llama", True),
+                                      ("qwen3_5", "offset", False)):  # fmt: skip
         per_head = CONFIGS[config][4]
         offset, cast = FORMS[form]
-        args = _inputs(CONFIGS[config], torch.bfloat16, form, q_chunk=True)
-        full = (*args, 1e-6, offset, cast, per_head)
+        args = _inputs(CONFIGS[config], torch.bfloat16, form, q_chunk=True, interleaved=interleaved)
+        full = (*args, 1e-6, offset, cast, per_head, interleaved)
         torch.library.opcheck(qk_norm_rope, full)
         for out, ref in zip(qk_norm_rope(*full), qk_norm_rope_reference(*full), strict=True):
             _assert_close(out, ref, torch.bfloat16)
@@ -239,7 +274,7 @@ def test_op_matches_reference_and_fake():
 @pytest.mark.parametrize(
     "change",
     [
-        "cos_fp32",  # q * cos would promote
+        "cos_fp16",  # neither q's dtype nor fp32
         "sin_shape",  # sin differs from cos
         "cos_tokens",  # cos for another number of tokens
         "cos_odd",  # odd rotary dim
@@ -252,8 +287,8 @@ def test_op_matches_reference_and_fake():
 def test_bad_arguments_raise(change):
     q, k, wq, wk, cos, sin = _inputs(CONFIGS["qwen3"], torch.bfloat16, "llama")
     cast = True
-    if change == "cos_fp32":
-        cos = cos.float()
+    if change == "cos_fp16":
+        cos, sin = cos.half(), sin.half()
     elif change == "sin_shape":
         sin = sin[..., :16]
     elif change == "cos_tokens":
