@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
         help='comma-separated fusion names (see fusion-passes list), or all (default: %(default)s)',
     )
     p_diff.add_argument("--verify", action="store_true", help="check each rewrite on random inputs")
+    p_diff.add_argument(
+        "--all-rows", action="store_true",
+        help="list every fusion that ran in the fusions table (default: those with no rewrite "
+        "are folded into one line)",
+    )
     p_diff.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p_diff.add_argument("--html", metavar="PATH", help="also write the report as one HTML page")
     p_diff.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
@@ -257,8 +263,12 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         for label, out in outputs.items()
     }
     header = f"model {name}, dtype {dtype_name} ({_DTYPE_FROM[dtype_from]}), device {args.device}"
-    _print_report(console, header, report, checks, timings, sites, kernels)
+    summary = _summary_line(report, checks)
+    _print_report(console, header, summary, report, checks, timings, sites, kernels, dtype, args.all_rows)
     data = _as_json(name, args, dtype_name, dtype_from, report, checks, sites)
+    data["summary"] = summary
+    data["tolerance"] = {"rel_norm": _bound(dtype)}
+    data["compile_seconds"] = timings
     data["kernels"] = kernels
     if args.json:
         with open(args.json, "w") as f:
@@ -502,16 +512,37 @@ def _bound(dtype: torch.dtype) -> float:
     return tolerance(dtype).rel_norm
 
 
-def _print_report(console, header, report, checks, timings, sites, kernels) -> None:
+def _summary_line(report, checks) -> str:
+    """The report in one line: sites left in the compiled graph, what became of the others,
+    rejections, near misses, numerics."""
+    final = report.final()
+    sites, fusions = sum(final.values()), sum(1 for n in final.values() if n)
+    fates = Counter(s.fate.split(" by ")[0] for s in report.sites if s.fate)
+    parts = [f"{sites} site{'s' * (sites != 1)} in {fusions} fusion{'s' * (fusions != 1)}"]
+    if fates:
+        parts[0] += " (" + ", ".join(f"{n} more {fate}" for fate, n in sorted(fates.items())) + ")"
+    parts.append(f"{len(report.rejected)} rejected")
+    parts.append(f"{len(report.near_misses)} near miss{'es' * (len(report.near_misses) != 1)}")
+    if report.errors:
+        parts.append(f"{len(report.errors)} failed")
+    parts.append("numerics ok" if all(c["ok"] for c in checks.values()) else "numerics NOT ok")
+    return ", ".join(parts)
+
+
+def _print_report(console, header, summary, report, checks, timings, sites, kernels, dtype, all_rows) -> None:
     from rich.table import Table
 
     console.rule("fusion_passes diff")
     console.print(header, markup=False, highlight=False, soft_wrap=True)
+    console.print(summary, markup=False, highlight=False, soft_wrap=True, style="bold")
     table = Table(title="fusions (sites: rewrites in the compiled graph)")
     for col in ("fusion", "sites", "rewritten, then", "where (module / source line)"):
         table.add_column(col)
     final = report.final()
+    idle = [f for f, n in report.matches.items() if not n and not all_rows]
     for fusion, count in report.matches.items():
+        if fusion in idle:
+            continue
         where = "\n".join(
             f"{s.module or '(root)'}  {s.location}" for s in report.sites_of(fusion) if not s.fate
         )
@@ -519,6 +550,11 @@ def _print_report(console, header, report, checks, timings, sites, kernels) -> N
         then = f"{count}: {fates}" if fates else "-"
         table.add_row(fusion, str(final[fusion]), then, where or "-")
     console.print(table)
+    if idle:
+        console.print(
+            f"ran with no site ({len(idle)}; --all-rows lists them): {', '.join(idle)}",
+            markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
     if sites is not None:
         # A gated RMSNorm (linear attention) fuses its norm; the SiLU gate stays an Inductor op.
         expected = len(sites.rms_norm) + len(sites.gated_rms_norm)
@@ -557,7 +593,7 @@ def _print_report(console, header, report, checks, timings, sites, kernels) -> N
             ops.add_row(op, str(before.get(op, 0)), str(after.get(op, 0)))
     ops.add_row("[bold]total", str(sum(before.values())), str(sum(after.values())))
     console.print(ops)
-    num = Table(title="numerical check (per output)")
+    num = Table(title=f"numerical check (per output; ok: rel. norm error <= {_bound(dtype):g} in {DTYPE_NAMES[dtype]})")
     for col in ("compiled", "max abs error", "rel. norm error", "ok"):
         num.add_column(col)
     for label, check in checks.items():
@@ -580,8 +616,10 @@ def _print_report(console, header, report, checks, timings, sites, kernels) -> N
             launched.add_row(label, *row, str(sum(k["launched"].values())))
         console.print(launched)
     console.print(
-        "compile time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-    )
+        "compile + first run: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+        + " (in this order; the second starts with warm caches: not a comparison)",
+        markup=False, highlight=False, soft_wrap=True,
+    )  # fmt: skip
     for e in report.errors:
         console.print(f"[red]failed:[/red] {e}")
 

@@ -282,6 +282,39 @@ def test_built_in_model_report_validates_and_counts_sites(tmp_path):
     assert data["near_misses"] == [] and data["errors"] == []
 
 
+def test_report_shape_summary_fates_tolerance_and_folded_rows(factory_file, tmp_path, capsys):
+    """The summary line first, fusions without a rewrite folded into one line (--all-rows lists
+    them), each rewrite's fate, the tolerance behind "ok", compile times in the JSON."""
+    path = tmp_path / "r.json"
+    assert main(["diff", f"{factory_file}:make", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, DIFF_REPORT_SCHEMA)
+    # The norm is raised, then lowered back (no region to join): no site left in the graph.
+    assert data["summary"] == "0 sites in 0 fusions (1 more lowered back), 0 rejected, 0 near misses, numerics ok"
+    assert out.index(data["summary"]) < out.index("fusions (sites")
+    assert data["final"]["add_rms_norm"] == 0 and data["matches"]["add_rms_norm"] == 1
+    assert [s["fate"] for s in data["sites"]] == ["lowered back"]
+    assert "ran with no site" in out and "--all-rows lists them" in out
+    assert data["tolerance"]["rel_norm"] > 0 and f"<= {data['tolerance']['rel_norm']:g} in fp32" in out
+    assert set(data["compile_seconds"]) == {"inductor", "fusion_passes"} and "not a comparison" in out
+    assert main(["diff", f"{factory_file}:make", "--all-rows"]) == 0
+    assert "ran with no site" not in capsys.readouterr().out
+
+
+def test_schema_fields_are_described_and_documented():
+    """Every field of the JSON report has a description, and docs/report-schema.md is the schema
+    rendered (regenerate it with the command the page names)."""
+    from pathlib import Path
+
+    from fusion_passes.report_schema import render_markdown
+
+    for name, field in DIFF_REPORT_SCHEMA["properties"].items():
+        assert field.get("description"), name
+    page = Path(__file__).resolve().parents[2] / "docs" / "report-schema.md"
+    assert page.read_text() == render_markdown()
+
+
 def test_near_miss_reasons_of_broken_spellings(factory_file, tmp_path):
     path = tmp_path / "near.json"
     assert main(["diff", f"{factory_file}:broken_norms", "--json", str(path)]) == 0
