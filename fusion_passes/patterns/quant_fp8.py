@@ -54,7 +54,7 @@ import torch
 
 import fusion_passes.lowering.quant_fp8.op  # noqa: F401  (the canonical op)
 from fusion_passes.fusion import Fusion, Spelling
-from fusion_passes.lowering.common.fp8 import QuantFP8
+from fusion_passes.lowering.common.fp8 import MIN_SCALE, QuantFP8
 
 E4M3 = torch.float8_e4m3fn
 MAX = 448.0
@@ -233,9 +233,11 @@ def _ones(s, x):
     return s.reshape([1] * x.dim())
 
 
+# The static scheme computes no scale: its floor fields keep QuantFP8's defaults, so a call
+# equal to the default form is one (the allreduce fusions match the fused op's defaults).
 STATIC = (  # (spelling, fields): (x, scale) -> codes
-    (vllm_static, _quant("static", floor_site="none", apply="reciprocal")),
-    (static, _quant("static", floor_site="none")),
+    (vllm_static, _quant("static", apply="reciprocal")),
+    (static, _quant("static")),
 )
 FLOORED = (  # (spelling, fields, scale shape): (x, floor) -> (codes, scales)
     (vllm_per_token, _quant("per_token", apply="reciprocal"), _same),
@@ -267,7 +269,7 @@ def _call(x, scale, floor, fields):
 
 def _static_replacement(fields):
     def replacement(x, scale):
-        return _call(x, scale, 0.0, fields)[0]
+        return _call(x, scale, MIN_SCALE, fields)[0]
 
     return replacement
 
@@ -291,7 +293,7 @@ def _unfloored_replacement(fields, shape):
 def quant_of(values: dict[str, Any], fields: dict[str, Any]) -> QuantFP8:
     """The QuantFP8 a match of a spelling with ``fields`` raises to."""
     return QuantFP8(fields["scheme"], values.get("scale"), fields["group_size"], fields["scale_ue8m0"],
-                    fields["floor_site"], float(values.get("floor", 0.0)), fields["apply"], fields["pow2"],
+                    fields["floor_site"], float(values.get("floor", MIN_SCALE)), fields["apply"], fields["pow2"],
                     fields["saturate"], MAX, fields["scale_math"])  # fmt: skip
 
 

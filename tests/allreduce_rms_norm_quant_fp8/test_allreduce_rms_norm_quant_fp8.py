@@ -150,15 +150,18 @@ def other_group_size_not_fused(x, residual, w, scale):
 
 _QUANT_FUSION = {True: "add_rms_norm_quant_fp8_{}", False: "rms_norm_quant_fp8_{}"}
 _NORM_FUSION = {True: "add_rms_norm", False: "rms_norm"}
+_RAISE = {"static": "quant_fp8_static", "per_token": "quant_fp8_dynamic", "per_group": "quant_fp8_dynamic"}
 
 
 def _fused(with_residual: bool, scheme: str, canonical: bool = False) -> dict[str, int]:
-    """The matches of a fused case: the norm and quantization fusions canonicalize first (unless
-    the model calls the canonical op itself), then the allreduce fusion takes their op."""
+    """The matches of a fused case: the norm and quantization raise to their canonical ops and
+    the norm + quant fusion takes them (unless the model calls the fused op itself), then the
+    allreduce fusion takes its op."""
     prefix = "add_" if with_residual else ""
     matches = {f"allreduce_{prefix}rms_norm_quant_fp8_{scheme}": 1}
     if not canonical:
         matches |= {_NORM_FUSION[with_residual]: 1, _QUANT_FUSION[with_residual].format(scheme): 1}
+        matches |= {_RAISE[scheme]: 1}
     return matches
 
 
@@ -215,11 +218,11 @@ CASES = {
     ),
     "max_not_fused": (
         max_not_fused, torch.bfloat16, None, None,
-        {"add_rms_norm": 1, "add_rms_norm_quant_fp8_per_token": 1},
+        {"add_rms_norm": 1, "quant_fp8_dynamic": 1, "add_rms_norm_quant_fp8_per_token": 1},
     ),
     "sum_read_elsewhere_not_fused": (
         sum_read_elsewhere_not_fused, torch.bfloat16, None, None,
-        {"add_rms_norm": 1, "add_rms_norm_quant_fp8_per_group": 1},
+        {"add_rms_norm": 1, "quant_fp8_dynamic": 1, "add_rms_norm_quant_fp8_per_group": 1},
     ),
     "unclamped_scale_read_not_fused": (
         unclamped_scale_read_not_fused, torch.bfloat16, None, None, {"add_rms_norm": 1},
@@ -374,6 +377,9 @@ def test_fusions_are_opt_in_require_their_quant_fusion_and_launch_no_collective(
     assert names == [
         "add_rms_norm",
         "rms_norm",
+        "quant_fp8_dynamic",
+        "quant_fp8_unfloored",
+        "quant_fp8_static",
         "add_rms_norm_quant_fp8_per_group",
         "allreduce_add_rms_norm_quant_fp8_per_group",
     ]

@@ -54,7 +54,8 @@ class QuantFP8(NamedTuple):
             ``x * s.reciprocal()`` alike) | x32 * s ("multiplier": s multiplies)
         q = fp8_e4m3fn(clamp(q, -fp8_max, fp8_max)) (saturate) or fp8_e4m3fn(q) (|q| > 464: NaN)
     and returns (codes, s): s of shape [..., 1] (per_token), [..., N / G] (per_group), []
-    (per_tensor) or the given scale's (static), fp32.
+    (per_tensor) or the given scale's (static), fp32. The static scheme reads only apply,
+    saturate and fp8_max (the raise leaves the others at their defaults).
     """
 
     scheme: str  # "static" (scale given), "per_token", "per_group", "per_tensor" (computed)
