@@ -460,13 +460,25 @@ def _compile_and_run(module: torch.nn.Module, backend: Any, inputs: tuple) -> tu
             out, codes = run_and_get_code(compiled, *inputs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # Dynamo could not trace
         first = str(e).strip().splitlines()[0]
-        raise CliError(f"the model does not compile as one graph (fullgraph=True): {first}") from e
+        raise CliError(
+            f"the model does not compile as one graph (fullgraph=True): {first}{_user_frame(e)}"
+        ) from e
     counts: dict[str, Any] = count_kernels(codes)
     if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
         from fusion_passes.kernels import profile_kernel_classes
 
         counts["launched"] = profile_kernel_classes(compiled, *inputs)  # gemm/attention/moe/other
     return out, counts
+
+
+def _user_frame(e: Exception) -> str:
+    """ " at file.py:LINE in fn (the code)" of the user's line where Dynamo stopped, if known."""
+    stack = getattr(e, "real_stack", None) or []
+    frame = stack[-1] if stack else None
+    if frame is None:
+        return ""
+    code = f" ({frame.line.strip()})" if getattr(frame, "line", None) else ""
+    return f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}{code}"
 
 
 @contextlib.contextmanager

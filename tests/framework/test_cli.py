@@ -255,6 +255,7 @@ def test_graph_break_is_a_one_line_error(factory_file, capsys):
     assert main(["diff", f"{factory_file}:breaks"]) == 2
     err = capsys.readouterr().err
     assert "does not compile as one graph (fullgraph=True)" in err and err.count("\n") == 1
+    assert "at block.py:" in err and "in forward (if (x + residual).sum().item() > 0" in err  # where it stopped
 
 
 def test_console_script_and_debug_traceback(factory_file):
