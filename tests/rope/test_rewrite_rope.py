@@ -70,7 +70,10 @@ def test_every_spelling_raises_bit_exact(raised):
     by_spelling = collections.Counter((s.fusion, s.spelling) for s in report.sites)
     want = collections.Counter()
     for name in SPELLINGS:
-        want[(RAISED_BY[name], SPELLING_NAMES[name])] += 2
+        spelling = SPELLING_NAMES[name]
+        if dtype == torch.float32 and name == "olmo2":
+            spelling = "llama_rope"  # fp32 cos on fp32 q: no promotion, no cast back to match
+        want[(RAISED_BY[name], spelling)] += 2
     assert by_spelling == want
     assert not report.rejected and not report.errors
     before, after = report.graphs[0].ops_before, report.graphs[0].ops_after
