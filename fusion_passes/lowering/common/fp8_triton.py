@@ -9,6 +9,8 @@ Fused:   the epilogue of a kernel that holds y in registers: store_quantized(y, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +18,9 @@ import triton.language as tl
 from fusion_passes.lowering.common.fp8 import APPLY_FORMS, FLOOR_SITES, FP8_MAX, QuantFP8, kernel_problem  # noqa: F401
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
-# |q| above this rounds to float8_e4m3fn's NaN code (0x7F) in torch's cast: 464 is the midpoint
-# of 448 (0x7E) and the next step 480, and ties go to 448's even mantissa.
+# |q| above this rounds to float8_e4m3fn's NaN code (0x7F) in a torch cast that does not saturate
+# (older torch; cast_saturates): 464 is the midpoint of 448 (0x7E) and the next step 480, and ties
+# go to 448's even mantissa.
 _OVERFLOW = tl.constexpr(464.0)
 # fp32(1 / 448), rounded once as torch's CUDA division by a scalar rounds it (448 = 7 * 2^6).
 _RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
@@ -27,7 +30,18 @@ def quant_form(quant: QuantFP8) -> int:
     """The epilogue's QUANT_FORM constexpr of ``quant``: bits 0-1 the floor site (FLOOR_SITES'
     index: scale, amax, none), bits 2-3 the apply form (APPLY_FORMS' index: divide, reciprocal,
     multiplier), bit 4 no saturation. 0 is the defaults of QuantFP8."""
-    return FLOOR_SITES.index(quant.floor_site) | APPLY_FORMS.index(quant.apply) << 2 | (not quant.saturate) << 4
+    unsaturated = not quant.saturate and not cast_saturates()
+    return FLOOR_SITES.index(quant.floor_site) | APPLY_FORMS.index(quant.apply) << 2 | unsaturated << 4
+
+
+@functools.cache
+def cast_saturates() -> bool:
+    """Whether torch's fp32 -> float8_e4m3fn cast saturates values past 448 to +-448 (recent
+    torch: its c10 conversion, shared by CPU and CUDA kernels, saturates finite overflow and inf)
+    or gives NaN (older torch). Without the spelling's clamp the codes are the cast's: where it
+    saturates, an unsaturated spelling's codes are the saturated ones."""
+    big = torch.tensor([1e5, float("inf")]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return bool((big == 0x7E).all())
 
 
 def kernel_floor(quant: QuantFP8, dtype: torch.dtype) -> float:
@@ -234,8 +248,8 @@ def store_codes(
 ):  # fmt: skip
     """codes = fp8(clamp(y op scale[:, :, None], -448, 448)) stored at q_ptr[rows_3d * N + cols]
     (store_quantized's second half, arguments as there): op a divide, a multiply by the rounded
-    reciprocal (QUANT_FORM bits 2-3 == 1) or by the scale (== 2); without saturation (bit 4)
-    torch's cast gives NaN past 464, as here."""
+    reciprocal (QUANT_FORM bits 2-3 == 1) or by the scale (== 2); without saturation (bit 4, set
+    only where torch's cast does not saturate: cast_saturates) NaN past 464, as that cast."""
     APPLY: tl.constexpr = (QUANT_FORM >> 2) & 3
     SATURATE: tl.constexpr = ((QUANT_FORM >> 4) & 1) == 0
     if APPLY == 1:
@@ -261,7 +275,7 @@ def store_codes(
                        propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     codes = _fp8_e4m3fn_codes(q, HW_CONVERT)
     if not SATURATE:
-        # Past 464 (inf included) torch's cast gives the NaN code with q's sign, where satfinite
+        # Past 464 (inf included) that cast gives the NaN code with q's sign, where satfinite
         # would give 448 and the integer steps would carry into the sign bit.
         sign = ((q.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
         codes = tl.where(tl.abs(q) > _OVERFLOW, sign | 0x7F, codes)
