@@ -234,18 +234,20 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     import fusion_passes
     from fusion_passes.numerics import compare
 
-    # Everything a user can get wrong is checked here, before the slow part (the compiles).
-    fusions = _check_fusions(args.fusions)
-    for flag, path in (("--json", args.json), ("--html", args.html)):
-        if path is not None:
-            _check_output_path(flag, path)
-    _check_device(args.device)
     console = Console()
-    report = fusion_passes.Report()
-    backend = fusion_passes.backend(fusions, report=report, verify=args.verify)
     outputs, timings, kernels = {}, {}, {}
-    # The first status line comes before the model's imports (transformers: seconds) and its build.
+    # The first status line comes before the framework's imports (Inductor's pattern matcher: ~2 s),
+    # the model's (transformers: seconds) and its build.
     with _progress(console) as step, torch.no_grad():
+        step("checking the options")
+        # Everything a user can get wrong is checked here, before the slow part (the compiles).
+        fusions = _check_fusions(args.fusions)
+        for flag, path in (("--json", args.json), ("--html", args.html)):
+            if path is not None:
+                _check_output_path(flag, path)
+        _check_device(args.device)
+        report = fusion_passes.Report()
+        backend = fusion_passes.backend(fusions, report=report, verify=args.verify)
         step(_first_step(args.model))
         name, module, inputs, sites, dtype, dtype_from = _load_model(args)
         dtype_name = DTYPE_NAMES[dtype]

@@ -18,9 +18,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch._inductor.pattern_matcher import is_mutation_op
-from torch.fx.experimental.proxy_tensor import make_fx
 
 # op overload -> launcher(*op_args, wrap=...) returning what the op returns. Each lowering module
 # registers its own ops' launchers (register_launcher), next to the op it lowers.
@@ -80,6 +77,12 @@ def _inline(
 
     tensors = [args[i] for i in tensor_positions]
     # The values are Inductor's fake tensors: trace under their mode (the Triton HOP needs it).
+    # Imported here: Inductor's pattern matcher costs ~2.5 s to import, and importing
+    # fusion_passes (its ops, for a user or the CLI's first line) needs none of it.
+    from torch._guards import detect_fake_mode
+    from torch._inductor.pattern_matcher import is_mutation_op
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     with detect_fake_mode(tensors) or contextlib.nullcontext():
         sub = make_fx(torch.func.functionalize(launch, remove="mutations"), tracing_mode="real")(
             *tensors
