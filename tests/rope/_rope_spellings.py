@@ -1,6 +1,7 @@
 """RoPE as other code bases write it (each function: a model's attention prelude from the
 projection outputs to the rotated q and k), written here from how those projects compute it, not
-from the patterns' helpers. Inputs are built by ``inputs(dtype)``; every function returns (q, k)."""
+from the patterns' helpers. Inputs are built by ``inputs(name, dtype)``; every function returns
+(q, k)."""
 
 from __future__ import annotations
 
@@ -160,8 +161,7 @@ def _angles(s, half, batch=B):
 
 
 def inputs(name: str, dtype: torch.dtype, seed: int = 0):
-    g = torch.manual_seed(seed)
-    del g
+    torch.manual_seed(seed)
     q_proj = torch.randn(B, S, HQ * D).to(dtype)
     k_proj = torch.randn(B, S, HK * D).to(dtype)
     if name in ("llama", "gemma", "olmo2"):

@@ -1,4 +1,4 @@
-"""The RoPE raise rules: every spelling of tests/rope/spellings.py (transformers Llama / Gemma /
+"""The RoPE raise rules: every spelling of tests/rope/_rope_spellings.py (transformers Llama / Gemma /
 Olmo2 / Phi-3 / GLM4, gpt-fast, vLLM's native NeoX and GPT-J, full and partial rotary) raised to
 the canonical ``rope`` op, its reference bit-equal to eager on CPU; lowered back, the compiled
 graph bit-equal to stock Inductor's. Spellings that must not raise stay as they were.
@@ -16,7 +16,7 @@ import torch
 import fusion_passes
 from fusion_passes.lowering.rope.reference import check_rope_args, rope_reference
 from fusion_passes.patterns.rope import FAMILY
-from spellings import RAISED_BY, SPELLINGS, inputs
+from _rope_spellings import RAISED_BY, SPELLINGS, inputs
 
 ROPE_OP = "fusion_passes.rope.default"
 # The spelling each site is recorded under (q and k: two sites each).
