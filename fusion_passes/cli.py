@@ -357,6 +357,27 @@ def _without_torchao():
     yield
 
 
+# Loggers whose import-time warnings are not the user's business: torchao's failed loads of its
+# optional CUDA extensions (on a CPU-only install) and torch's pytree deprecation of torchao's
+# enum registrations. A factory may use torchao (its FP8 models), so it cannot be kept out.
+_NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _quiet_import_noise():
+    import logging
+
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _load_model(args: argparse.Namespace):
     """(display name, module, example inputs, expected sites or None, dtype, where the dtype came
     from: "--dtype", "model" or "default")."""
@@ -387,14 +408,15 @@ def _load_factory(args: argparse.Namespace, spec: str):
             raise CliError(f"{flag} applies to built-in models only, not to a factory")
     module_spec = importlib.util.spec_from_file_location("_fusion_passes_user_model", path)
     user = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-    module_spec.loader.exec_module(user)  # type: ignore[union-attr]
-    factory = getattr(user, factory_name, None)
-    if factory is None:
-        raise CliError(f"{path} has no factory named {factory_name!r}")
-    try:
-        result = factory()
-    except Exception as e:
-        raise CliError(f"{spec} raised {type(e).__name__}: {e}") from e
+    with _quiet_import_noise():
+        module_spec.loader.exec_module(user)  # type: ignore[union-attr]
+        factory = getattr(user, factory_name, None)
+        if factory is None:
+            raise CliError(f"{path} has no factory named {factory_name!r}")
+        try:
+            result = factory()
+        except Exception as e:
+            raise CliError(f"{spec} raised {type(e).__name__}: {e}") from e
     module, inputs = _check_factory_result(spec, result)
     if args.dtype is not None:
         dtype, dtype_from = DTYPES[args.dtype], "--dtype"

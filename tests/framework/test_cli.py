@@ -339,6 +339,23 @@ def test_diff_stderr_has_no_torchao_noise():
         assert noise not in done.stderr, done.stderr
 
 
+def test_factory_that_imports_torchao_leaves_stderr_clean(tmp_path):
+    """A factory may use torchao (its FP8 models): its import-time noise is filtered, not blocked."""
+    pytest.importorskip("torchao")
+    path = tmp_path / "ao.py"
+    path.write_text(
+        "import torch\nimport torchao  # noqa: F401\n\n"
+        "def make():\n"
+        "    return torch.nn.RMSNorm(32, eps=1e-6), (torch.randn(2, 32),)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "fusion_passes.cli", "diff", f"{path}:make"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    for noise in ("Failed to load", "register_constant", "is an Enum subclass"):
+        assert noise not in done.stderr, done.stderr
+
+
 FIRST_STEP = textwrap.dedent(
     """
     import contextlib, sys
