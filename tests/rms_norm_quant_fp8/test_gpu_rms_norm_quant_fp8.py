@@ -44,9 +44,11 @@ def test_rewritten_quant_graph_on_cuda(launch):
     compiled = torch.compile(norm_then_quant, backend=backend)
     out, (code,) = run_and_get_code(compiled, *args)
     matched = {name: n for name, n in report.matches.items() if n}
-    assert matched == {  # the norm fusions run first; the quant fusions then take their ops
+    assert matched == {  # the norms and quantizations raise first; the quant fusions then take their ops
         "add_rms_norm": 1,
         "rms_norm": 2,
+        "quant_fp8_dynamic": 2,
+        "quant_fp8_static": 1,
         "add_rms_norm_quant_fp8_per_group": 1,
         "rms_norm_quant_fp8_per_token": 1,
         "rms_norm_quant_fp8_static": 1,
