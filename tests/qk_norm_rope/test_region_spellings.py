@@ -337,3 +337,26 @@ def test_negative_is_not_fused(name):
         # (the matcher's other anchor, k's rope, finds k's own branch: rejected as such)
         assert any(reason in r.reason for r in report.rejected)
     _close(out, expected, dtype)
+
+
+def test_layers_sharing_one_cache_pair_their_own_q_and_k():
+    """gpt-fast hands one freqs_cis to every layer: each layer's q and k rope ops get one shared
+    cos / sin (made one node per consecutive pair, not across layers, which would let the matcher
+    pair q of one layer with k of the next: a cycle through the first layer's attention)."""
+
+    def two_layers(qkv, q_w, k_w, freqs_cache, input_pos, w_mix):
+        q1, k1 = gpt_fast(qkv, q_w, k_w, freqs_cache, input_pos)
+        attn = (q1.sum(1, keepdim=True) * k1).transpose(1, 2).flatten(-2)  # [1, S, D]: layer 1's output
+        qkv2 = qkv + attn.repeat(1, 1, HQ + 2 * HK) * w_mix
+        q2, k2 = gpt_fast(qkv2, q_w, k_w, freqs_cache, input_pos)
+        return q1, k1, q2, k2
+
+    dtype = torch.bfloat16
+    args = (*_inputs("gpt_fast", dtype), torch.tensor(0.5, dtype=dtype))
+    out, expected, report = _run(two_layers, *args)
+    assert _matched(report) == {"rms_norm": 4, "rope_gpt_fast": 4, "qk_norm_rope": 2}
+    assert not report.rejected and not report.errors
+    assert report.graphs[0].ops_after[QK_OP] == 2
+    for a, e in zip(out[:2], expected[:2], strict=True):
+        assert torch.equal(a, e)
+    _close(out[2:], expected[2:], dtype)  # layer 2's input is Inductor's (sum, mul, add)
