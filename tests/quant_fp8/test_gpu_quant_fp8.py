@@ -1,6 +1,6 @@
 """CUDA: a decoder's add + norm and an MLP's SiLU-and-mul, each followed by a code base's own FP8
 quantization (tests/_fp8_spellings.py: vLLM's reciprocal multiply, SGLang's floor before the
-divide in both forms, DeepGEMM's unsaturated cast, DeepSeek-V3's unfloored one), raised to the
+divide in both forms, DeepGEMM's unsaturated cast, DeepSeek-V3's unfloored one, torchao's bf16 scale), raised to the
 canonical quant_fp8 and fused, in both launch modes, with plain launches and CUDA-graph replay on
 new inputs. Skipped without a GPU (run on the GPU machine)."""
 
@@ -47,7 +47,7 @@ def norms_then_engine_quantizations(x, residual, w1, w2, scale):
     q4, s4 = deepgemm_per_token_cast_to_fp8(llama_rms_norm(h * 2.0, w1, 1e-6))
     q5, s5 = deepseek_v3_act_quant(qwen3_next_rms_norm(h * 4.0, w1, 1e-6))
     (q6,) = vllm_quant_fp8_native(llama_rms_norm(h * 8.0, w2, 1e-6), scale)[:1]
-    q7, s7 = torchao_float8_per_row(llama_rms_norm(h * 16.0, w2, 1e-6))  # raised, not fused
+    q7, s7 = torchao_float8_per_row(llama_rms_norm(h * 16.0, w2, 1e-6))
     return h, q1, s1, q2, s2, q3, s3, q4, s4, q5, s5, q6, q7, s7
 
 
@@ -58,6 +58,7 @@ EXPECTED_NORM = {
     "quant_fp8_unfloored": 2,
     "quant_fp8_static": 1,
     "add_rms_norm_quant_fp8_per_token": 1,
+    "rms_norm_quant_fp8_per_token": 1,
     "rms_norm_quant_fp8_per_group": 4,
     "rms_norm_quant_fp8_static": 1,
 }

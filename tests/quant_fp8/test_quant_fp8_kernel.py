@@ -38,12 +38,14 @@ FORMS = {
     "deepgemm": dict(floor_site="amax", floor=1e-4, apply="reciprocal", saturate=False),
     "deepseek_v3": dict(floor_site="none", floor=0.0, saturate=False),
     "multiplier": dict(floor_site="amax", floor=1e-6, apply="multiplier"),
+    "torchao_inference": dict(floor_site="none", floor=0.0, scale_math="input"),
 }
 # The default run: one case per form (both kernels, both schemes among them); the rest slow.
 DEFAULT = {
     ("vllm_per_token", "per_token", "norm"), ("sglang_native", "per_group", "silu"),
     ("sglang_triton", "per_group", "norm"), ("deepgemm", "per_group", "silu"),
     ("deepseek_v3", "per_token", "norm"), ("multiplier", "per_token", "silu"),
+    ("torchao_inference", "per_token", "silu"), ("torchao_inference", "per_group", "norm"),
 }  # fmt: skip
 CASES = [
     pytest.param(form, scheme, op, marks=() if (form, scheme, op) in DEFAULT else pytest.mark.slow)
@@ -91,6 +93,7 @@ def test_form_bit_exact(form, scheme, op):
     assert kernel_problem(quant) is None
     if op == "norm":
         dtype = torch.bfloat16 if form != "deepseek_v3" else torch.float32
+        dtype = torch.float16 if form == "torchao_inference" else dtype
         x, weight = _norm_inputs(dtype)
         norm = RMSNormForm(2.0**-30, 0.0, True)  # 4 + eps rounds to 4: rstd exactly 1 / 2
         q, scales, _ = rms_norm_quant_fp8_triton(x, weight, norm, quant)
@@ -101,7 +104,7 @@ def test_form_bit_exact(form, scheme, op):
         ref_q, ref_scales = silu_mul_quant_fp8_reference(gate, up, quant)
     assert _same_codes(q, ref_q) and _same_scales(scales, ref_scales)
     zero_row_codes = q.view(torch.uint8)[2]
-    if FORMS[form].get("floor_site") == "none":
+    if FORMS[form].get("floor_site") == "none":  # deepseek_v3, torchao
         assert ((zero_row_codes & 0x7F) == 0x7F).all()  # 0 / 0
     else:
         assert (zero_row_codes & 0x7F == 0).all()
@@ -134,7 +137,7 @@ def test_static_forms_and_overflow(apply, saturate):
         (QuantFP8("per_tensor"), "per_tensor scheme"),
         (QuantFP8("per_group", pow2="ceil"), "pow2='ceil'"),
         (QuantFP8("per_token", scale_math="fp64", floor_site="amax", apply="multiplier"), "scale_math='fp64'"),
-        (QuantFP8("per_token", scale_math="input", floor_site="none"), "scale_math='input'"),
+        (QuantFP8("per_token", scale_math="input", apply="multiplier"), "scale_math='input' with the multiplier"),
         (QuantFP8("per_token", fp8_max=240.0), "fp8_max 240.0"),
     ],
 )

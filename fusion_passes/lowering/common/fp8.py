@@ -138,18 +138,21 @@ class QuantFP8(NamedTuple):
 
 
 def kernel_problem(quant: QuantFP8) -> str | None:
-    """Why the FP8 epilogue cannot compute ``quant`` (None: it can). The FP8 epilogue (common/fp8_triton.py) computes the
-    scales in fp32 from the amax (its floor on the amax or on the scale, or none; a divide or the
-    ``448 / amax`` multiplier), optionally the exact UE8M0 rounding, then applies them by a
-    divide, a reciprocal multiply or a multiplier, with or without saturation."""
+    """Why the FP8 epilogue (common/fp8_triton.py) cannot compute ``quant`` (None: it can). It
+    computes the scales in fp32 from the amax (its floor on the amax or on the scale, or none; a
+    divide, rounded to the activation's dtype for scale_math "input", or the ``448 / amax``
+    multiplier), optionally the exact UE8M0 rounding, then applies them by a divide, a
+    reciprocal multiply or a multiplier, with or without saturation."""
     if quant.scheme not in ("static", "per_token", "per_group"):
         return f"the {quant.scheme} scheme needs the whole tensor's amax before any code (two passes)"
     if quant.fp8_max != FP8_MAX:
         return f"fp8_max {quant.fp8_max}: the kernels divide by and saturate at {FP8_MAX}"
     if quant.pow2 != "none":
         return f"pow2={quant.pow2!r}: the kernels round scales to powers of two exactly, not by log2 / exp2"
-    if quant.scale_math not in ("fp32", "input_amax"):
-        return f"scale_math={quant.scale_math!r}: the kernels compute the scales in fp32"
+    if quant.scale_math == "fp64":
+        return "scale_math='fp64': the kernels compute the scales in fp32"
+    if quant.scale_math == "input" and quant.apply == "multiplier":
+        return "scale_math='input' with the multiplier: the kernels round a divide's scale only"
     return None
 
 

@@ -26,12 +26,18 @@ _OVERFLOW = tl.constexpr(464.0)
 _RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
 
 
-def quant_form(quant: QuantFP8) -> int:
-    """The epilogue's QUANT_FORM constexpr of ``quant``: bits 0-1 the floor site (FLOOR_SITES'
-    index: scale, amax, none), bits 2-3 the apply form (APPLY_FORMS' index: divide, reciprocal,
-    multiplier), bit 4 no saturation. 0 is the defaults of QuantFP8."""
+def quant_form(quant: QuantFP8, dtype: torch.dtype) -> int:
+    """The epilogue's QUANT_FORM constexpr of ``quant`` for an activation of ``dtype``: bits 0-1
+    the floor site (FLOOR_SITES' index: scale, amax, none), bits 2-3 the apply form (APPLY_FORMS'
+    index: divide, reciprocal, multiplier), bit 4 no saturation, bits 5-6 the dtype the scale is
+    rounded to after the divide (``scale_math="input"``: 1 bf16, 2 fp16). 0 is the defaults of
+    QuantFP8."""
     unsaturated = not quant.saturate and not cast_saturates()
-    return FLOOR_SITES.index(quant.floor_site) | APPLY_FORMS.index(quant.apply) << 2 | unsaturated << 4
+    rounding = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0) if quant.scale_math == "input" else 0
+    return (
+        FLOOR_SITES.index(quant.floor_site) | APPLY_FORMS.index(quant.apply) << 2 | unsaturated << 4
+        | rounding << 5
+    )  # fmt: skip
 
 
 @functools.cache
@@ -50,7 +56,7 @@ def kernel_floor(quant: QuantFP8, dtype: torch.dtype) -> float:
     the rounded floor is the dtype's clamp: no value of the dtype lies between the two)."""
     if quant.floor_site == "none":
         return 0.0
-    if quant.scale_math == "input_amax" and quant.floor_site == "amax":
+    if quant.scale_math in ("input", "input_amax") and quant.floor_site == "amax":
         return float(torch.tensor(quant.floor, dtype=torch.float32).to(dtype).float())
     return float(torch.tensor(quant.floor, dtype=torch.float32))
 
@@ -165,6 +171,7 @@ def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constex
     == 2), rounded up to a power of two under SCALE_UE8M0."""
     FLOOR_SITE: tl.constexpr = QUANT_FORM & 3
     APPLY: tl.constexpr = (QUANT_FORM >> 2) & 3
+    ROUND_SCALE: tl.constexpr = (QUANT_FORM >> 5) & 3
     if FLOOR_SITE == 1:
         amax = tl.maximum(amax, floor, propagate_nan=tl.PropagateNan.ALL)
     if APPLY == 2:
@@ -178,6 +185,14 @@ def scales_of(amax, SCALE_UE8M0: tl.constexpr, AMAX_TIMES_RECIPROCAL: tl.constex
         scale = amax * _RECIPROCAL_FP8_MAX
     else:
         scale = tl.div_rn(amax, _FP8_MAX)
+    if ROUND_SCALE == 1:
+        # The divide in bf16 (torchao): torch divides in fp32 and rounds to bf16, to nearest even;
+        # by integer steps, as the interpreter truncates a bf16 cast (silu.round_to says so).
+        bits = scale.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        scale = tl.where(scale == scale, bits.to(tl.float32, bitcast=True), scale)
+    elif ROUND_SCALE == 2:
+        scale = scale.to(tl.float16).to(tl.float32)
     if FLOOR_SITE == 0:
         scale = tl.maximum(scale, floor, propagate_nan=tl.PropagateNan.ALL)
     if SCALE_UE8M0:
