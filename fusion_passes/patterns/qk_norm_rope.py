@@ -40,6 +40,7 @@ import torch.fx
 
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
+from fusion_passes.patterns.rope import FAMILY as ROPE_FAMILY
 
 # The whole-row spellings' head dim is traced with this sentinel: no other int of their traced
 # graphs (example sizes, slice bounds) may equal it, or the matcher would take it for the head dim.
@@ -326,8 +327,7 @@ def _fusion(name: str) -> Fusion:
         scalars=scalars,
         canonicalize=pair_rope_ops if first else None,
         # Enabling qk_norm_rope by name enables the whole family (and the ops it starts from).
-        requires=("rms_norm", "rope", "rope_partial", "rope_half_cos", "rope_half_cos_partial",
-                  "rope_gpt_fast") + (FAMILY[1:] if name == "qk_norm_rope" else ()),
+        requires=("rms_norm", *ROPE_FAMILY) + (FAMILY[1:] if name == "qk_norm_rope" else ()),
         builtin=True,
     )
 

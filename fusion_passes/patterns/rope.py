@@ -27,8 +27,8 @@ Not raised: Meta's reference Llama / torchtitan complex form
 the complex multiply as an eager fallback (aten.mul on complex64), and eager's complex multiply is
 not one rounding: on rows shorter than a vector it computes re = fma(a, c, -(b * d)),
 im = fma(a, d, b * c) (one rounding per pair), on longer rows separate products (two roundings),
-so no real-arithmetic reference reproduces it bit for bit (fp32 differs by an ulp; see
-tests/rope/test_rewrite_rope.py::test_complex_form_is_not_raised).
+so no real-arithmetic reference reproduces it bit for bit (fp32 differs by an ulp). The
+``rope_complex`` fusion matches it only to reject each site with that reason (in the report).
 
 Unfused: the spelling's muls, neg / sub, cat or stack (fused by Inductor into its neighbours)
 Fused:   fusion_passes.rope(x, cos, sin, interleaved, compute_fp32)   (consumed by a region
@@ -125,6 +125,24 @@ def gpt_fast_rope(x, freqs_cis):
     )
     x_out2 = x_out2.flatten(-2)
     return x_out2.type_as(x)
+
+
+# --- Meta's reference Llama / torchtitan apply_rotary_emb (matched to be reported, not raised) ---
+
+
+def complex_rope(x, freqs_cis):
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * freqs_cis).flatten(-2).type_as(x)
+
+
+COMPLEX_REASON = (
+    "complex RoPE not raised: eager's complex multiply rounds with an FMA on short rows and as "
+    "separate products on long ones, which no real reference reproduces bit for bit"
+)
+
+
+def _reject_complex(values: dict[str, Any]) -> str | None:
+    return COMPLEX_REASON
 
 
 # --- the fused calls ---
@@ -225,6 +243,12 @@ def _examples(cos_width: int, cos_fp32: bool = False):
     return example_inputs
 
 
+def _complex_examples():
+    for dtype in _DTYPES:
+        angles = torch.rand(1, 3, 1, 6)
+        yield torch.randn(2, 3, 5, 12, dtype=dtype), torch.polar(torch.ones_like(angles), angles)
+
+
 def _gpt_fast_examples():
     for dtype in _DTYPES:
         x = torch.randn(2, 3, 5, 12, dtype=dtype)
@@ -293,6 +317,14 @@ ROPE_GPT_FAST = _fusion(
     _gpt_fast_examples,
 )
 
+ROPE_COMPLEX = _fusion(
+    "rope_complex",
+    "Meta's reference Llama / torchtitan complex form: matched only to report why it is not raised",
+    # The replacement is never used: the check rejects every site with the reason.
+    [Spelling("complex_rope", complex_rope, complex_rope, _reject_complex)],
+    _complex_examples,
+)
+
 # Partial forms first: each contains its full form's pattern, which would take the inner part.
-FUSIONS = (ROPE_PARTIAL, ROPE, ROPE_HALF_COS_PARTIAL, ROPE_HALF_COS, ROPE_GPT_FAST)
+FUSIONS = (ROPE_PARTIAL, ROPE, ROPE_HALF_COS_PARTIAL, ROPE_HALF_COS, ROPE_GPT_FAST, ROPE_COMPLEX)
 FAMILY = tuple(f.name for f in FUSIONS)
