@@ -56,7 +56,7 @@ from fusion_passes.lowering.allreduce_rms_norm.reference import all_reduce_sum  
 from fusion_passes.lowering.allreduce_rms_norm.symm_mem import symm_mem_eligible  # noqa: E402
 from fusion_passes.lowering.common.collective_ops import runtime_fallbacks  # noqa: E402
 from fusion_passes.numerics import compare, fp8_codes_apart  # noqa: E402
-from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
+from benchmarks.spellings import GROUP_SIZE  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Llama 3 8B / Qwen 3 8B, Llama 3.2 3B
 TOKENS = (1, 8, 64, 256, 512, 2048, 16384)

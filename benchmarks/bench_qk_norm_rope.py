@@ -32,7 +32,7 @@ from benchmarks.timing import (  # noqa: E402
     time_plain_us,
 )
 from fusion_passes.lowering.qk_norm_rope.reference import qk_norm_rope_reference  # noqa: E402
-from fusion_passes.patterns.qk_norm_rope import rope_full, rope_partial  # noqa: E402
+from benchmarks.spellings import rope_full, rope_partial  # noqa: E402
 from fusion_passes.patterns.rms_norm import llama_rms_norm, offset_rms_norm  # noqa: E402
 
 DTYPE, EPS = torch.bfloat16, 1e-6

@@ -58,7 +58,7 @@ from fusion_passes.lowering.rms_norm_quant_fp8.reference import (  # noqa: E402
 from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton  # noqa: E402
 from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
 from fusion_passes.patterns.rms_norm import llama_rms_norm  # noqa: E402
-from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
+from benchmarks.spellings import GROUP_SIZE  # noqa: E402
 
 HIDDEN = (7168, 4096, 3072)  # DeepSeek V3, Qwen 3 8B, Llama 3.2 3B
 SMOKE_HIDDEN = (256,)

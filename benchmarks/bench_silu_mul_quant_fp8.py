@@ -44,7 +44,7 @@ from fusion_passes.lowering.common.fp8 import QuantFP8  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import silu_mul_quant_fp8_reference  # noqa: E402
 from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton  # noqa: E402
 from fusion_passes.numerics import fp8_codes_apart  # noqa: E402
-from fusion_passes.patterns.rms_norm_quant_fp8 import GROUP_SIZE  # noqa: E402
+from benchmarks.spellings import GROUP_SIZE  # noqa: E402
 
 INTERMEDIATE = (18432, 12288, 2048)  # DeepSeek V3 dense MLP, Qwen 3 (32B), a MoE expert
 SMOKE_INTERMEDIATE = (256,)

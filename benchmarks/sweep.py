@@ -27,7 +27,7 @@ import triton
 import fusion_passes
 from benchmarks import common
 from benchmarks.timing import copy_bandwidth_gbps, kernels_per_call, time_graph_us, time_plain_us
-from fusion_passes.patterns.rms_norm_quant_fp8 import quant_per_group, quant_per_token, quant_static
+from benchmarks.spellings import quant_per_group, quant_per_token, quant_static
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCHEMES = ("static", "per_token", "per_group")
