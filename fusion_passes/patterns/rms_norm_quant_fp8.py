@@ -48,7 +48,10 @@ QUANT_STRINGS = {
 QUANT_SCALARS = {"floor": 2.0**-19, "fp8_max": 2.0**-21, "group_size": 1000003}
 _QUANT_ARGS = (*QUANT_STRINGS, *QUANT_SCALARS)
 # The bool fields, literals of the patterns: one spelling per value.
-_BOOLS = {"static": ((False, True), (False, False)), "dynamic": ((False, True), (False, False), (True, True), (True, False))}
+BOOL_FIELDS = {  # (scale_ue8m0, saturate) per scheme kind
+    "static": ((False, True), (False, False)),
+    "dynamic": ((False, True), (False, False), (True, True), (True, False)),
+}
 
 
 def quant_fp8_call(y, scheme, scale, ue8m0, saturate, q):
@@ -65,7 +68,7 @@ def quant_fields(scheme, scale, ue8m0, saturate, q) -> tuple:
             saturate, q["fp8_max"], q["scale_math"])  # fmt: skip
 
 
-def _outputs(scheme, q, scales, rest=None):
+def quant_outputs(scheme, q, scales, rest=None):
     """(codes[, scales][, rest]): the static scheme's scale is its input, not an output the
     raised spellings return; one output is returned bare, as the matcher expects."""
     outputs = (q,) + ((scales,) if scheme != "static" else ()) + ((rest,) if rest is not None else ())
@@ -81,7 +84,7 @@ def _pattern(offset, cast, scheme, ue8m0, saturate, with_residual):
                      fp8_max=fp8_max, group_size=group_size)  # fmt: skip
             y, new_residual = torch.ops.fusion_passes.add_rms_norm.default(x, residual, weight, eps, offset, cast)
             codes, scales = quant_fp8_call(y, scheme, scale, ue8m0, saturate, q)
-            return _outputs(scheme, codes, scales, new_residual)
+            return quant_outputs(scheme, codes, scales, new_residual)
 
     else:
 
@@ -90,7 +93,7 @@ def _pattern(offset, cast, scheme, ue8m0, saturate, with_residual):
                      fp8_max=fp8_max, group_size=group_size)  # fmt: skip
             y = torch.ops.fusion_passes.rms_norm.default(x, weight, eps, offset, cast)
             codes, scales = quant_fp8_call(y, scheme, scale, ue8m0, saturate, q)
-            return _outputs(scheme, codes, scales)
+            return quant_outputs(scheme, codes, scales)
 
     return _signature(pattern, scheme, with_residual)
 
@@ -105,7 +108,7 @@ def _fused(offset, cast, scheme, ue8m0, saturate, with_residual):
             codes, scales, new_residual = torch.ops.fusion_passes.add_rms_norm_quant_fp8.default(
                 x, residual, weight, eps, offset, cast, *quant_fields(scheme, scale, ue8m0, saturate, q)
             )
-            return _outputs(scheme, codes, scales, new_residual)
+            return quant_outputs(scheme, codes, scales, new_residual)
 
     else:
 
@@ -115,7 +118,7 @@ def _fused(offset, cast, scheme, ue8m0, saturate, with_residual):
             codes, scales = torch.ops.fusion_passes.rms_norm_quant_fp8.default(
                 x, weight, eps, offset, cast, *quant_fields(scheme, scale, ue8m0, saturate, q)
             )
-            return _outputs(scheme, codes, scales)
+            return quant_outputs(scheme, codes, scales)
 
     return _signature(replacement, scheme, with_residual)
 
@@ -175,7 +178,7 @@ def _fusion(with_residual: bool, scheme: str) -> Fusion:
     prefix = "add_" if with_residual else ""
     spellings = []
     for form, (offset, cast) in _FORMS.items():
-        for ue8m0, saturate in _BOOLS["static" if scheme == "static" else "dynamic"]:
+        for ue8m0, saturate in BOOL_FIELDS["static" if scheme == "static" else "dynamic"]:
             suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
             spellings.append(
                 Spelling(

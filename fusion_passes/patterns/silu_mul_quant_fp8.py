@@ -40,10 +40,10 @@ from fusion_passes.fusion import Fusion, Spelling
 from fusion_passes.lowering.common.fp8 import kernel_problem
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import check_silu_mul_args
 from fusion_passes.patterns.rms_norm_quant_fp8 import (
+    BOOL_FIELDS,
     QUANT_SCALARS,
     QUANT_STRINGS,
-    _BOOLS,
-    _outputs,
+    quant_outputs,
     matched_quant,
     quant_fields,
     quant_fp8_call,
@@ -62,7 +62,7 @@ def _pattern(scheme: str, ue8m0: bool, saturate: bool):
         q = dict(floor_site=floor_site, apply=apply, pow2=pow2, scale_math=scale_math, floor=floor,
                  fp8_max=fp8_max, group_size=group_size)  # fmt: skip
         codes, scales = quant_fp8_call(silu_mul(gate, up), scheme, scale, ue8m0, saturate, q)
-        return _outputs(scheme, codes, scales)
+        return quant_outputs(scheme, codes, scales)
 
     return _signature(pattern, scheme)
 
@@ -74,7 +74,7 @@ def _replacement(scheme: str, ue8m0: bool, saturate: bool):
         codes, scales = torch.ops.fusion_passes.silu_mul_quant_fp8.default(
             gate, up, *quant_fields(scheme, scale, ue8m0, saturate, q)
         )
-        return _outputs(scheme, codes, scales)
+        return quant_outputs(scheme, codes, scales)
 
     return _signature(replacement, scheme)
 
@@ -120,7 +120,7 @@ def _examples(scheme: str):
 
 def _fusion(scheme: str) -> Fusion:
     spellings = []
-    for ue8m0, saturate in _BOOLS["static" if scheme == "static" else "dynamic"]:
+    for ue8m0, saturate in BOOL_FIELDS["static" if scheme == "static" else "dynamic"]:
         suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
         spellings.append(
             Spelling(

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.common.fp8 import APPLY_FORMS, FLOOR_SITES, FP8_MAX, QuantFP8, kernel_problem  # noqa: F401
+from fusion_passes.lowering.common.fp8 import APPLY_FORMS, FLOOR_SITES, FP8_MAX, QuantFP8
+from fusion_passes.lowering.common.fp8 import kernel_problem  # noqa: F401  (the kernels' callers check with it)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 # |q| above this rounds to float8_e4m3fn's NaN code (0x7F) in a torch cast that does not saturate

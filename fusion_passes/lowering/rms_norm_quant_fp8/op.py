@@ -46,7 +46,9 @@ def rms_norm_quant_fp8(
     scale_math: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm + FP8 quantization: returns (codes, scales); see rms_norm_quant_fp8_reference."""
-    norm, quant = RMSNormForm(eps, weight_offset, cast_before_weight), QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max, scale_math)
+    norm = RMSNormForm(eps, weight_offset, cast_before_weight)
+    quant = QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max,
+                     scale_math)  # fmt: skip
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight)
     q, scales = rms_norm_quant_fp8_reference(x, weight, norm, quant)
     return q.contiguous(), quant.own(scales)
@@ -73,7 +75,9 @@ def add_rms_norm_quant_fp8(
     scale_math: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm + FP8 quantization: returns (codes, scales, new_residual)."""
-    norm, quant = RMSNormForm(eps, weight_offset, cast_before_weight), QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max, scale_math)
+    norm = RMSNormForm(eps, weight_offset, cast_before_weight)
+    quant = QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max,
+                     scale_math)  # fmt: skip
     check_rms_norm_args(x, weight, weight_offset, cast_before_weight, residual)
     q, scales, new_residual = add_rms_norm_quant_fp8_reference(x, residual, weight, norm, quant)
     return q.contiguous(), quant.own(scales), new_residual.contiguous()

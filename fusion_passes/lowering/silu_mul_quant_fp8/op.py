@@ -39,7 +39,8 @@ def silu_mul_quant_fp8(
     scale_math: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU-and-mul + FP8 quantization: returns (codes, scales); see silu_mul_quant_fp8_reference."""
-    quant = QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max, scale_math)
+    quant = QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max,
+                     scale_math)  # fmt: skip
     q, scales = silu_mul_quant_fp8_reference(gate, up, quant)
     return q.contiguous(), quant.own(scales)
 
