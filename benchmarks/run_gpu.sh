@@ -9,11 +9,9 @@
 # benchmarks/results/bench_NAME.json, python -m benchmarks.render puts them into BENCHMARKS.md.
 set -uo pipefail
 source "$(dirname "$0")/gpu_run_common.sh"
+# Every family's CUDA tests (tests/*/test_gpu_*.py: the two-GPU ones skip on one GPU) and kernel tests.
 [ "${TESTS:-1}" = 1 ] && run gpu_tests python3 -m pytest -q -p no:cacheprovider -m "" \
-  tests/rms_norm/test_gpu_rms_norm.py tests/rms_norm_quant_fp8/test_gpu_rms_norm_quant_fp8.py \
-  tests/mla_rope/test_gpu_mla_rope.py tests/framework/test_gpu_cli.py \
-  tests/rms_norm/test_rms_norm_kernel.py tests/rms_norm_quant_fp8/test_rms_norm_quant_fp8_kernel.py tests/qk_norm_rope/test_qk_norm_rope_kernel.py \
-  tests/mla_rope/test_mla_rope_kernel.py tests/silu_mul_quant_fp8/test_silu_mul_quant_fp8_kernel.py tests/silu_mul_quant_fp8/test_gpu_silu_exact.py
+  tests/*/test_gpu_*.py tests/*/test_*_kernel.py
 [ "${LAUNCH:-1}" = 1 ] && run bench_launch_overhead python3 -m benchmarks.bench_launch_overhead --layers 16 \
   --tokens 1 4 64 --json "$OUT/bench_launch_overhead.json"
 [ "${RMS_NORM:-1}" = 1 ] && run bench_rms_norm python3 -m benchmarks.bench_rms_norm \
