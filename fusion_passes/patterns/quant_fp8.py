@@ -33,8 +33,8 @@ Spellings (facts from each code base; the code is written here):
     torchao_training(_pow2)  torchao's training float8 (``amax_to_scale``): fp64 amax clamped at
                           EPS, multiplier ``448 / amax``, fp32, optionally rounded down to a power
                           of two (``exp2(floor(log2(s)))``); ``x * s``
-    te_multiplier         a Transformer-Engine-style multiplier: ``448 / max(amax, eps)`` in fp32,
-                          ``x * s``
+    te_multiplier(_two_upcasts)  a Transformer-Engine-style multiplier: ``448 / max(amax, eps)``
+                          in fp32, ``x * s`` (the activation upcast once, or once for each use)
     static / per_token / per_group  the forms the norm and SiLU fusions matched before (torchao
                           ``_quantize_affine_float8``; vLLM's per-token math in DeepSeek-V3's
                           order, per token or per group of 128)
@@ -182,14 +182,18 @@ def _torchao_training(pow2: bool):
     return spelling
 
 
-def te_multiplier(x, floor):
-    # One upcast for the amax and the product (a spelling that upcasts twice has them merged by
-    # the common-subexpression elimination before the raise).
-    x32 = x.to(torch.float32)
-    amax = torch.max(torch.abs(x32))
-    scale = MAX / torch.clamp(amax, min=floor)
-    q = (x32 * scale).clamp(-MAX, MAX)
-    return q.to(E4M3), scale
+def _te_multiplier(upcasts: int):
+    def spelling(x, floor):
+        # The activation upcast once for the amax and the product, or once for each (no CSE
+        # runs before the raise: the two are apart in the graph).
+        x32 = x.to(torch.float32)
+        amax = torch.max(torch.abs(x32))
+        scale = MAX / torch.clamp(amax, min=floor)
+        q = ((x.to(torch.float32) if upcasts == 2 else x32) * scale).clamp(-MAX, MAX)
+        return q.to(E4M3), scale
+
+    spelling.__name__ = "te_multiplier" if upcasts == 1 else "te_multiplier_two_upcasts"
+    return spelling
 
 
 # --- the forms the region fusions matched before ---
@@ -250,7 +254,8 @@ FLOORED = (  # (spelling, fields, scale shape): (x, floor) -> (codes, scales)
     (_torchao_training(False), _quant("per_tensor", floor_site="amax", apply="multiplier", math="fp64"), _same),
     (_torchao_training(True), _quant("per_tensor", floor_site="amax", apply="multiplier", math="fp64", pow2="floor"),
      _same),
-    (te_multiplier, _quant("per_tensor", floor_site="amax", apply="multiplier"), _same),
+    (_te_multiplier(1), _quant("per_tensor", floor_site="amax", apply="multiplier"), _same),
+    (_te_multiplier(2), _quant("per_tensor", floor_site="amax", apply="multiplier"), _same),
     (per_token, _quant("per_token"), _same),
     (per_group, _quant("per_group"), _same),
 )
@@ -355,9 +360,6 @@ QUANT_FP8_DYNAMIC = Fusion(
     ),
     example_inputs=_examples("floored"),
     scalars={"floor": FLOOR_SENTINEL},
-    # q / k / v (gate / up) each quantize the norm's output: one quantization after CSE, raised
-    # once (the pass manager deduplicates before the first fusion that asks).
-    cse_before=True,
     builtin=True,
 )
 QUANT_FP8_UNFLOORED = Fusion(

@@ -146,7 +146,7 @@ def _every_quantization(*args):
     return tuple(out)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=str)
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16, torch.float16], ids=str)
 def raised(request):
     args = (*_inputs(request.param), torch.tensor([STATIC_SCALE]))
     return _compile(_every_quantization, args, RAISE)
@@ -156,7 +156,8 @@ def test_every_spelling_raises_bit_exact(raised):
     out, expected, report = raised
     _assert_bit_equal(out, expected)
     assert not report.errors and not report.rejected
-    spellings = sorted(site.spelling for site in report.sites)
+    # TE's two upcasts are one op in fp32 graphs (no casts): either te_multiplier spelling.
+    spellings = sorted(site.spelling.removesuffix("_two_upcasts") for site in report.sites)
     assert spellings == sorted(SPELLINGS[n][2] for n in NAMES)
     for fusion in RAISE:
         assert report.matches[fusion] == sum(SPELLINGS[n][1] == fusion for n in NAMES)

@@ -187,7 +187,7 @@ def test_quant_fusion_enables_the_norm_fusions_it_starts_from():
 
 def test_one_activation_quantized_per_projection_fuses_once():
     """q / k / v projections each quantize the same normed activation (Fp8Linear per projection):
-    the pass deduplicates the three quantizations first, then fuses the norm with the one left;
+    each raises to quant_fp8, the pass deduplicates the three, then fuses the norm with the one left;
     without the deduplication the norm would have three consumers and stay unfused."""
 
     def fn(x, w, projections):
@@ -203,7 +203,7 @@ def test_one_activation_quantized_per_projection_fuses_once():
     out, expected, report = _run(fn, x, w, projections)
     assert {k: v for k, v in report.matches.items() if v} == {
         "rms_norm": 1,
-        "quant_fp8_dynamic": 1,  # once: the three quantizations are one after the deduplication
+        "quant_fp8_dynamic": 3,  # each raised, then one after the deduplication
         "rms_norm_quant_fp8_per_token": 1,
     }
     before, after = report.ops_before(), report.ops_after()
