@@ -177,17 +177,20 @@ def _examples(with_residual: bool, scheme: str):
 def _fusion(with_residual: bool, scheme: str) -> Fusion:
     prefix = "add_" if with_residual else ""
     spellings = []
-    for form, (offset, cast) in _FORMS.items():
-        for ue8m0, saturate in BOOL_FIELDS["static" if scheme == "static" else "dynamic"]:
-            suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
-            spellings.append(
-                Spelling(
-                    f"{prefix}rms_norm_{form}_then_{scheme}{suffix}",
-                    _pattern(offset, cast, scheme, ue8m0, saturate, with_residual),
-                    _fused(offset, cast, scheme, ue8m0, saturate, with_residual),
-                    _check(scheme, ue8m0, saturate),
+    # The per_token fusion also holds the per_tensor scheme's spellings, whose check always says
+    # why the kernel does not compute them (so the report names the norm + quant site).
+    for matched in ("per_token", "per_tensor") if scheme == "per_token" else (scheme,):
+        for form, (offset, cast) in _FORMS.items():
+            for ue8m0, saturate in BOOL_FIELDS["static" if scheme == "static" else "dynamic"]:
+                suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
+                spellings.append(
+                    Spelling(
+                        f"{prefix}rms_norm_{form}_then_{matched}{suffix}",
+                        _pattern(offset, cast, matched, ue8m0, saturate, with_residual),
+                        _fused(offset, cast, matched, ue8m0, saturate, with_residual),
+                        _check(matched, ue8m0, saturate),
+                    )
                 )
-            )
     return Fusion(
         name=f"{prefix}rms_norm_quant_fp8_{scheme}",
         summary=f"{prefix.replace('_', ' ')}RMSNorm + {scheme} FP8 quantization -> one kernel",

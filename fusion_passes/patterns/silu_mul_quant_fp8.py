@@ -120,16 +120,18 @@ def _examples(scheme: str):
 
 def _fusion(scheme: str) -> Fusion:
     spellings = []
-    for ue8m0, saturate in BOOL_FIELDS["static" if scheme == "static" else "dynamic"]:
-        suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
-        spellings.append(
-            Spelling(
-                f"silu_mul_then_{scheme}{suffix}",
-                _pattern(scheme, ue8m0, saturate),
-                _replacement(scheme, ue8m0, saturate),
-                _check(scheme, ue8m0, saturate),
+    # per_token also holds per_tensor's spellings, refused by the check with the reason.
+    for matched in ("per_token", "per_tensor") if scheme == "per_token" else (scheme,):
+        for ue8m0, saturate in BOOL_FIELDS["static" if scheme == "static" else "dynamic"]:
+            suffix = ("_ue8m0" if ue8m0 else "") + ("" if saturate else "_unsaturated")
+            spellings.append(
+                Spelling(
+                    f"silu_mul_then_{matched}{suffix}",
+                    _pattern(matched, ue8m0, saturate),
+                    _replacement(matched, ue8m0, saturate),
+                    _check(matched, ue8m0, saturate),
+                )
             )
-        )
     return Fusion(
         name=f"silu_mul_quant_fp8_{scheme}",
         summary=f"SiLU-and-mul + {scheme} FP8 quantization -> one kernel",

@@ -212,8 +212,7 @@ def test_norm_then_every_spelling_fuses_or_says_why(norm_fused):
     reasons = [r.reason for r in report.rejected if r.fusion in REGIONS]
     for name in NAMES:
         target = SPELLINGS[name][3]
-        # Per-tensor scales have no region fusion (no pattern of that scheme): left as raised.
-        if not target.startswith("rms_norm_quant_fp8") and target != "per_tensor scheme":
+        if not target.startswith("rms_norm_quant_fp8"):
             assert any(target in reason for reason in reasons), (name, reasons)
     (graph,) = report.graphs
     fused = sum(regions.values())
