@@ -209,6 +209,12 @@ def _examples(per_head: bool):
         scalars = (DEFAULT_SCALAR_SENTINEL, K_EPS_SENTINEL)
         scalars += () if per_head else (HEAD_DIM_SENTINEL,)
         yield (q, k, w_q, w_k, cos, sin, *scalars)
+        if not per_head:
+            # Flat tokens [T, H * D] (vLLM): the view's shape holds the head dim, so its length
+            # is part of the pattern. cos two wide: the transposed spellings, traced on these
+            # too, rotate [T, D, H].
+            cos, sin = torch.randn(1, 1, 2), torch.randn(1, 1, 2)
+            yield (q.flatten(0, 1), k.flatten(0, 1), w_q, w_k, cos, sin, *scalars)
 
     return example_inputs
 

@@ -23,6 +23,7 @@ CASES = {
     "vllm_gptj_8": "qk_norm_rope",
     "glm4": "qk_norm_rope",
     "phi3": "qk_norm_rope",
+    "vllm_olmo2": "qk_norm_rope_whole_row",
 }
 
 
