@@ -342,3 +342,18 @@ def test_group_size_that_does_not_divide_is_rejected():
             torch.randn(2, 192), "per_group", None, 128, False, "scale", 1e-4, "divide", "none", True, 448.0,
             "fp32",
         )  # fmt: skip
+
+
+def test_silu_mul_then_per_tensor_quantization_is_refused_with_the_reason():
+    """A per-tensor quantization after the SiLU-and-mul raises, and the SiLU + quant fusion
+    refuses it with the kernels' reason (one amax over the whole tensor before any code)."""
+
+    def fn(gate, up):
+        return vllm_quant_fp8_native(F.silu(gate) * up, per_token=False)
+
+    gate, up = (torch.randn(3, HIDDEN).bfloat16() for _ in range(2))
+    _, _, report = _compile(fn, (gate, up), SILU)
+    assert {k: v for k, v in report.matches.items() if v} == {"quant_fp8_dynamic": 1}
+    (rejection,) = [r for r in report.rejected if r.fusion in SILU]
+    assert rejection.spelling == "silu_mul_then_per_tensor" and "per_tensor scheme" in rejection.reason
+    assert report.graphs[0].ops_after["fusion_passes.quant_fp8.default"] == 1
