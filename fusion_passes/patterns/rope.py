@@ -256,16 +256,29 @@ def _gpt_fast_examples():
         yield x, torch.randn(1, 3, 1, 6, 2, dtype=torch.bfloat16)
 
 
-def _fusion(name: str, summary: str, spellings, example_inputs) -> Fusion:
+def rotates(node) -> bool:
+    """A neg that a RoPE rotation reads: rotate_half's cat((-x2, x1)), or GLM's stack((-x2, x1))
+    (a cat of unsqueezes in the graph); not SiLU's or a sigmoid's neg (which feeds an exp)."""
+    cat = torch.ops.aten.cat.default
+    for user in node.users:
+        if user.target == cat:
+            return True
+        if user.target == torch.ops.aten.unsqueeze.default and any(u.target == cat for u in user.users):
+            return True
+    return False
+
+
+def _fusion(name: str, summary: str, spellings, example_inputs, near_misses: bool = False) -> Fusion:
     return Fusion(
         name=name,
         summary=f"RoPE, {summary} -> the canonical rope op",
         doc=__doc__.split("\n\n", 1)[1],
         spellings=tuple(spellings),
         example_inputs=example_inputs,
-        # No candidate op: every op of a RoPE spelling is common elsewhere (rotate_half's neg
-        # also feeds the exp of every SiLU / sigmoid), and candidate_ops cannot say "a neg that
-        # feeds a cat"; a near miss per MLP would bury the real ones.
+        # The negation of a rotation left in the graph marks an unraised RoPE (the spellings with
+        # a neg: transformers'); vLLM's and gpt-fast's subtractions are too common to mark one.
+        candidate_ops=("aten.neg.default",) if near_misses else (),
+        candidate=rotates if near_misses else None,
         builtin=True,
     )
 
@@ -278,6 +291,7 @@ ROPE_PARTIAL = _fusion(
         _spelling(_transformers_partial(glm_rope), True, False, partial=True),
     ],
     _examples(8),
+    near_misses=True,
 )
 ROPE = _fusion(
     "rope",
@@ -291,6 +305,7 @@ ROPE = _fusion(
         _spelling(glm_rope, True, False),
     ],
     _examples(12, cos_fp32=True),
+    near_misses=True,
 )
 ROPE_HALF_COS_PARTIAL = _fusion(
     "rope_half_cos_partial",

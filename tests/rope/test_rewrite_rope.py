@@ -251,3 +251,23 @@ def test_bad_arguments_raise_one_line(change, message):
     assert message in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(ValueError):
         torch.ops.fusion_passes.rope(*args)
+
+
+def test_unraised_rotation_is_a_near_miss():
+    """rotate_half with its halves swapped (cat((-x1, x2)): not a rotation any spelling writes) is
+    reported with the closest spelling and where it diverged; SiLU's neg is no candidate."""
+
+    def fn(q, cos, sin, h):
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., :half], q[..., half:]), dim=-1)
+        return q * cos + rotated * sin, torch.nn.functional.silu(h)
+
+    q, cos, sin = torch.randn(2, 3, 5, 12), torch.randn(2, 1, 5, 12), torch.randn(2, 1, 5, 12)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    torch.compile(fn, backend=fusion_passes.backend(list(FAMILY), report=report))(q, cos, sin, torch.randn(7))
+    assert sum(report.matches.values()) == 0
+    (miss,) = report.near_misses
+    assert (miss.fusion, miss.spelling) == ("rope", "llama_rope"), miss
+    # the neg reads the first half where rotate_half negates the second
+    assert miss.reason == "aten.slice.Tensor argument 2 is 0, the spelling has 6", miss.reason
