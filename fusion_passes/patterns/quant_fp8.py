@@ -41,7 +41,8 @@ Spellings (facts from each code base; the code is written here):
 
 The floor (vLLM's 1 / (448 * 512), SGLang's 1e-10, DeepGEMM's 1e-4, torchao's 1e-12) is a pattern
 argument: one pattern matches every value. Groups are of 128 columns (the value every code base
-above uses; GROUP_SIZES lists those registered). Not raised: e5m2 (another format and maximum),
+above uses; GROUP_SIZES lists those registered). Not raised: e5m2 (another format and maximum;
+its per-token and static forms are matched to be refused with that reason),
 a group size that does not divide the row (the spellings' reshapes then straddle rows), a scale
 or amax that another op also reads (the matcher keeps a spelling whose intermediate is used).
 """
@@ -216,6 +217,25 @@ def per_group(x, floor):
     return q.flatten(-2), scale.squeeze(-1)
 
 
+# --- float8_e5m2: matched to be refused with the reason (the canonical op is e4m3 only) ---
+
+E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
+
+
+def per_token_e5m2(x, floor):
+    y32 = x.to(torch.float32)
+    scale = (y32.abs().amax(-1, keepdim=True) / E5M2_MAX).clamp(min=floor)
+    return (y32 / scale).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2), scale
+
+
+def static_e5m2(x, scale):
+    return (x.to(torch.float32) / scale).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
+
+
+def _refuse_e5m2(values: dict[str, Any]) -> str:
+    return "float8_e5m2 codes: quant_fp8 and its fused kernels define float8_e4m3fn (max 448) only"
+
+
 # --- each spelling's fields (QuantFP8 less scale and floor, which are its arguments) and how it
 #     shapes the scales it returns ---
 
@@ -346,7 +366,8 @@ QUANT_FP8_STATIC = Fusion(
     doc=_DOC,
     spellings=tuple(
         Spelling(fn.__name__, fn, _static_replacement(fields), _check(fields)) for fn, fields in STATIC
-    ),
+    )
+    + (Spelling("static_e5m2", static_e5m2, _static_replacement(_quant("static")), _refuse_e5m2),),
     example_inputs=_examples("static"),
     builtin=True,
 )
@@ -357,7 +378,8 @@ QUANT_FP8_DYNAMIC = Fusion(
     spellings=tuple(
         Spelling(fn.__name__, fn, _floored_replacement(fields, shape), _check(fields))
         for fn, fields, shape in FLOORED
-    ),
+    )
+    + (Spelling("per_token_e5m2", per_token_e5m2, _floored_replacement(_quant("per_token"), _same), _refuse_e5m2),),
     example_inputs=_examples("floored"),
     scalars={"floor": FLOOR_SENTINEL},
     builtin=True,

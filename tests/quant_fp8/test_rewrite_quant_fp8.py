@@ -288,7 +288,7 @@ def test_negatives():
     """Not raised or not fused, each with the graph left computing eager's numbers:
     - the amax also read by another op (an amax history): the spelling's intermediate is used
       outside it, so it does not raise;
-    - e5m2 codes: another format, no spelling matches;
+    - e5m2 codes: another format, refused with that reason;
     - LayerNorm before the quantization: the quantization raises, no region takes it."""
 
     def amax_reused(x):
@@ -321,6 +321,9 @@ def test_negatives():
     assert {k: v for k, v in report.matches.items() if v} == {"quant_fp8_dynamic": 1}  # layer norm's
     (site,) = report.sites
     assert site.spelling == "per_token"
+    # Refused once per traced pattern that reached it (the bf16 one, then the fp32 one).
+    e5m2_refused = [r.reason for r in report.rejected if r.spelling == "per_token_e5m2"]
+    assert e5m2_refused and all("float8_e4m3fn (max 448) only" in reason for reason in e5m2_refused)
     after = report.graphs[0].ops_after
     assert after["aten.max.dim"] == 1 and after["aten.amax.default"] == 1
     assert after["fusion_passes.quant_fp8.default"] == 1 and "fusion_passes.rms_norm_quant_fp8.default" not in after
