@@ -1,6 +1,7 @@
 """torchao's float8 activation quantization after an RMSNorm: its static quantization primitive
-fuses; its dynamic activation quantization's graph, and why the ``rms_norm_quant_fp8_*`` fusions
-leave it unfused.
+fuses; its dynamic activation quantization raises to the canonical quant_fp8 (scale_math "input":
+the amax divided in the activation's dtype, no floor) and fuses where the norm's output reaches it
+directly; the history below says why the floored per_token / per_group forms could not take it.
 
 Static: torchao's ``_quantize_affine_float8(y, scale)`` (``y.to(float32) / scale``, clamped to
 +-448, cast) is the static spelling the patterns take: it fuses as written.
@@ -16,8 +17,8 @@ The post-grad graph, for a bf16 ``y`` of shape [2, 8, 256]:
     scale = prims.convert_element_type(div, f32)
     q     = convert(clamp_max(clamp_min(convert(y, f32) / scale, -448), 448), float8_e4m3fn)
 
-The canonical op's per_token (per_group) scale is ``max(f32(amax) / 448, MIN_SCALE)``. torchao's
-differs in two ways, so neither can be rewritten into the op without changing the codes:
+The default per_token (per_group) scale is ``max(f32(amax) / 448, MIN_SCALE)``. torchao's differs
+in two ways, so it raises with its own fields (floor_site "none", scale_math "input"):
   - no floor: an all-zero row (padding) gets scale 0 and NaN codes, a row with amax < 1/512 a
     scale below MIN_SCALE; the op gives MIN_SCALE and finite codes;
   - in bf16 the division by 448 rounds to bf16 before the cast to fp32: other scales in most rows,
@@ -34,6 +35,7 @@ from torch import nn
 
 import fusion_passes
 from fusion_passes.lowering.common.fp8 import MIN_SCALE, QuantFP8, quant_fp8_reference
+from fusion_passes.numerics import fp8_codes_apart
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import (  # noqa: E402
@@ -67,26 +69,37 @@ def _outputs(out):
 def _compile(fn, fusions, *args):
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    with torch.no_grad():
+    # No compile caches: torchao's Float8Tensor weight has no stable hash, so a PerRow and a
+    # PerTensor model (one Dynamo graph, the granularity inside the weight) share a cache entry,
+    # and the second would run the first's compiled code.
+    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):  # fmt: skip
         out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report))(*args)
     return out, report
 
 
-def _assert_left_unfused(fn, *args):
-    """With the quant fusions on, only the norm is rewritten; torchao's quantization stays as it
-    was and the outputs equal the compile that fuses the norm alone, bit for bit."""
+def _assert_left_unfused(fn, *args, raised=None, rejected=None):
+    """With the quant fusions on, the norm is rewritten and the quantization raised (``raised``:
+    the raise fusion, or None) but not fused with it (``rejected``: a reason given, or None); the
+    raised quantization is lowered back, so the outputs are within an fp8 code of the compile that
+    fuses the norm alone (Inductor's compile of the reference, not of the spelling)."""
     out, report = _compile(fn, QUANT_FUSIONS, *args)
     unfused, _ = _compile(fn, ["rms_norm"], *args)
-    assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1}
-    assert not report.errors and not report.rejected
+    assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1} | ({raised: 1} if raised else {})
+    assert not report.errors
+    reasons = [r.reason for r in report.rejected]
+    assert (rejected is None and not reasons) or any(rejected in r for r in reasons), reasons
     (graph,) = report.graphs
-    for ops in (graph.ops_before, graph.ops_after):
-        assert ops["aten.amax.default"] == 1 and ops["aten.abs.default"] == 1
-        assert ops["aten.clamp_max.default"] == 1
-    assert "aten.rsqrt.default" in graph.ops_before and "aten.rsqrt.default" not in graph.ops_after
-    assert graph.ops_after["fusion_passes.rms_norm.default"] == 1 and not FUSED_OPS & set(graph.ops_after)
+    assert graph.ops_before["aten.amax.default"] == 1 and graph.ops_before["aten.abs.default"] == 1
+    # The canonical norm and quantization no region took are lowered back (as plain torch again).
+    lowered = {"fusion_passes.rms_norm.default": 1} | ({"fusion_passes.quant_fp8.default": 1} if raised else {})
+    assert graph.lowered_back == lowered and not FUSED_OPS & set(graph.ops_after)
     for a, e in zip(_outputs(out), _outputs(unfused), strict=True):
-        assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
+        assert a.dtype == e.dtype and a.shape == e.shape
+        if a.dtype == torch.float8_e4m3fn:
+            assert fp8_codes_apart(a, e) <= 1
+        else:
+            torch.testing.assert_close(a, e, rtol=2**-7, atol=0)
     return graph
 
 
@@ -114,7 +127,9 @@ def test_static_quantization_primitive_after_norm_fuses(dtype):
 
     x, w, scale = torch.randn(2, 8, 256).to(dtype), (1 + 0.3 * torch.randn(256)).to(dtype), torch.tensor(0.02)
     out, report = _compile(fn, QUANT_FUSIONS, x, w, scale)
-    assert {k: v for k, v in report.matches.items() if v} == {"rms_norm": 1, "rms_norm_quant_fp8_static": 1}
+    assert {k: v for k, v in report.matches.items() if v} == {
+        "rms_norm": 1, "quant_fp8_static": 1, "rms_norm_quant_fp8_static": 1,
+    }  # fmt: skip
     assert not report.errors and not report.rejected
     (graph,) = report.graphs
     assert graph.ops_before["aten.clamp_max.default"] == 1 and "aten.rsqrt.default" in graph.ops_before
@@ -130,8 +145,10 @@ def test_static_quantization_primitive_after_norm_fuses(dtype):
     [("per_row", torch.bfloat16), ("per_tensor", torch.bfloat16), ("per_tensor", torch.float32)],
     ids=str,
 )
-def test_quantized_linear_after_norm_stays_unfused(monkeypatch, granularity, dtype):
-    """The model as torchao quantizes it; its forward runs on the CPU (torch._scaled_mm)."""
+def test_quantized_linear_after_norm(monkeypatch, granularity, dtype):
+    """The model as torchao quantizes it; its forward runs on the CPU (torch._scaled_mm). PerRow:
+    the activation quantization raises and fuses with the norm, the output eager's bit for bit;
+    PerTensor raises and the norm + quant fusion refuses it (one amax over every token)."""
     import torchao.quantization.quant_api as quant_api
 
     # torchao asserts an sm89+ GPU before quantizing; its torch path runs on the CPU all the same.
@@ -143,8 +160,21 @@ def test_quantized_linear_after_norm_stays_unfused(monkeypatch, granularity, dty
     )
     quantize_(model, config)
     assert type(model.proj.weight).__name__ == "Float8Tensor"
-    graph = _assert_left_unfused(model, torch.randn(2, 8, 256, dtype=dtype))
-    assert graph.ops_after["aten._scaled_mm.default"] == 1
+    x = torch.randn(2, 8, 256, dtype=dtype)
+    if granularity == "per_tensor":
+        graph = _assert_left_unfused(model, x, raised="quant_fp8_unfloored", rejected="per_tensor scheme")
+        assert graph.ops_after["aten._scaled_mm.default"] == 1
+        return
+    out, report = _compile(model, QUANT_FUSIONS, x)
+    assert {k: v for k, v in report.matches.items() if v} == {
+        "rms_norm": 1, "quant_fp8_unfloored": 1, "rms_norm_quant_fp8_per_token": 1,
+    }  # fmt: skip
+    assert not report.errors and not report.rejected
+    after = report.graphs[0].ops_after
+    assert after["aten._scaled_mm.default"] == 1 and after["fusion_passes.rms_norm_quant_fp8.default"] == 1
+    with torch.no_grad():
+        expected = model(x)
+    assert torch.equal(out, expected)
 
 
 def _torchao_quant(granularity):
@@ -158,15 +188,36 @@ def _torchao_quant(granularity):
     return quant
 
 
-@pytest.mark.parametrize("granularity", ["per_row", "per_block_128"])
-def test_fp32_activation_quantization_after_norm_stays_unfused(granularity):
-    """fp32: the spelling lines up with per_token / per_group but for the missing floor."""
-    quant = _torchao_quant(granularity)
+def test_fp32_per_row_activation_quantization_after_norm_fuses():
+    """fp32 PerRow on the normed activation itself: raised (no floor) and fused with the norm, the
+    codes and scales torchao's eager ones bit for bit."""
+    quant = _torchao_quant("per_row")
 
     def fn(x, w):
         return quant(nn.functional.rms_norm(x, (256,), w, 1e-6))
 
-    _assert_left_unfused(fn, torch.randn(2, 8, 256), 1 + 0.3 * torch.randn(256))
+    x, w = torch.randn(2, 8, 256), 1 + 0.3 * torch.randn(256)
+    out, report = _compile(fn, QUANT_FUSIONS, x, w)
+    assert {k: v for k, v in report.matches.items() if v} == {
+        "rms_norm": 1, "quant_fp8_unfloored": 1, "rms_norm_quant_fp8_per_token": 1,
+    }  # fmt: skip
+    assert report.graphs[0].ops_after["fusion_passes.rms_norm_quant_fp8.default"] == 1
+    with torch.no_grad():
+        expected = fn(x, w)
+    for a, e in zip(out, expected, strict=True):
+        assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e))
+
+
+def test_fp32_per_block_activation_quantization_after_norm_stays_unfused():
+    """PerBlock([1, 128]) expands its scales to the activation's shape before the divide: no
+    spelling of the raise takes it, and the static one (a divide by a given tensor) refuses the
+    expanded scale with the reason."""
+    quant = _torchao_quant("per_block_128")
+
+    def fn(x, w):
+        return quant(nn.functional.rms_norm(x, (256,), w, 1e-6))
+
+    _assert_left_unfused(fn, torch.randn(2, 8, 256), 1 + 0.3 * torch.randn(256), rejected="static scale")
 
 
 @pytest.mark.parametrize("granularity,scheme", [("per_row", "per_token"), ("per_block_128", "per_group")])
