@@ -57,19 +57,25 @@ def decoder_inputs(tokens=8, hidden=4096, dtype=torch.bfloat16):
     return (x, torch.randn_like(x), *ws)
 
 
-@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+@pytest.mark.parametrize("launch", ["direct", "dispatch", "lowered_back"])
 def test_rewritten_graph_on_cuda(launch):
+    """The standalone norms kept as kernels (lower_back=False) in both launch modes, and by default
+    lowered back: Inductor's own kernels, no fused op in the code."""
     args = decoder_inputs()
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    compiled = torch.compile(decoder_like, backend=fusion_passes.backend(report=report, launch=launch))
+    options = {"lower_back": True} if launch == "lowered_back" else {"launch": launch, "lower_back": False}
+    compiled = torch.compile(decoder_like, backend=fusion_passes.backend(report=report, **options))
     out, (code,) = run_and_get_code(compiled, *args)
     matched = {name: n for name, n in report.matches.items() if n}
     assert matched == {"add_rms_norm": 2, "rms_norm": 1} and not report.errors
     if launch == "direct":
         assert "_rms_norm_kernel" in code and "fusion_passes.add_rms_norm" not in code
-    else:
+    elif launch == "dispatch":
         assert "fusion_passes.add_rms_norm" in code
+    else:
+        assert "_rms_norm_kernel" not in code and "fusion_passes." not in code
+        assert sum(report.lowered_back().values()) == 3
     for a, e in zip(out, decoder_like(*args)):
         assert compare(a, e).ok
     # CUDA graphs: capture the compiled call, replay on new inputs written in place.
