@@ -360,6 +360,17 @@ _DOC = __doc__.split("\n\n", 1)[1]
 # A conversion to float8 left in the graph is where a quantization did not raise (near misses).
 _CANDIDATES = ("prims.convert_element_type.default",)
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def converts_to_float8(node) -> bool:
+    """A near-miss candidate: a conversion to a float8 dtype (not the upcasts every spelling has)."""
+    return len(node.args) > 1 and node.args[1] in _FLOAT8
+
+
+# Each conversion to float8 that no spelling raised is a near miss, with the closest spelling.
+_CANDIDATE = {"candidate_ops": ("prims.convert_element_type.default",), "candidate": converts_to_float8}
+
 QUANT_FP8_STATIC = Fusion(
     name="quant_fp8_static",
     summary="FP8 quantization with a given scale (every spelling) -> the canonical quant_fp8",
@@ -369,6 +380,7 @@ QUANT_FP8_STATIC = Fusion(
     )
     + (Spelling("static_e5m2", static_e5m2, _static_replacement(_quant("static")), _refuse_e5m2),),
     example_inputs=_examples("static"),
+    **_CANDIDATE,
     builtin=True,
 )
 QUANT_FP8_DYNAMIC = Fusion(
@@ -382,6 +394,7 @@ QUANT_FP8_DYNAMIC = Fusion(
     + (Spelling("per_token_e5m2", per_token_e5m2, _floored_replacement(_quant("per_token"), _same), _refuse_e5m2),),
     example_inputs=_examples("floored"),
     scalars={"floor": FLOOR_SENTINEL},
+    **_CANDIDATE,
     builtin=True,
 )
 QUANT_FP8_UNFLOORED = Fusion(
@@ -393,6 +406,7 @@ QUANT_FP8_UNFLOORED = Fusion(
         for fn, fields, shape in UNFLOORED
     ),
     example_inputs=_examples("unfloored"),
+    **_CANDIDATE,
     builtin=True,
 )
 

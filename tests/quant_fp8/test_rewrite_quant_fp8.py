@@ -360,3 +360,22 @@ def test_silu_mul_then_per_tensor_quantization_is_refused_with_the_reason():
     (rejection,) = [r for r in report.rejected if r.fusion in SILU]
     assert rejection.spelling == "silu_mul_then_per_tensor" and "per_tensor scheme" in rejection.reason
     assert report.graphs[0].ops_after["fusion_passes.quant_fp8.default"] == 1
+
+
+def test_an_unraised_float8_conversion_is_a_near_miss():
+    """A quantization no spelling raises (amax over the tokens, not the row) is reported: the
+    closest spelling and where it diverged; the upcasts to fp32 are not candidates."""
+    import fusion_passes as fp
+
+    def amax_over_tokens(x):
+        x32 = x.float()
+        s = (x32.abs().amax(0, keepdim=True) / 448.0).clamp(min=1e-10)
+        return (x32 / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+    report = fp.Report()
+    torch._dynamo.reset()
+    torch.compile(amax_over_tokens, backend=fp.backend(report=report))(torch.randn(8, 256, dtype=torch.bfloat16))
+    assert not any(report.matches.values())
+    (miss,) = report.near_misses
+    assert miss.fusion.startswith("quant_fp8_") and miss.matched < miss.total
+    assert miss.reason == "aten.amax.default argument 1 is [0], the spelling has [-1]", miss

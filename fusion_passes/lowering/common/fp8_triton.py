@@ -27,13 +27,13 @@ _OVERFLOW = tl.constexpr(464.0)
 _RECIPROCAL_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)))
 
 
-def quant_form(quant: QuantFP8, dtype: torch.dtype) -> int:
+def quant_form(quant: QuantFP8, dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
     """The epilogue's QUANT_FORM constexpr of ``quant`` for an activation of ``dtype``: bits 0-1
     the floor site (FLOOR_SITES' index: scale, amax, none), bits 2-3 the apply form (APPLY_FORMS'
     index: divide, reciprocal, multiplier), bit 4 no saturation, bits 5-6 the dtype the scale is
     rounded to after the divide (``scale_math="input"``: 1 bf16, 2 fp16). 0 is the defaults of
-    QuantFP8."""
-    unsaturated = not quant.saturate and not cast_saturates()
+    QuantFP8. ``device``: where the codes are computed (the cast probed there)."""
+    unsaturated = not quant.saturate and not cast_saturates(torch.device(device).type)
     rounding = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0) if quant.scale_math == "input" else 0
     return (
         FLOOR_SITES.index(quant.floor_site) | APPLY_FORMS.index(quant.apply) << 2 | unsaturated << 4
@@ -42,13 +42,14 @@ def quant_form(quant: QuantFP8, dtype: torch.dtype) -> int:
 
 
 @functools.cache
-def cast_saturates() -> bool:
-    """Whether torch's fp32 -> float8_e4m3fn cast saturates values past 448 to +-448 (recent
-    torch: its c10 conversion, shared by CPU and CUDA kernels, saturates finite overflow and inf)
-    or gives NaN (older torch). Without the spelling's clamp the codes are the cast's: where it
-    saturates, an unsaturated spelling's codes are the saturated ones."""
-    big = torch.tensor([1e5, float("inf")]).to(torch.float8_e4m3fn).view(torch.uint8)
-    return bool((big == 0x7E).all())
+def cast_saturates(device_type: str = "cpu") -> bool:
+    """Whether torch's fp32 -> float8_e4m3fn cast on ``device_type`` saturates values past 448 to
+    +-448 (recent torch's c10 conversion saturates finite overflow and inf) or gives NaN (older
+    torch). Probed on the device itself: the CPU and CUDA casts of one torch need not agree.
+    Without the spelling's clamp the codes are the cast's: where it saturates, an unsaturated
+    spelling's codes are the saturated ones."""
+    big = torch.tensor([1e5, float("inf")], device=device_type).to(torch.float8_e4m3fn)
+    return bool((big.view(torch.uint8).cpu() == 0x7E).all())
 
 
 def kernel_floor(quant: QuantFP8, dtype: torch.dtype) -> float:

@@ -349,7 +349,7 @@ def rms_norm_quant_fp8_triton(
         CHUNKS=chunks,
         WEIGHT_FIRST=weight_first,
         floor=kernel_floor(quant, x.dtype),
-        QUANT_FORM=quant_form(quant, x.dtype),
+        QUANT_FORM=quant_form(quant, x.dtype, x.device),
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales, residual_out

@@ -335,7 +335,7 @@ def silu_mul_quant_fp8_triton(
         BLOCK_TAIL=layout.block_tail,
         ROWS_PER_PROGRAM=rows_per_program,
         floor=kernel_floor(quant, gate.dtype),
-        QUANT_FORM=quant_form(quant, gate.dtype),
+        QUANT_FORM=quant_form(quant, gate.dtype, gate.device),
         num_warps=num_warps,
     )
     return codes.view(FP8_DTYPE), scales
