@@ -79,7 +79,7 @@ def _compile_and_replay(fn, make_args, fusions, expected_matches, kernel, launch
     compiled = torch.compile(fn, backend=fusion_passes.backend(fusions=fusions, report=report, launch=launch))
     out, (code,) = run_and_get_code(compiled, *args)
     matched = {name: n for name, n in report.matches.items() if n}
-    assert matched == expected_matches, matched
+    assert matched == expected_matches, (matched, report.rejected, report.near_misses)
     assert not report.errors
     assert (kernel in code) == (launch == "direct")
     _check_outputs(out, fn(*args))

@@ -129,7 +129,8 @@ def test_static_forms_and_overflow(apply, saturate):
     overflow = (ref_q.view(torch.uint8) & 0x7F) == 0x7F
     saturates = cast_saturates(x.device.type)
     assert bool(overflow.any()) == (not saturate and not saturates)
-    assert bool(((ref_q.view(torch.uint8) & 0x7F) == 0x7E).any()) == (saturate or saturates)
+    if saturate or saturates:  # (unsaturated, quotients in (448, 464] round to 448 too)
+        assert bool(((ref_q.view(torch.uint8) & 0x7F) == 0x7E).any())
 
 
 @pytest.mark.parametrize(

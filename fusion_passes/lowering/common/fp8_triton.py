@@ -48,8 +48,12 @@ def cast_saturates(device_type: str = "cpu") -> bool:
     torch). Probed on the device itself: the CPU and CUDA casts of one torch need not agree.
     Without the spelling's clamp the codes are the cast's: where it saturates, an unsaturated
     spelling's codes are the saturated ones."""
-    big = torch.tensor([1e5, float("inf")], device=device_type).to(torch.float8_e4m3fn)
-    return bool((big.view(torch.uint8).cpu() == 0x7E).all())
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # Real tensors even when first asked while Inductor traces a launch (fake / proxy modes on).
+    with _disable_current_modes():
+        big = torch.tensor([1e5, float("inf")], device=device_type).to(torch.float8_e4m3fn)
+        return bool((big.view(torch.uint8).cpu() == 0x7E).all())
 
 
 def kernel_floor(quant: QuantFP8, dtype: torch.dtype) -> float:
@@ -273,7 +277,9 @@ def store_codes(
         q = y * tl.div_rn(1.0, scale)[:, :, None]
     elif APPLY == 2:
         q = y * scale[:, :, None]
-    elif not HW_CONVERT:
+    elif not HW_CONVERT or (STATIC and not SATURATE):
+        # Unsaturated, a static quotient past 464 must reach the NaN code: _static_quotient
+        # bounds it at 449 (enough where it saturates), so divide exactly instead.
         q = tl.div_rn(y, scale[:, :, None])
     elif STATIC:
         q = _static_quotient(y, given, scale, mask)
