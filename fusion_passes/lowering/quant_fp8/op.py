@@ -11,8 +11,6 @@ neighbours as it did the spelling. It has no kernel of its own: its CUDA path is
 
 from __future__ import annotations
 
-import torch
-
 from fusion_passes.lowering.common.fp8 import QuantFP8
 from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.quant_fp8.reference import check_quant_fp8_args, quant_fp8_reference
