@@ -96,6 +96,9 @@ class Fusion:
     # once per projection). After the fusions that need a shared input kept apart (the RoPE
     # patterns: cos.unsqueeze per layer), so they come first in application order.
     cse_before: bool = False
+    # Op names one of which the graph must hold for that deduplication to run (() : always): a
+    # fusion in "all" must not deduplicate the graphs it has nothing to do with.
+    cse_when: tuple[str, ...] = ()
     # String arguments of the spellings that become pattern arguments (a process-group name):
     # {name: sentinel the spelling is traced with}. The matcher compares strings literally, so the
     # traced uses of the sentinel are pointed at the argument's placeholder. Such patterns are used
@@ -145,7 +148,8 @@ class Fusion:
             h.update(_source_of(fn).encode())
         h.update(
             repr(
-                (sorted(self.scalars.items()), self.cse_before, sorted(self.string_args.items()), self.dtypes)
+                (sorted(self.scalars.items()), self.cse_before, self.cse_when, sorted(self.string_args.items()),
+                 self.dtypes)
             ).encode()
         )
         return h.hexdigest()

@@ -45,6 +45,7 @@ from fusion_passes.report import (
     Site,
     module_path,
     op_counts,
+    op_name,
     source_location,
 )
 from fusion_passes.verify import Unverifiable, verify_match
@@ -103,7 +104,7 @@ class FusionPassManager(CustomGraphPass):
         deduplicated = False
         with match_handler(self._on_match):
             for fusion in self.fusions:
-                if fusion.cse_before and not deduplicated:
+                if fusion.cse_before and not deduplicated and _holds_any(graph, fusion.cse_when):
                     # Identical subgraphs computed twice (an activation quantized once per
                     # projection that reads it: q / k / v, gate / up) become one, so the norm
                     # feeding them has one consumer to fuse with. AOTAutograd leaves them
@@ -287,6 +288,13 @@ _FRAMEWORK_MODULES = (
     ),
     "fusion_passes.regions",
 )
+
+
+def _holds_any(graph: torch.fx.Graph, ops: tuple[str, ...]) -> bool:
+    """Whether the graph calls one of ``ops`` (by name); True for no ops."""
+    if not ops:
+        return True
+    return any(n.op == "call_function" and op_name(n) in ops for n in graph.nodes)
 
 
 def _anchor(match: Match) -> torch.fx.Node:

@@ -11,6 +11,8 @@ round over its fastest as the spread).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fusion_passes.lowering.rms_norm_quant_fp8.launch import NormQuantLaunch
 
 RMS_NORM_QUANT_FP8: dict[str, NormQuantLaunch] = {
@@ -36,3 +38,43 @@ RMS_NORM_QUANT_FP8: dict[str, NormQuantLaunch] = {
         evidence="rms_norm_quant_fp8 on one H200 (2026-12-02, 2026-12-03)",
     ),
 }
+
+
+class FP8RegionRule(NamedTuple):
+    """Where an FP8 region fusion (norm + quant, SiLU-and-mul + quant) leaves a site to stock
+    Inductor: the shapes measured slower fused, on one GPU. The region's check reads it at compile
+    time (static shapes), so the site is not rewritten and its quantization is lowered back."""
+
+    # Rows (tokens) lo <= rows < hi of a static-scale quantization left unfused; (0, 0): none.
+    static_unfused_rows: tuple[int, int] = (0, 0)
+    evidence: str = ""
+
+
+RMS_NORM_QUANT_FP8_REGION: dict[str, FP8RegionRule] = {
+    "default": FP8RegionRule(),
+    # Static scale at 4-16 tokens 0.95-0.98x stock Inductor in a CUDA graph at hidden 7168 / 4096 /
+    # 3072 (1 token 1.14-1.48x, 64 and up 1.02-1.75x); BENCHMARKS.md, norm + FP8.
+    "NVIDIA H200": FP8RegionRule((2, 32), evidence="bench_rms_norm_quant_fp8 on one H200 (2026-12-02)"),
+}
+
+SILU_MUL_QUANT_FP8_REGION: dict[str, FP8RegionRule] = {
+    "default": FP8RegionRule(),
+    # Static scale at 1-16 tokens 0.91-0.96x stock Inductor in a CUDA graph at intermediate 18432 /
+    # 12288 / 2048 (64 tokens and up 1.05-1.56x but 0.92x at 2048 x 64); BENCHMARKS.md, SiLU + FP8.
+    "NVIDIA H200": FP8RegionRule((1, 32), evidence="bench_silu_mul_quant_fp8 on one H200 (2026-12-02)"),
+}
+
+
+def fp8_region_refusal(table: dict[str, FP8RegionRule], scheme: str, x) -> str | None:
+    """The one-line reason a site of ``scheme`` on ``x`` (fake tensor: the site's shape and device)
+    stays unfused under ``table``'s row for x's device, or None to fuse."""
+    from fusion_passes.lowering.common.launch_policy import device_name, select
+
+    lo, hi = select(table, x.device).static_unfused_rows
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if scheme != "static" or not isinstance(rows, int) or not lo <= rows < hi:
+        return None
+    return (
+        f"static FP8 at {rows} rows on {device_name(x.device)}: measured slower fused than stock "
+        f"Inductor at {lo}-{hi - 1} rows (lowering/launch_tables.py); left to Inductor"
+    )

@@ -33,6 +33,7 @@ import fusion_passes.lowering.rms_norm_quant_fp8.op  # noqa: F401  (the fused op
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
 from fusion_passes.lowering.common.fp8 import QuantFP8
 from fusion_passes.lowering.common.fp8 import kernel_problem
+from fusion_passes.lowering.launch_tables import RMS_NORM_QUANT_FP8_REGION, fp8_region_refusal
 
 _FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
 SCHEMES = ("static", "per_token", "per_group")
@@ -154,7 +155,7 @@ def _check(scheme: str, ue8m0: bool, saturate: bool):
             quant.check(values["x"])
         except ValueError as e:
             return str(e)
-        return kernel_problem(quant)
+        return kernel_problem(quant) or fp8_region_refusal(RMS_NORM_QUANT_FP8_REGION, scheme, values["x"])
 
     return check
 
@@ -204,8 +205,7 @@ def _fusion(with_residual: bool, scheme: str) -> Fusion:
         # each, identical; after CSE one, so the norm has one consumer to fuse with. Here, not on
         # the raise (in fusions="all"): the default pipeline deduplicates nothing it did not.
         cse_before=True,
-        opt_in="FP8 models only; on one H200 0.95-0.97x stock Inductor at some decode shapes "
-        "(1.07-2.74x from 4096 tokens; BENCHMARKS.md)",
+        cse_when=("fusion_passes.quant_fp8.default",),
         builtin=True,
     )
 

@@ -38,6 +38,7 @@ import fusion_passes.lowering.quant_fp8.op  # noqa: F401  (the canonical op matc
 import fusion_passes.lowering.silu_mul_quant_fp8.op  # noqa: F401  (the fused op)
 from fusion_passes.fusion import Fusion, Spelling
 from fusion_passes.lowering.common.fp8 import kernel_problem
+from fusion_passes.lowering.launch_tables import SILU_MUL_QUANT_FP8_REGION, fp8_region_refusal
 from fusion_passes.lowering.silu_mul_quant_fp8.reference import check_silu_mul_args
 from fusion_passes.patterns.rms_norm_quant_fp8 import (
     BOOL_FIELDS,
@@ -98,7 +99,7 @@ def _check(scheme: str, ue8m0: bool, saturate: bool):
             quant.check(values["gate"])
         except ValueError as e:
             return str(e)
-        return kernel_problem(quant)
+        return kernel_problem(quant) or fp8_region_refusal(SILU_MUL_QUANT_FP8_REGION, scheme, values["gate"])
 
     return check
 
@@ -141,8 +142,6 @@ def _fusion(scheme: str) -> Fusion:
         scalars=dict(QUANT_SCALARS),
         string_args=dict(QUANT_STRINGS),
         requires=("quant_fp8_dynamic", "quant_fp8_unfloored", "quant_fp8_static"),
-        opt_in="FP8 models only; on one H200 the static scheme is 0.91x stock Inductor at 1-16 "
-        "tokens (per-token and per-group 0.99-2.47x; BENCHMARKS.md)",
         builtin=True,
     )
 

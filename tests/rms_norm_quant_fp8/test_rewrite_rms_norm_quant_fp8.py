@@ -182,7 +182,21 @@ def test_quant_fusion_enables_the_norm_fusions_it_starts_from():
         "add_rms_norm", "rms_norm", "quant_fp8_dynamic", "quant_fp8_unfloored", "quant_fp8_static",
         "rms_norm_quant_fp8_per_token",
     ]  # fmt: skip
-    assert not set(QUANT_FUSIONS) & {f.name for f in fusion_passes.registry.get_fusions("all")}
+    assert set(QUANT_FUSIONS) <= {f.name for f in fusion_passes.registry.get_fusions("all")}
+
+
+def test_a_graph_without_quantization_is_not_deduplicated():
+    """The norm + quant fusions deduplicate identical subgraphs only where a raised quantization
+    is: a plain model compiled with "all" keeps its graph's duplicates (here two equal products)."""
+
+    def twice(x, w):
+        return (x * w).sum(), (x * w).mean()
+
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    torch.compile(twice, backend=fusion_passes.backend(report=report))(torch.randn(4, 8), torch.randn(8))
+    ops = report.graphs[0]
+    assert ops.ops_before["aten.mul.Tensor"] == ops.ops_after["aten.mul.Tensor"] == 2
 
 
 def test_one_activation_quantized_per_projection_fuses_once():

@@ -253,12 +253,42 @@ def test_group_size_must_divide_the_intermediate_size():
         assert reason is not None and "must divide" in reason
 
 
-def test_fusions_are_opt_in_and_need_no_other():
+def test_fusions_are_in_all_and_need_only_the_raised_quantization():
     raised = ["quant_fp8_dynamic", "quant_fp8_unfloored", "quant_fp8_static"]  # what it starts from
     assert [f.name for f in fusion_passes.registry.get_fusions(FUSIONS[:1])] == raised + FUSIONS[:1]
-    assert not set(FUSIONS) & {f.name for f in fusion_passes.registry.get_fusions("all")}
-    names = [f.name for f in fusion_passes.registry.list_fusions()]
-    assert set(FUSIONS) <= set(names)
+    assert set(FUSIONS) <= {f.name for f in fusion_passes.registry.get_fusions("all")}
+
+
+def test_shapes_measured_slower_are_left_to_inductor():
+    """On an H200 a static-scale site at 1-31 rows stays unfused, with the reason (its
+    quantization is then lowered back); other GPUs, the CPU, other schemes and larger shapes fuse."""
+    from fusion_passes.lowering.launch_tables import SILU_MUL_QUANT_FP8_REGION, fp8_region_refusal
+
+    class FakeCuda:  # a fake tensor's view of a site: shape, numel, device
+        def __init__(self, rows):
+            self.shape, self.device = (rows, 4096), torch.device("cuda", 0)
+
+        def numel(self):
+            return self.shape[0] * self.shape[1]
+
+        def dim(self):
+            return 2
+
+    from fusion_passes.lowering.common import launch_policy
+
+    launch_policy._cuda_name.cache_clear()
+    real = launch_policy._cuda_name
+    try:
+        launch_policy._cuda_name = lambda index: "NVIDIA H200"
+        reason = fp8_region_refusal(SILU_MUL_QUANT_FP8_REGION, "static", FakeCuda(16))
+        assert reason.startswith("static FP8 at 16 rows on NVIDIA H200: measured slower") and "\n" not in reason
+        assert fp8_region_refusal(SILU_MUL_QUANT_FP8_REGION, "static", FakeCuda(32)) is None
+        assert fp8_region_refusal(SILU_MUL_QUANT_FP8_REGION, "per_token", FakeCuda(16)) is None
+        launch_policy._cuda_name = lambda index: "NVIDIA A100-SXM4-80GB"
+        assert fp8_region_refusal(SILU_MUL_QUANT_FP8_REGION, "static", FakeCuda(16)) is None
+    finally:
+        launch_policy._cuda_name = real
+    assert fp8_region_refusal(SILU_MUL_QUANT_FP8_REGION, "static", torch.empty(16, 4096)) is None
 
 
 @pytest.mark.gpu
