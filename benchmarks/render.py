@@ -258,6 +258,21 @@ def models(payloads):
     return what, _table(header, rows, 3)
 
 
+def diff_kernels(payloads):
+    (p,) = payloads
+    rows = []
+    for r in p["rows"]:
+        stock, ours = r["inductor"], r["fusion_passes"]
+        rows.append([r["model"], str(sum(stock.values())), str(sum(ours.values())),
+                     f"{stock['other']} -> {ours['other']}", r["summary"]])  # fmt: skip
+    what = (
+        f"Tiny configs, bf16, {p.get('layers')} layers, every default fusion: CUDA kernels one forward "
+        "launches (profiler), stock Inductor and fusion_passes, and `fusion-passes diff`'s summary line:"
+    )
+    header = ["model", "stock Inductor", "fusion_passes", "other (outside GEMM / attention / MoE)", "summary"]
+    return what, _table(header, rows, 1)
+
+
 def launch_overhead(payloads):
     (p,) = payloads
     layers = p.get("layers", 1)
@@ -285,6 +300,7 @@ class Section:
 ALLREDUCE_FP8 = tuple(f"bench_allreduce_rms_norm_quant_fp8_{scheme}" for scheme in ("per_group", "per_token"))
 SECTIONS = (
     Section("Whole models", ("bench_models",), models),
+    Section("Kernels per forward, every built-in model (tiny)", ("diff_kernels",), diff_kernels, 3),
     Section("RMSNorm and add + RMSNorm (`rms_norm`, `add_rms_norm`)", ("bench_rms_norm",), rms_norm),
     Section(
         "(Add +) RMSNorm + FP8 quantization (`(add_)rms_norm_quant_fp8_*`)",
