@@ -24,7 +24,10 @@ def _compile(fn, args, **options):
     report = fusion_passes.Report()
     backend = fusion_passes.backend(report=report, **options) if options.get("lower_back") is not None else "inductor"
     compiled = torch.compile(fn, backend=backend)
-    out, codes = run_and_get_code(compiled, *args)
+    # Without the FX graph cache: a hit whose report records were written by another checkout
+    # (another path in the stack traces) compiles twice, and both codes would be counted.
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, codes = run_and_get_code(compiled, *args)
     return out, report, count_kernels(codes)
 
 
