@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from fusion_passes.lowering.common.fp8 import QuantFP8
 from fusion_passes.lowering.common.ops import op_from_reference
-from fusion_passes.lowering.quant_fp8.reference import check_quant_fp8_args, quant_fp8_reference
+from fusion_passes.lowering.quant_fp8.reference import quant_fp8_reference
 
-quant_fp8 = op_from_reference("quant_fp8", quant_fp8_reference, check=check_quant_fp8_args, lower_back=True)
+quant_fp8 = op_from_reference("quant_fp8", quant_fp8_reference, lower_back=True)
 
 
 @quant_fp8.register_fake

@@ -78,25 +78,6 @@ def quantize(x: torch.Tensor, quant: QuantFP8) -> tuple[torch.Tensor, torch.Tens
     return apply_scale(x32, s, quant), s
 
 
-def check_quant_fp8_args(
-    x: torch.Tensor,
-    scheme: str,
-    scale: torch.Tensor | None,
-    group_size: int,
-    scale_ue8m0: bool,
-    floor_site: str,
-    floor: float,
-    apply: str,
-    pow2: str,
-    saturate: bool,
-    fp8_max: float,
-    scale_math: str,
-) -> None:
-    """ValueError (one line) for arguments quant_fp8 does not define (QuantFP8.check)."""
-    QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate, fp8_max,
-             scale_math).check(x)  # fmt: skip
-
-
 def quant_fp8_reference(
     x: torch.Tensor,
     scheme: str,
@@ -113,7 +94,8 @@ def quant_fp8_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 quantization of x along its last dim: (codes, scales); the arguments are QuantFP8's
     fields, in its order, none defaulted (a traced call then always holds every one, so the
-    region fusions' patterns bind each). The static scheme returns a copy of its scale."""
+    region fusions' patterns bind each). The static scheme returns a copy of its scale. Bad
+    arguments raise in ``quantize`` (QuantFP8.check), so the op needs no check of its own."""
     quant = QuantFP8(scheme, scale, group_size, scale_ue8m0, floor_site, floor, apply, pow2, saturate,
                      fp8_max, scale_math)  # fmt: skip
     q, s = quantize(x, quant)
