@@ -10,7 +10,7 @@ import torch
 B, S, HQ, HK, D = 2, 5, 3, 1, 12  # odd sizes: 5 tokens, 3 + 1 heads of 12
 
 
-def _hf_rotate_half(x):
+def hf_rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
@@ -22,8 +22,8 @@ def llama(q_proj, k_proj, cos, sin):
     q = q_proj.view(b, s, -1, D).transpose(1, 2)
     k = k_proj.view(b, s, -1, D).transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_embed = (q * cos) + (_hf_rotate_half(q) * sin)
-    k_embed = (k * cos) + (_hf_rotate_half(k) * sin)
+    q_embed = (q * cos) + (hf_rotate_half(q) * sin)
+    k_embed = (k * cos) + (hf_rotate_half(k) * sin)
     return q_embed, k_embed
 
 
@@ -40,8 +40,8 @@ def olmo2(q_proj, k_proj, cos32, sin32):
     k = k_proj.view(b, s, -1, D).transpose(1, 2)
     q_type, k_type = q.dtype, k.dtype
     cos, sin = cos32.unsqueeze(1), sin32.unsqueeze(1)
-    q_embed = (q * cos) + (_hf_rotate_half(q) * sin)
-    k_embed = (k * cos) + (_hf_rotate_half(k) * sin)
+    q_embed = (q * cos) + (hf_rotate_half(q) * sin)
+    k_embed = (k * cos) + (hf_rotate_half(k) * sin)
     return q_embed.to(q_type), k_embed.to(k_type)
 
 
@@ -55,8 +55,8 @@ def phi3(qkv, cos_half, sin_half):
     rotary_dim = cos.shape[-1]
     q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = torch.cat([(q_rot * cos) + (_hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
-    k_embed = torch.cat([(k_rot * cos) + (_hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
+    q_embed = torch.cat([(q_rot * cos) + (hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
     return q_embed, k_embed
 
 
@@ -84,7 +84,7 @@ def glm4(q_proj, k_proj, cos_half, sin_half):
     return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
 
 
-def _gpt_fast_apply(x, freqs_cis):
+def gpt_fast_apply(x, freqs_cis):
     xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
     freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
     x_out2 = torch.stack(
@@ -105,13 +105,13 @@ def gpt_fast(qkv, freqs_cache, input_pos):
     q = q.view(bsz, seqlen, HQ, D)
     k = k.view(bsz, seqlen, HK, D)
     freqs_cis = freqs_cache[input_pos]
-    q = _gpt_fast_apply(q, freqs_cis)
-    k = _gpt_fast_apply(k, freqs_cis)
+    q = gpt_fast_apply(q, freqs_cis)
+    k = gpt_fast_apply(k, freqs_cis)
     q, k = map(lambda x: x.transpose(1, 2), (q, k))
     return q, k
 
 
-def _vllm_apply(x, cos, sin, is_neox_style):
+def vllm_apply(x, cos, sin, is_neox_style):
     cos = cos.unsqueeze(-2).to(x.dtype)
     sin = sin.unsqueeze(-2).to(x.dtype)
     if is_neox_style:
@@ -136,11 +136,11 @@ def _vllm(positions, query, key, cos_sin_cache, rotary_dim, is_neox_style):
         shape = x.shape
         x = x.view(num_tokens, -1, D)
         if rotary_dim == D:
-            x = _vllm_apply(x, cos, sin, is_neox_style)
+            x = vllm_apply(x, cos, sin, is_neox_style)
         else:
             x_rot = x[..., :rotary_dim]
             x_pass = x[..., rotary_dim:]
-            x_rot = _vllm_apply(x_rot, cos, sin, is_neox_style)
+            x_rot = vllm_apply(x_rot, cos, sin, is_neox_style)
             x = torch.cat((x_rot, x_pass), dim=-1)
         out.append(x.reshape(shape))
     return tuple(out)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_passes
+from _rope_spellings import gpt_fast_apply, hf_rotate_half, vllm_apply  # each code base's RoPE
 from fusion_passes.numerics import tolerance
 
 D, HQ, HK = 12, 3, 1  # odd sizes: 3 + 1 heads of 12, 5 tokens
@@ -43,12 +44,6 @@ def olmo2_rms_norm(x, weight, eps):
     return (weight * h).to(input_dtype)
 
 
-def _hf_rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def olmo2(q_proj, k_proj, q_w, k_w, cos32, sin32):
     """Olmo2Attention: q_norm / k_norm over all heads before the head view, fp32 cos / sin."""
     b, s = q_proj.shape[:2]
@@ -57,23 +52,9 @@ def olmo2(q_proj, k_proj, q_w, k_w, cos32, sin32):
     k = olmo2_rms_norm(k_proj, k_w, 1e-6).view(hidden_shape).transpose(1, 2)
     q_type, k_type = q.dtype, k.dtype
     cos, sin = cos32.unsqueeze(1), sin32.unsqueeze(1)
-    q_embed = (q * cos) + (_hf_rotate_half(q) * sin)
-    k_embed = (k * cos) + (_hf_rotate_half(k) * sin)
+    q_embed = (q * cos) + (hf_rotate_half(q) * sin)
+    k_embed = (k * cos) + (hf_rotate_half(k) * sin)
     return q_embed.to(q_type), k_embed.to(k_type)
-
-
-def _gpt_fast_apply(x, freqs_cis):
-    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
-    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
-    x_out2 = torch.stack(
-        [
-            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
-            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
-        ],
-        -1,
-    )
-    x_out2 = x_out2.flatten(3)
-    return x_out2.type_as(x)
 
 
 def gpt_fast(qkv, q_w, k_w, freqs_cache, input_pos):
@@ -83,25 +64,10 @@ def gpt_fast(qkv, q_w, k_w, freqs_cache, input_pos):
     q = llama_rms_norm(q.view(bsz, seqlen, HQ, D), q_w, 1e-6)
     k = llama_rms_norm(k.view(bsz, seqlen, HK, D), k_w, 1e-6)
     freqs_cis = freqs_cache[input_pos]
-    q = _gpt_fast_apply(q, freqs_cis)
-    k = _gpt_fast_apply(k, freqs_cis)
+    q = gpt_fast_apply(q, freqs_cis)
+    k = gpt_fast_apply(k, freqs_cis)
     q, k = map(lambda x: x.transpose(1, 2), (q, k))
     return q, k
-
-
-def _vllm_apply(x, cos, sin, is_neox_style):
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    if is_neox_style:
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-    else:
-        x1 = x[..., ::2]
-        x2 = x[..., 1::2]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    if is_neox_style:
-        return torch.cat((o1, o2), dim=-1)
-    return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
 def vllm_qwen3(rotary_dim, is_neox_style=True):
@@ -123,7 +89,7 @@ def vllm_qwen3(rotary_dim, is_neox_style=True):
             x = x.view(num_tokens, -1, D)
             x_rot = x[..., :rotary_dim]
             x_pass = x[..., rotary_dim:]
-            x_rot = _vllm_apply(x_rot, cos, sin, is_neox_style)
+            x_rot = vllm_apply(x_rot, cos, sin, is_neox_style)
             out.append(torch.cat((x_rot, x_pass), dim=-1).reshape(shape))
         return tuple(out)
 
@@ -153,7 +119,7 @@ def vllm_olmo2(positions, q, k, q_w, k_w, cos_sin_cache):
     for x in (q, k):
         shape = x.shape
         x = x.view(num_tokens, -1, D)
-        out.append(_vllm_apply(x, cos, sin, True).reshape(shape))
+        out.append(vllm_apply(x, cos, sin, True).reshape(shape))
     return tuple(out)
 
 
@@ -169,8 +135,8 @@ def phi3(qkv, q_w, k_w, cos, sin):
     rotary_dim = cos.shape[-1]
     q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = torch.cat([(q_rot * cos) + (_hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
-    k_embed = torch.cat([(k_rot * cos) + (_hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
+    q_embed = torch.cat([(q_rot * cos) + (hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
     return q_embed, k_embed
 
 
@@ -322,7 +288,7 @@ def _prelude(q_rope, k_rope, q_norm=llama_rms_norm, k_norm=llama_rms_norm, eps=(
 
 
 def _neox(x, cos, sin):
-    return (x * cos) + (_hf_rotate_half(x) * sin)
+    return (x * cos) + (hf_rotate_half(x) * sin)
 
 
 def _gptj(x, cos, sin):

@@ -1,4 +1,4 @@
-"""The RoPE raise rules: every spelling of tests/rope/_rope_spellings.py (transformers Llama / Gemma /
+"""The RoPE raise rules: every spelling of tests/_rope_spellings.py (transformers Llama / Gemma /
 Olmo2 / Phi-3 / GLM4, gpt-fast, vLLM's native NeoX and GPT-J, full and partial rotary) raised to
 the canonical ``rope`` op, its reference bit-equal to eager on CPU; lowered back, the compiled
 graph bit-equal to stock Inductor's. Spellings that must not raise stay as they were.
