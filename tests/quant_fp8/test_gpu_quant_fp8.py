@@ -42,22 +42,22 @@ def norms_then_engine_quantizations(x, residual, w1, w2, scale):
     """Each norm's output read by one engine's quantization only (the region fusion's shape)."""
     h = residual + x
     q1, s1 = vllm_quant_fp8_native(llama_rms_norm(h, w1, 1e-6))
-    q2, s2 = sglang_per_token_group_quant_fp8(qwen3_next_rms_norm(h * 0.5, w2, 1e-5))
     q3, s3 = sglang_per_token_group_quant_fp8_reciprocal(llama_rms_norm(h * 0.25, w2, 1e-6))
     q4, s4 = deepgemm_per_token_cast_to_fp8(llama_rms_norm(h * 2.0, w1, 1e-6))
     q5, s5 = deepseek_v3_act_quant(qwen3_next_rms_norm(h * 4.0, w1, 1e-6))
     (q6,) = vllm_quant_fp8_native(llama_rms_norm(h * 8.0, w2, 1e-6), scale)[:1]
     q7, s7 = torchao_float8_per_row(llama_rms_norm(h * 16.0, w2, 1e-6))
-    return h, q1, s1, q2, s2, q3, s3, q4, s4, q5, s5, q6, q7, s7
+    return h, q1, s1, q3, s3, q4, s4, q5, s5, q6, q7, s7
 
 
-# On CUDA (one H200, torch 2.11) SGLang's divide-form group quantization of q2 is not raised: its
-# bf16 x reaches the divide without the upcast the bf16 trace has (near miss: "x is
-# torch.bfloat16, the spelling expects torch.float32", 4/4 ops of the fp32 trace); on the CPU it
-# raises and fuses. Asserted as it is, near miss included, so a fix shows up here.
+def norm_then_sglang_divide_group(x, residual, w1, w2, scale):
+    """SGLang's divide-form group quantization of a (1 + w) norm's bf16 output."""
+    return sglang_per_token_group_quant_fp8(qwen3_next_rms_norm(x * 0.5, w2, 1e-5))
+
+
 EXPECTED_NORM = {
     "add_rms_norm": 1,
-    "rms_norm": 6,
+    "rms_norm": 5,
     "quant_fp8_dynamic": 3,
     "quant_fp8_unfloored": 2,
     "quant_fp8_static": 1,
@@ -66,7 +66,6 @@ EXPECTED_NORM = {
     "rms_norm_quant_fp8_per_group": 3,
     "rms_norm_quant_fp8_static": 1,
 }
-EXPECTED_NORM_NEAR_MISS = ("sglang_per_token_group_quant_fp8", "x is torch.bfloat16, the spelling expects torch.float32")
 
 
 def _check_outputs(outputs, expected):
@@ -110,7 +109,24 @@ def test_norm_then_engine_quantizations_on_cuda(launch):
 
     _compile_and_replay(
         norms_then_engine_quantizations, make_args, NORM_FUSIONS, EXPECTED_NORM, "_rms_norm_quant_fp8_kernel", launch,
-        near_misses=[EXPECTED_NORM_NEAR_MISS],
+        near_misses=[],
+    )  # fmt: skip
+
+
+# On CUDA (one H200, torch 2.11) this site is not raised: the bf16 x reaches the divide without the
+# upcast the bf16 trace has (near miss "x is torch.bfloat16, the spelling expects torch.float32",
+# 4/4 ops of the fp32 trace); on the CPU it raises and fuses (tests/rms_norm_quant_fp8). The
+# expectation stays what it should be; strict: a fix fails this until the mark is removed.
+@pytest.mark.xfail(strict=True, reason="not raised on CUDA: the graph lacks the bf16 trace's upcast")
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+def test_norm_then_sglang_divide_group_quantization_on_cuda(launch):
+    def make_args(seed):
+        return (*decoder_inputs(33, 7168, seed=seed), torch.tensor([0.01], device="cuda"))
+
+    expected = {"rms_norm": 1, "quant_fp8_dynamic": 1, "rms_norm_quant_fp8_per_group": 1}
+    _compile_and_replay(
+        norm_then_sglang_divide_group, make_args, NORM_FUSIONS, expected, "_rms_norm_quant_fp8_kernel", launch,
+        near_misses=[],
     )  # fmt: skip
 
 
