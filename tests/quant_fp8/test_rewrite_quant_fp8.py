@@ -376,6 +376,7 @@ def test_an_unraised_float8_conversion_is_a_near_miss():
     torch._dynamo.reset()
     torch.compile(amax_over_tokens, backend=fp.backend(report=report))(torch.randn(8, 256, dtype=torch.bfloat16))
     assert not any(report.matches.values())
+    assert report.graphs[0].ops_after == report.graphs[0].ops_before
     (miss,) = report.near_misses
     assert miss.fusion.startswith("quant_fp8_") and miss.matched < miss.total
     assert miss.reason == "aten.amax.default argument 1 is [0], the spelling has [-1]", miss
