@@ -62,6 +62,64 @@ def profile_kernel_names(fn, *args) -> list[str]:
     return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
 
 
+def profile_kernels(fn, *args) -> list[tuple[str, float]]:
+    """(name, GPU microseconds) of each CUDA kernel one call of ``fn`` launches, in launch order
+    (needs a GPU; the call before the profiled one compiles and autotunes)."""
+    import torch
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [(e.name, e.time_range.elapsed_us()) for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
+def class_times(kernels: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """Kernels and GPU microseconds per class: {"gemm": {"kernels": 4, "us": 31.2}, ...}."""
+    out = {c: {"kernels": 0, "us": 0.0} for c in KERNEL_CLASSES}
+    for name, us in kernels:
+        entry = out[classify_kernel(name)]
+        entry["kernels"] += 1
+        entry["us"] += us
+    return out
+
+
+_COLLECTIVE = re.compile(r"nccl|all_?reduce|cross_device|multimem|one_shot", re.I)
+
+
+def _boundary(name: str) -> str | None:
+    """What a kernel outside "other" is, as a region boundary (collectives count: they split regions)."""
+    if _COLLECTIVE.search(name):
+        return "collective"
+    cls = classify_kernel(name)
+    return None if cls == "other" else cls
+
+
+def what_is_left(kernels: list[tuple[str, float]], layers: int = 1) -> list[dict]:
+    """The kernels outside GEMM / attention / MoE ("other"), grouped by name and the region they sit
+    in (the boundary kernels before and after them: "gemm -> attention"), ranked by GPU time: the
+    fusion candidates that no pass takes yet. ``per_layer`` divides the counts and times by
+    ``layers`` (kernels outside every layer, such as the embedding or the final norm, count too)."""
+    rows: dict[tuple[str, str], dict] = {}
+    bounds = [_boundary(name) for name, _ in kernels]
+    for i, (name, us) in enumerate(kernels):
+        if bounds[i] is not None or classify_kernel(name) != "other":
+            continue
+        before = next((b for b in reversed(bounds[:i]) if b), "start")
+        after = next((b for b in bounds[i + 1 :] if b), "end")
+        region = f"{before} -> {after}"
+        row = rows.setdefault((name, region), {"kernel": name, "region": region, "launches": 0, "us": 0.0})
+        row["launches"] += 1
+        row["us"] += us
+    ranked = sorted(rows.values(), key=lambda r: -r["us"])
+    for row in ranked:
+        row["per_layer_us"] = row["us"] / layers
+        row["per_layer_launches"] = row["launches"] / layers
+    return ranked
+
+
 def profile_kernel_classes(fn, *args) -> dict[str, int]:
     """CUDA kernels one call of ``fn`` launches, counted per class (needs a GPU)."""
     counts = dict.fromkeys(KERNEL_CLASSES, 0)

@@ -1,0 +1,288 @@
+"""Cached decode steps of whole models at real width: step time, kernels and GPU time per class,
+what is left outside GEMM / attention / MoE, and numerics against eager over several steps.
+
+Each point (model, batch, context) prefills a transformers StaticCache with `context` tokens
+(eager), then times one decode step (`fusion_passes.models.decode.DecodeStep`) as eager, stock
+Inductor and fusion_passes, each compiled with fullgraph=True and dynamic=False:
+
+  plain     one step launched as torch.compile's default mode launches it (do_bench's median)
+  graph     one step captured in a CUDA graph, the replay's median
+  classes   kernels and GPU microseconds per class (gemm, attention, moe, other) from the CUDA
+            profiler, per layer (the step's total over --layers)
+  left      every "other" kernel with its GPU time and the region it sits in (the GEMM / attention /
+            MoE / collective kernels around it), ranked: what no fusion takes yet
+  numerics  --check-steps steps from the same prefilled cache, teacher-forced with the same tokens:
+            the largest relative error (norm) of a step's output and of the cache contents after
+            the steps, each variant against eager
+  prefill   (--prefill N) a prefill of N tokens at batch 1 that writes the cache, plain and graph
+
+Compiles take most of a run; --lock FILE lets several runs (one per model) share one GPU: each
+compiles on its own and holds the lock only while it times or profiles.
+
+    python -m benchmarks.bench_decode --models deepseek-v3.2 --batch 1 64 --context 1024 --json out.json
+    python -m benchmarks.bench_decode --smoke     # tiny widths on a CPU: the code path, numerics, no times
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fusion_passes
+from benchmarks import common
+from benchmarks.timing import time_graph_us, time_plain_us
+from fusion_passes.kernels import KERNEL_CLASSES, class_times, profile_kernels, what_is_left
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import tolerance
+
+DEFAULT_MODELS = ["deepseek-v3.2", "minimax-m2", "qwen3.5-moe", "qwen3-moe"]
+LEFT_ROWS = 12  # "what is left" rows kept per point in the JSON and the report
+
+
+@contextlib.contextmanager
+def gpu_lock(path: str | None):
+    """Exclusive use of the GPU while timing (a no-op without --lock)."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.float()
+    return ((actual.float() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+@torch.no_grad()
+def run_steps(step: DecodeStep, fn, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``steps`` decode steps of ``fn`` from the prefilled cache: (outputs, cache tensors after)."""
+    step.restore()
+    outs = [fn(*step.inputs(i)).float().clone() for i in range(steps)]
+    return outs, [t.clone() for t in step.cache_tensors()]
+
+
+def numerics(step: DecodeStep, fn, steps: int, expected) -> dict:
+    outs, cache = run_steps(step, fn, steps)
+    exp_outs, exp_cache = expected
+    return {
+        "steps": steps,
+        "out_rel_err": max(rel_err(a, e) for a, e in zip(outs, exp_outs, strict=True)),
+        "cache_rel_err": max(rel_err(a, e) for a, e in zip(cache, exp_cache, strict=True) if e.is_floating_point()),
+    }
+
+
+def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int | None) -> dict:
+    """Times of one call of ``fn`` (a GPU run), with its kernel classes and what is left when
+    ``layers`` is given; the call was compiled and warmed before."""
+    torch.cuda.synchronize()
+    with torch.no_grad(), gpu_lock(lock):
+        step.restore()
+        kernels = profile_kernels(fn, *inputs) if layers else None
+        plain = time_plain_us(lambda: fn(*inputs))
+        try:
+            graph, graph_error = time_graph_us([lambda: fn(*inputs)]), None
+        except Exception as e:  # a step that cannot be captured: say why, keep the rest
+            graph, graph_error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    result = {"plain_us": plain, "graph_us": graph}
+    if graph_error:
+        result["graph_error"] = graph_error
+    if kernels is not None:
+        classes = class_times(kernels)
+        result |= {
+            "kernels": len(kernels),
+            "gpu_us": sum(us for _, us in kernels),
+            "classes": classes,
+            "per_layer": {c: {k: v / layers for k, v in classes[c].items()} for c in KERNEL_CLASSES},
+            "left": what_is_left(kernels, layers)[:LEFT_ROWS],
+        }
+    return result
+
+
+def compile_variants(step: DecodeStep) -> tuple[dict, fusion_passes.Report]:
+    """Stock Inductor and fusion_passes, compiled on their first call. No torch._dynamo.reset():
+    every point's steps stay compiled until it is timed (each is one more entry on DecodeStep's
+    forward; the limit is raised in main)."""
+    report = fusion_passes.Report()
+    variants = {
+        "eager": step,
+        "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
+        "fusion_passes": torch.compile(
+            step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False
+        ),
+    }
+    return variants, report
+
+
+class Point:
+    """One (model, batch, context) decode point, or a prefill when ``prefill`` is set: built,
+    compiled and checked by prepare(), timed by time() (separately, so that several runs can
+    compile at once and take turns on the GPU)."""
+
+    def __init__(self, name: str, size: str, layers: int, batch: int, context: int, prefill: bool = False):
+        self.name, self.size, self.layers, self.batch, self.context = name, size, layers, batch, context
+        self.prefill = prefill
+        key = {"tokens": context} if prefill else {"batch": batch, "context": context}
+        self.result = {"model": name, "layers": layers, **key, "variants": {}}
+
+    def prepare(self, device: str, check_steps: int) -> None:
+        built = build_model(self.name, size=self.size, dtype=torch.bfloat16, layers=self.layers, device=device)
+        self.step = DecodeStep(built.module, batch=self.batch, context=self.context, steps=1 if self.prefill else check_steps)
+        self.variants, report = compile_variants(self.step)
+        if self.prefill:
+            self.inputs = (self.step.prompt, torch.arange(self.context, device=self.step.prompt.device))
+        else:
+            self.inputs = self.step.inputs(0)
+            expected = run_steps(self.step, self.step, check_steps)
+        for label, fn in self.variants.items():
+            row = self.result["variants"].setdefault(label, {})
+            if not self.prefill and label != "eager":
+                row["numerics"] = numerics(self.step, fn, check_steps, expected)
+            self.step.restore()
+            with torch.no_grad():
+                fn(*self.inputs)  # compiled (if it was not yet) and warm
+        row = self.result["variants"]["fusion_passes"]
+        row["final"] = {k: v for k, v in report.final().items() if v}
+        row["lowered_back"] = dict(report.lowered_back())
+        row["errors"] = list(report.errors)
+
+    def time(self, lock: str | None) -> None:
+        for label, fn in self.variants.items():
+            layers = None if self.prefill else self.layers
+            self.result["variants"][label] |= measure(self.step, fn, self.inputs, lock, layers)
+        del self.variants, self.step, self.inputs  # the GPU memory, for the next point
+
+
+def wait_for(barrier: str | None, name: str, timeout: float) -> None:
+    """--barrier DIR:N: mark this run compiled and wait until N runs are (nothing is timed while
+    another run still compiles, which would take the host's cores from the launches); at most
+    ``timeout`` seconds, so that a run that failed does not hold the others."""
+    if barrier is None:
+        return
+    folder, _, count = barrier.rpartition(":")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{name}.ready").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(Path(folder).glob("*.ready"))) < int(count) and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def merge(args) -> int:
+    """One result from several runs' JSON files (their provenance kept under "runs")."""
+    runs = [json.loads(Path(path).read_text()) for path in args.merge]
+    points = [p for run in runs for p in run["points"]]
+    prefills = [p for run in runs for p in run["prefill"]]
+    common.finish(args, report_text(points, prefills),
+                  {"runs": [run["provenance"] for run in runs], "points": points, "prefill": prefills})  # fmt: skip
+    return 0
+
+
+def report_text(points: list[dict], prefills: list[dict]) -> str:
+    lines = ["| model | batch | context | variant | step, plain (us) | step, graph (us) | vs Inductor (graph) "
+             "| kernels | other kernels / layer | other us / layer | out err | cache err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for p in points:
+        base = p["variants"]["inductor"].get("graph_us")
+        for label, r in p["variants"].items():
+            other = r.get("per_layer", {}).get("other", {})
+            n = r.get("numerics") or {}
+            cells = (
+                common.us(r.get("plain_us"), 0), common.us(r.get("graph_us"), 0),
+                common.ratio(base, r.get("graph_us")), r.get("kernels", "—"),
+                common.us(other.get("kernels")), common.us(other.get("us")),
+                f"{n['out_rel_err']:.1e}" if n else "—", f"{n['cache_rel_err']:.1e}" if n else "—",
+            )  # fmt: skip
+            lines.append(f"| {p['model']} | {p['batch']} | {p['context']} | {label} | " + " | ".join(map(str, cells)) + " |")
+    for p in points:
+        r = p["variants"]["fusion_passes"]
+        if not r.get("left"):
+            continue
+        lines += ["", f"What is left, {p['model']} batch {p['batch']} context {p['context']} (fusion_passes):", "",
+                  "| kernel | region | launches / layer | us / layer |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| `{x['kernel'][:70]}` | {x['region']} | {x['per_layer_launches']:.1f} | {x['per_layer_us']:.1f} |"
+                  for x in r["left"]]  # fmt: skip
+    if prefills:
+        lines += ["", "| model | prefill tokens | variant | plain (us) | graph (us) | vs Inductor (graph) |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for p in prefills:
+            base = p["variants"]["inductor"].get("graph_us")
+            for label, r in p["variants"].items():
+                if "plain_us" in r:
+                    lines.append(f"| {p['model']} | {p['tokens']} | {label} | {common.us(r['plain_us'], 0)} | "
+                                 f"{common.us(r['graph_us'], 0)} | {common.ratio(base, r['graph_us'])} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = common.parser(__doc__, "bench_decode", smoke="tiny widths on a CPU: numerics and the code path, no times")
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    common.add_sizes(parser, "--batch", [1, 8, 64], [2], what="batch sizes")
+    common.add_sizes(parser, "--context", [1024], [8], what="prefilled tokens before the step")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--check-steps", type=int, default=16, help="decode steps compared against eager")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
+                        help="also time a prefill of N tokens (batch 1) that writes the cache")  # fmt: skip
+    parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")
+    parser.add_argument("--barrier", metavar="DIR:N", help="wait until N runs sharing DIR have compiled before timing")
+    parser.add_argument("--barrier-timeout", type=float, default=420, help="seconds --barrier waits at most")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge these runs' results (one per model) into --json / --out, and exit")  # fmt: skip
+    args = common.parse(parser)
+    if args.merge:
+        return merge(args)
+    device = common.device(parser, args.smoke)
+    size = "tiny" if args.smoke else "real"
+    if args.smoke:
+        args.check_steps = min(args.check_steps, 3)
+    bound = tolerance(torch.bfloat16).rel_norm
+    # Two compiled variants per point, all on DecodeStep.forward (the default limit is 8).
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    decode = [Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]
+    prefill = [Point(m, size, args.layers, 1, n, prefill=True) for m in args.models for n in args.prefill]
+
+    def save() -> None:  # as it goes: a run cut short keeps what it measured
+        if args.json:
+            common.write_json(args.json, {"points": [p.result for p in decode], "prefill": [p.result for p in prefill]})
+
+    for point in decode + prefill:
+        point.prepare(device, args.check_steps)
+        save()
+    wait_for(args.barrier, "-".join(args.models), args.barrier_timeout)
+    if device == "cuda":
+        for point in decode + prefill:
+            point.time(args.lock)
+            print(json.dumps({k: v for k, v in point.result.items() if k != "variants"}
+                             | {lbl: {k: r.get(k) for k in ("graph_us", "plain_us", "kernels")}
+                                for lbl, r in point.result["variants"].items()}), flush=True)  # fmt: skip
+            save()
+    failed = []  # fusion_passes beyond both the bf16 bound and twice stock Inductor's own error
+    for point in decode:
+        # DeepSeek V3.2's indexer top-k turns ulp differences into other selected tokens:
+        # Inductor's own step is ~0.17 from eager there (tiny widths), so the bar is relative to it.
+        ours, stock = (point.result["variants"][v]["numerics"] for v in ("fusion_passes", "inductor"))
+        for key in ("out_rel_err", "cache_rel_err"):
+            if ours[key] > max(bound, 2 * stock[key]):
+                failed.append(f"{point.name} batch {point.batch}: {key} {ours[key]:.2e} > max({bound}, 2 x "
+                              f"Inductor's {stock[key]:.2e})")  # fmt: skip
+    points, prefills = [p.result for p in decode], [p.result for p in prefill]
+    text = report_text(points, prefills)
+    common.finish(args, text, {"points": points, "prefill": prefills})
+    for line in failed:
+        print(f"bench_decode: numerics: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
