@@ -118,6 +118,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_diff.add_argument("--verify", action="store_true", help="check each rewrite on random inputs")
     p_diff.add_argument(
+        "--decode", action="store_true",
+        help="compare one cached decode step (a transformers StaticCache prefilled with --context "
+        "tokens) instead of a forward; on cuda, also what is left outside GEMM / attention / MoE",
+    )
+    p_diff.add_argument("--batch", type=_positive_int, default=None, metavar="N",
+                        help="--decode: sequences in the step (default: 1)")  # fmt: skip
+    p_diff.add_argument("--context", type=_positive_int, default=None, metavar="N",
+                        help="--decode: tokens in the cache before the step (default: 32)")  # fmt: skip
+    p_diff.add_argument(
         "--all-rows", action="store_true",
         help="list every fusion that ran in the fusions table (default: those with no rewrite "
         "are folded into one line)",
@@ -246,6 +255,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             if path is not None:
                 _check_output_path(flag, path)
         _check_device(args.device)
+        for flag, value in (("--batch", args.batch), ("--context", args.context)):
+            if value is not None and not args.decode:
+                raise CliError(f"{flag} applies to --decode only")
         report = fusion_passes.Report()
         backend = fusion_passes.backend(fusions, report=report, verify=args.verify)
         step(_first_step(args.model))
@@ -253,10 +265,16 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         dtype_name = DTYPE_NAMES[dtype]
         module = module.to(args.device).eval()
         inputs = tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        restore = lambda: None  # noqa: E731  (a forward mutates nothing)
+        if args.decode:
+            step(f"prefilling a StaticCache of {name}")
+            module, inputs, restore = _decode_step(module, args)
+            name = f"{name}, a decode step at batch {module.batch} after {module.context} tokens"
         step(f"running {name} eagerly")
         expected = module(*inputs)
         for label, compile_backend in (("inductor", "inductor"), ("fusion_passes", backend)):
             step(f"compiling {name} with {label.replace('_', ' ')}")
+            restore()  # every variant's step starts from the prefilled cache
             start = time.perf_counter()
             outputs[label], kernels[label] = _compile_and_run(module, compile_backend, inputs)
             timings[label] = time.perf_counter() - start
@@ -272,6 +290,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     data["tolerance"] = {"rel_norm": _bound(dtype)}
     data["compile_seconds"] = timings
     data["kernels"] = kernels
+    data["decode"] = {"batch": module.batch, "context": module.context} if args.decode else None
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
@@ -284,6 +303,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.html}")
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
+
+LEFT_ROWS = 15  # "what is left" rows printed (the JSON has them all)
 
 _DTYPE_FROM = {"--dtype": "from --dtype", "model": "the model's own", "default": "the default"}
 
@@ -489,10 +510,25 @@ def _compile_and_run(module: torch.nn.Module, backend: Any, inputs: tuple) -> tu
         ) from e
     counts: dict[str, Any] = count_kernels(codes)
     if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
-        from fusion_passes.kernels import profile_kernel_classes
+        from fusion_passes.kernels import class_times, profile_kernels, what_is_left
 
-        counts["launched"] = profile_kernel_classes(compiled, *inputs)  # gemm/attention/moe/other
+        launched = profile_kernels(compiled, *inputs)
+        classes = class_times(launched)
+        counts["launched"] = {c: v["kernels"] for c, v in classes.items()}  # gemm/attention/moe/other
+        counts["gpu_us"] = {c: round(v["us"], 2) for c, v in classes.items()}
+        counts["left"] = what_is_left(launched)
     return out, counts
+
+
+def _decode_step(module: torch.nn.Module, args: argparse.Namespace):
+    """(DecodeStep, its inputs, its restore) for --decode: the model's StaticCache prefilled."""
+    from fusion_passes.models.decode import DecodeError, DecodeStep
+
+    try:
+        step = DecodeStep(module, batch=args.batch or 1, context=args.context or 32, steps=1)
+    except DecodeError as e:
+        raise CliError(f"--decode: {e}") from e
+    return step, step.inputs(0), step.restore
 
 
 def _user_frame(e: Exception) -> str:
@@ -651,6 +687,16 @@ def _print_report(console, header, summary, report, checks, timings, sites, kern
             row = [str(k["launched"][c]) for c in classes]
             launched.add_row(label, *row, str(sum(k["launched"].values())))
         console.print(launched)
+    left = kernels.get("fusion_passes", {}).get("left")
+    if left:
+        shown = left[:LEFT_ROWS]
+        table = Table(title=f"what is left with fusion_passes: kernels outside GEMM / attention / MoE, "
+                            f"by GPU time ({len(shown)} of {len(left)})")  # fmt: skip
+        for col in ("kernel", "between", "launches", "GPU us"):
+            table.add_column(col)
+        for row in shown:
+            table.add_row(row["kernel"][:80], row["region"], str(row["launches"]), f"{row['us']:.1f}")
+        console.print(table)
     console.print(
         "compile + first run: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
         + " (in this order; the second starts with warm caches: not a comparison)",

@@ -81,6 +81,9 @@ class Fusion:
     example_inputs: Callable[[], Iterable[Sequence[Any]]]
     scalars: dict[str, float] = field(default_factory=dict)
     check: CheckFn | None = None
+    # A check that needs the graph around the match (what reads the matched outputs): gets the
+    # Match and returns None to accept or a one-line reason to reject; runs after ``check``.
+    match_check: Callable[[Any], "str | None"] | None = None
     # Ops that mark a candidate site ("aten.rsqrt.default" for norms): one left in the graph after
     # the passes is a near miss, reported with the closest spelling and where it diverged.
     candidate_ops: tuple[str, ...] = ()

@@ -230,6 +230,8 @@ class FusionPassManager(CustomGraphPass):
         for check in (fusion.check, spelling.check):
             if reason is None and check is not None:
                 reason = check(values)
+        if reason is None and fusion.match_check is not None:
+            reason = fusion.match_check(match)
         if reason is None and self.verify:
             try:
                 reason = verify_match(match, _argnames(spelling), spelling.replacement)

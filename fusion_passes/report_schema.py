@@ -72,6 +72,22 @@ DIFF_REPORT_SCHEMA: dict = {
     "properties": {
         "schema": _d({"const": "fusion_passes.diff/1"}, "this schema's name and version"),
         "model": _d(_STR, "the built-in model's name, or path/to/file.py:factory"),
+        "decode": _d(
+            {
+                "oneOf": [
+                    {"type": "null"},
+                    {
+                        "type": "object",
+                        "required": ["batch", "context"],
+                        "properties": {
+                            "batch": _d(_INT, "sequences in the step"),
+                            "context": _d(_INT, "tokens in the StaticCache before the step"),
+                        },
+                    },
+                ]
+            },
+            "--decode: the compared program is one cached decode step, not a forward (null: a forward)",
+        ),
         "device": _d(_STR, 'the device as given to --device ("cpu", "cuda", "cuda:1")'),
         "dtype": _d({"enum": ["fp32", "bf16", "fp16", "fp64"]}, "the dtype the model ran in"),
         "dtype_from": _d(
@@ -185,6 +201,31 @@ DIFF_REPORT_SCHEMA: dict = {
                         "fused_ops": _d(_INT, "fusion_passes ops called through the dispatcher"),
                         "extern": _d(_INT, "library calls (GEMMs, attention, fallbacks)"),
                         "launched": _d(_COUNTS, "CUDA only: kernels launched per forward, by class"),
+                        "gpu_us": _d(
+                            {"type": "object", "additionalProperties": _NUM},
+                            "CUDA only: GPU microseconds of those kernels, by class",
+                        ),
+                        "left": _d(
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["kernel", "region", "launches", "us"],
+                                    "properties": {
+                                        "kernel": _d(_STR, "the kernel's name as the CUDA profiler reports it"),
+                                        "region": _d(
+                                            _STR,
+                                            'the classes of the kernels around it, "gemm -> attention" '
+                                            '("start" / "end": none before / after)',
+                                        ),
+                                        "launches": _d(_INT, "its launches there per forward"),
+                                        "us": _d(_NUM, "their GPU microseconds"),
+                                    },
+                                },
+                            },
+                            'CUDA only: "what is left": the kernels outside GEMM / attention / MoE, by '
+                            "name and region, ranked by GPU time: candidates no fusion takes yet",
+                        ),
                     },
                 },
             },

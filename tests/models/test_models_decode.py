@@ -1,0 +1,187 @@
+"""A cached decode step (transformers StaticCache, fullgraph): outputs and cache contents equal to
+eager over several steps, the QK-norm + RoPE sites a decode step leaves to Inductor, and the
+what-is-left ranking of the decode benchmark and the CLI."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from torch._inductor.graph import GraphLowering
+
+import fusion_passes
+from fusion_passes.kernels import count_kernels, what_is_left
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeError, DecodeStep
+from fusion_passes.numerics import compare, tolerance
+
+STEPS = 3
+
+
+@functools.cache
+def _step(name: str) -> DecodeStep:
+    built = build_model(name, size="tiny", dtype=torch.bfloat16, layers=2)
+    return DecodeStep(built.module, batch=2, context=8, steps=STEPS)
+
+
+@functools.cache
+def _compiled(name: str, backend_name: str):
+    """(compiled step, report, kernel counts of its code): compiled on the first step's inputs."""
+    import torch._inductor.config as inductor_config
+
+    step = _step(name)
+    report = fusion_passes.Report()
+    backend = fusion_passes.backend(report=report) if backend_name == "fusion_passes" else "inductor"
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    step.restore()
+    codes: list[str] = []
+    # run_and_get_code's hook without its torch._dynamo.reset(), which would make the steps
+    # compiled before compile again on their next call.
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+            mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
+        compiled(*step.inputs(0))
+    return compiled, report, count_kernels(codes)
+
+
+def _run(step: DecodeStep, fn):
+    step.restore()
+    with torch.no_grad():
+        outs = [fn(*step.inputs(i)) for i in range(STEPS)]
+    return outs, [t.clone() for t in step.cache_tensors()]
+
+
+def test_decode_steps_match_eager_outputs_and_cache():
+    step = _step("qwen3")
+    compiled, report, _ = _compiled("qwen3", "fusion_passes")
+    stock, _, _ = _compiled("qwen3", "inductor")
+    expected_outs, expected_cache = _run(step, step)
+    again_outs, again_cache = _run(step, step)
+    # restore() puts the prefilled cache back: eager repeats itself bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(again_outs, expected_outs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(again_cache, expected_cache, strict=True))
+    bound = tolerance(torch.bfloat16).rel_norm
+    for fn in (compiled, stock):
+        outs, cache = _run(step, fn)
+        for a, e in zip(outs, expected_outs, strict=True):
+            assert compare(a, e).rel_norm <= bound
+        written = 0
+        for a, e in zip(cache, expected_cache, strict=True):
+            if e.is_floating_point():
+                assert compare(a, e).rel_norm <= bound
+            else:  # the write counters: the step sets them from the position
+                assert torch.equal(a, e)
+                written += 1
+        assert written == 2  # one counter per layer
+    # the decode step's norms are raised (and lowered back): the passes ran on it
+    assert report.matches["add_rms_norm"] == 4 and report.matches["rms_norm"] == 5
+
+
+def test_decode_step_leaves_per_head_qk_norm_rope_to_inductor():
+    """At one token per sequence Inductor fuses the RoPE table, both norms, both rotations and the
+    k cache write into one kernel: the fused op is refused there, with the reason, and the step
+    compiles to as many kernels as stock Inductor's."""
+    _, report, ours = _compiled("qwen3", "fusion_passes")
+    _, _, stock = _compiled("qwen3", "inductor")
+    assert report.final()["qk_norm_rope"] == 0
+    refused = [r for r in report.rejected if "goes into the KV cache" in r.reason]
+    assert sorted(r.module for r in refused) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert ours["fused_ops"] == 0 and ours["generated"] == stock["generated"]
+    assert report.ops_after()["fusion_passes.qk_norm_rope.default"] == 0
+
+
+def test_prefill_through_the_cache_still_fuses_qk_norm_rope():
+    step = _step("qwen3")
+    report = fusion_passes.Report()
+    compiled = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False)
+    step.restore()
+    prompt, positions = step.prompt, torch.arange(step.context)
+    with torch.no_grad():
+        out = compiled(prompt, positions)
+        step.restore()
+        expected = step(prompt, positions)
+    assert report.final()["qk_norm_rope"] == 2
+    assert not [r for r in report.rejected if "KV cache" in r.reason]
+    assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+@pytest.mark.slow
+def test_decode_step_keeps_the_whole_row_qk_norm_rope():
+    """MiniMax-M2's norm over all heads is not refused at decode (measured faster there)."""
+    built = build_model("minimax-m2", size="tiny", dtype=torch.bfloat16, layers=2)
+    step = DecodeStep(built.module, batch=2, context=8, steps=1)
+    report = fusion_passes.Report()
+    compiled = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True)
+    with torch.no_grad():
+        out = compiled(*step.inputs(0))
+        step.restore()
+        expected = step(*step.inputs(0))
+    assert report.final()["qk_norm_rope_whole_row"] == 2
+    assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+def test_decode_rejects_what_it_cannot_step():
+    with pytest.raises(DecodeError, match="decode needs a transformers model .*got Linear"):
+        DecodeStep(torch.nn.Linear(4, 4), batch=1, context=4)
+    with pytest.raises(DecodeError, match="must be >= 1"):
+        DecodeStep(_step("qwen3").model, batch=0, context=4)
+    with pytest.raises(DecodeError, match="outside the cache's room for 3 steps"):
+        _step("qwen3").inputs(3)
+
+
+def test_what_is_left_ranks_other_kernels_by_region():
+    kernels = [
+        ("triton_red_fused_embedding_rms_norm_0", 2.0),
+        ("nvjet_gemm_bf16", 10.0),
+        ("triton_poi_fused_rope_1", 1.0),
+        ("flash_fwd_kernel", 5.0),
+        ("nvjet_gemm_bf16", 10.0),
+        ("triton_red_fused_add_rms_norm_2", 3.0),
+        ("ncclDevKernel_AllReduce_Sum_bf16", 4.0),
+        ("triton_poi_fused_rope_1", 1.5),
+        ("fused_moe_grouped_kernel", 6.0),
+    ]
+    left = what_is_left(kernels, layers=2)
+    assert [(r["kernel"], r["region"], r["launches"]) for r in left] == [
+        ("triton_red_fused_add_rms_norm_2", "gemm -> collective", 1),
+        ("triton_red_fused_embedding_rms_norm_0", "start -> gemm", 1),
+        ("triton_poi_fused_rope_1", "collective -> moe", 1),
+        ("triton_poi_fused_rope_1", "gemm -> attention", 1),
+    ]
+    assert left[0]["per_layer_us"] == 1.5
+
+
+def test_cli_decode_on_a_model_it_cannot_step(tmp_path):
+    factory = tmp_path / "plain.py"
+    factory.write_text("import torch\ndef make():\n    return torch.nn.Linear(8, 8), (torch.randn(2, 8),)\n")
+    cli = [sys.executable, "-m", "fusion_passes.cli"]
+    done = subprocess.run([*cli, "diff", f"{factory}:make", "--decode", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "fusion-passes: error: --decode: decode needs a transformers model (a PreTrainedModel with a "
+        "config); got Linear"
+    ]
+    done = subprocess.run([*cli, "diff", "qwen3", "--batch", "4", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "fusion-passes: error: --batch applies to --decode only"
+
+
+def test_decode_benchmark_smoke(tmp_path):
+    """The decode benchmark's CPU path: tiny widths, numerics against eager, no times."""
+    out = tmp_path / "decode.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_decode", "--smoke", "--models", "qwen3", "--batch", "1",
+         "--check-steps", "2", "--json", str(out), "--out", str(tmp_path / "decode.md")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (point,) = json.loads(out.read_text())["points"]
+    assert (point["model"], point["batch"], point["context"]) == ("qwen3", 1, 8)
+    for label in ("inductor", "fusion_passes"):
+        assert point["variants"][label]["numerics"]["out_rel_err"] <= tolerance(torch.bfloat16).rel_norm
