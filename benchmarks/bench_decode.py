@@ -179,12 +179,16 @@ def wait_for(barrier: str | None, name: str, timeout: float) -> None:
 
 
 def merge(args) -> int:
-    """One result from several runs' JSON files (their provenance kept under "runs")."""
+    """One result from several runs' JSON files: the first run's provenance (the GPU, versions)
+    with the runs' commands, each run's kept under "runs"."""
     runs = [json.loads(Path(path).read_text()) for path in args.merge]
     points = [p for run in runs for p in run["points"]]
     prefills = [p for run in runs for p in run["prefill"]]
-    common.finish(args, report_text(points, prefills),
-                  {"runs": [run["provenance"] for run in runs], "points": points, "prefill": prefills})  # fmt: skip
+    provenance = dict(runs[0]["provenance"])
+    provenance["command"] = " ; ".join(run["provenance"]["command"] for run in runs)
+    Path(args.out).write_text(report_text(points, prefills))
+    Path(args.json).write_text(json.dumps({"provenance": provenance, "runs": [run["provenance"] for run in runs],
+                                           "points": points, "prefill": prefills}, indent=1) + "\n")  # fmt: skip
     return 0
 
 

@@ -258,6 +258,40 @@ def models(payloads):
     return what, _table(header, rows, 3)
 
 
+def decode(payloads):
+    (p,) = payloads
+    rows = []
+    for point in p["points"]:
+        stock = point["variants"]["inductor"].get("graph_us")
+        for label, r in point["variants"].items():
+            if "graph_us" not in r:
+                continue
+            other = r["per_layer"]["other"]
+            n = r.get("numerics") or {}
+            key = [f"{point['model']} ({point['layers']})", str(point["batch"]), str(point["context"]), label]
+            rows.append([*key, str(r["kernels"]), f"{other['kernels']:.1f} / {other['us']:.1f}",
+                         _us(r["plain_us"]), _us(r["graph_us"]), _x(stock / r["graph_us"] if stock and r["graph_us"] else None),
+                         f"{n['out_rel_err']:.3f}" if n else "-"])  # fmt: skip
+    for point in p.get("prefill", []):
+        stock = point["variants"]["inductor"].get("graph_us")
+        for label, r in point["variants"].items():
+            if "graph_us" in r:
+                key = [f"{point['model']} ({point['layers']})", "1", f"prefill {point['tokens']}", label]
+                rows.append([*key, "-", "-", _us(r["plain_us"]), _us(r["graph_us"]),
+                             _x(stock / r["graph_us"] if stock and r["graph_us"] else None), "-"])  # fmt: skip
+    what = (
+        "Real widths, bf16, a few layers (in parentheses): one decode step on a transformers StaticCache "
+        "prefilled with `context` tokens (`benchmarks/bench_decode.py`), and a prefill that writes the "
+        'cache. "other / layer": kernels / GPU us per layer outside GEMM, attention and MoE; error: the '
+        "largest relative error of a step's output against eager over 16 teacher-forced steps (MoE "
+        "routing and DeepSeek V3.2's indexer top-k turn last-bit differences into other choices: "
+        "compare with stock Inductor's own). The ranked \"what is left\" lists are in the result file."
+    )
+    header = ["model (layers)", "batch", "context", "variant", "kernels", "other / layer",
+              "plain us", "CUDA graph us", "graph: Inductor / variant", "error vs eager"]  # fmt: skip
+    return what, _table(header, rows, 4)
+
+
 def diff_kernels(payloads):
     (p,) = payloads
     rows = []
@@ -301,6 +335,7 @@ ALLREDUCE_FP8 = tuple(f"bench_allreduce_rms_norm_quant_fp8_{scheme}" for scheme 
 SECTIONS = (
     Section("Whole models", ("bench_models",), models),
     Section("Kernels per forward, every built-in model (tiny)", ("diff_kernels",), diff_kernels, 3),
+    Section("Decode steps with a KV cache", ("bench_decode",), decode, 3),
     Section("RMSNorm and add + RMSNorm (`rms_norm`, `add_rms_norm`)", ("bench_rms_norm",), rms_norm),
     Section(
         "(Add +) RMSNorm + FP8 quantization (`(add_)rms_norm_quant_fp8_*`)",
