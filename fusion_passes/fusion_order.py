@@ -23,6 +23,7 @@ from fusion_passes.patterns import (
     rms_norm_quant_fp8,
     rope,
     silu_mul_quant_fp8,
+    sparse_index_mask,
 )
 
 FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
@@ -50,6 +51,7 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "RoPE families (its cse_before deduplicates q / k / v's copies of one quantization)",
     ),
     (silu_mul_quant_fp8, "independent of the others (the MLP's activation, no norm); kept beside the other FP8 family"),
+    (sparse_index_mask, "independent of the others (a top-k and a scatter into a mask, no canonical op)"),
     (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
     (
         allreduce_rms_norm_quant_fp8,

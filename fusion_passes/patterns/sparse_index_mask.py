@@ -1,0 +1,70 @@
+"""DeepSeek sparse attention (V3.2) within its top-k: the index mask of every cached position.
+
+transformers' DeepseekV32 attention (its eager / SDPA path) turns the indexer's choice into a
+mask every layer:
+
+    idx  = index_scores.topk(min(index_topk, T), dim=-1).indices.to(torch.int32)   # [B, S, k]
+    mask = idx.new_ones((B, S, T), dtype=torch.bool).scatter(-1, idx.long(), False)
+    attention_mask = attention_mask & ~mask (or masked_fill)
+
+Where the cache holds no more positions than index_topk (T <= index_topk: k = T), top-k over the
+whole last dim returns a permutation of 0..T-1, so the scatter writes False at every position:
+the mask is all False whatever the scores are. The rewrite says so:
+
+    Unfused: topk over T scores (a full radix sort: 21 us per layer at T = 1040 on one H200), a
+             scatter, and the indexer's score GEMMs that only feed the top-k
+    Fused:   mask = zeros_like(ones): the topk, the scatter and the scores become dead code,
+             which Inductor drops (the indexer's key-cache write stays: it is a mutation)
+
+Exact (bit-equal masks for every input, NaN scores included: the indices are distinct). Not a
+match where k < T (a longer cache: the mask is live), nor a scatter along another dim than the
+top-k's, nor a scatter into a tensor wider than the indices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusion_passes.fusion import Fusion, Spelling
+
+# topk's k is traced as this sentinel (and the example's last dim with it), so the pattern
+# takes every k; the check compares the matched k with the scores' last dim.
+K_SENTINEL = 23
+
+
+def transformers_index_mask(index_scores, ones, k):
+    idx = index_scores.topk(k, dim=-1).indices.to(torch.int32)
+    return ones.scatter(-1, idx.long(), False)
+
+
+def _all_selected(index_scores, ones, k):
+    return torch.zeros_like(ones)
+
+
+def _check(values: dict[str, Any]) -> str | None:
+    scores, ones, k = values["index_scores"], values["ones"], values["k"]
+    if k != scores.shape[-1]:
+        return f"top-{k} of {scores.shape[-1]} positions: the index mask is live (the cache is longer than index_topk)"
+    if tuple(ones.shape) != tuple(scores.shape) or ones.dtype != torch.bool:
+        return f"the mask {tuple(ones.shape)} {ones.dtype} is not the scores' shape {tuple(scores.shape)} in bool"
+    return None
+
+
+def _examples():
+    yield (torch.randn(2, 1, K_SENTINEL), torch.ones(2, 1, K_SENTINEL, dtype=torch.bool), K_SENTINEL)
+
+
+SPARSE_INDEX_MASK_ALL = Fusion(
+    name="sparse_index_mask_all",
+    summary="DeepSeek V3.2 index mask where top-k takes every cached position -> all False (no sort)",
+    doc=__doc__.split("\n\n", 1)[1],
+    spellings=(Spelling("transformers_index_mask", transformers_index_mask, _all_selected),),
+    example_inputs=_examples,
+    scalars={"k": K_SENTINEL},
+    check=_check,
+    builtin=True,
+)
+
+FUSIONS = (SPARSE_INDEX_MASK_ALL,)

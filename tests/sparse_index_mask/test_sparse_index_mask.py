@@ -1,0 +1,105 @@
+"""The DeepSeek sparse-attention index mask where top-k takes every cached position: rewritten to
+all False (bit-equal to eager's scatter for any scores, ties and NaN included); left alone where
+the mask is live (k < T), along another dim, or into a mask of another shape. On the real
+DeepseekV32 attention: a decode step whose cache fits in index_topk drops the indexer's top-k,
+scatter and score GEMMs, its output as eager's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_passes
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import compare, tolerance
+
+FUSION = ["sparse_index_mask_all"]
+
+
+def transformers_mask(index_scores, attention_mask, index_topk):
+    """transformers' DeepseekV32 indexer tail and attention (sdpa path), as it writes them."""
+    b, s, t = index_scores.shape
+    topk = min(index_topk, index_scores.shape[-1])
+    topk_indices = index_scores.topk(topk, dim=-1).indices.to(torch.int32)
+    index_mask = topk_indices.new_ones((b, s, t), dtype=torch.bool).scatter(-1, topk_indices.long(), False).unsqueeze(1)
+    return attention_mask & ~index_mask
+
+
+def along_dim_1(index_scores, attention_mask, index_topk):
+    """A top-k over the tokens and a scatter along them: not the pattern (another dim)."""
+    idx = index_scores.topk(index_scores.shape[1], dim=1).indices
+    return attention_mask & ~torch.ones_like(attention_mask[:, 0]).scatter(1, idx, False).unsqueeze(1)
+
+
+def _compile(fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(FUSION, report=report), fullgraph=True)(*args)
+    return out, report
+
+
+def _inputs(t: int, ties: bool = False):
+    g = torch.Generator().manual_seed(t)
+    scores = torch.randn(3, 2, t, generator=g)
+    if ties:  # ties, -inf (masked positions) and a NaN: the indices stay a permutation
+        scores[..., : t // 2] = 0.5
+        scores[..., -3:] = float("-inf")
+        scores[0, 0, 1] = float("nan")
+    causal = torch.rand(3, 1, 2, t, generator=g) > 0.3
+    return scores, causal
+
+
+@pytest.mark.parametrize("t,ties", [(37, False), (64, True)])
+def test_top_k_over_every_position_is_all_false(t, ties):
+    scores, causal = _inputs(t, ties)
+    expected = transformers_mask(scores, causal, 2048)
+    out, report = _compile(transformers_mask, scores, causal, 2048)
+    assert torch.equal(out, expected)
+    assert report.final()["sparse_index_mask_all"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (1, 0)
+    assert (before["aten.scatter.value"], after["aten.scatter.value"]) == (1, 0)
+
+
+def test_a_live_mask_is_left_alone():
+    scores, causal = _inputs(37)
+    out, report = _compile(transformers_mask, scores, causal, 8)  # top-8 of 37: live
+    assert torch.equal(out, transformers_mask(scores, causal, 8))
+    assert report.final()["sparse_index_mask_all"] == 0
+    assert [r.reason for r in report.rejected] == [
+        "top-8 of 37 positions: the index mask is live (the cache is longer than index_topk)"
+    ]
+    assert report.ops_after()["aten.scatter.value"] == 1
+
+
+def test_another_dim_is_not_the_pattern():
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 5, 2, generator=g)  # top-k over dim 1 (all 5), scattered along it
+    causal = torch.rand(3, 1, 5, 2, generator=g) > 0.3
+    out, report = _compile(along_dim_1, scores, causal, 0)
+    assert torch.equal(out, along_dim_1(scores, causal, 0))
+    assert report.matches["sparse_index_mask_all"] == 0 and not report.rejected
+    assert report.ops_after()["aten.scatter.value"] == 1
+
+
+def test_deepseek_v32_decode_within_index_topk_drops_the_indexer_selection():
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
+    indexers = [m for m in built.module.modules() if hasattr(m, "index_topk")]
+    assert len(indexers) == 2
+    for m in indexers:  # the tiny config's index_topk (4) keeps its mask live; a real one (2048) is not
+        m.index_topk = 64
+    step = DecodeStep(built.module, batch=2, context=8, steps=1)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True)(*step.inputs(0))
+        step.restore()
+        expected = step(*step.inputs(0))
+    assert report.final()["sparse_index_mask_all"] == 2
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.scatter.value"], after["aten.scatter.value"]) == (2, 0)
+    # the indexers' top-k go; the MoE router's (3 per layer with experts: 1 here) stay
+    assert before["aten.topk.default"] - after["aten.topk.default"] == 2
+    assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
