@@ -261,35 +261,37 @@ def models(payloads):
 def decode(payloads):
     (p,) = payloads
     rows = []
-    for point in p["points"]:
-        stock = point["variants"]["inductor"].get("graph_us")
-        for label, r in point["variants"].items():
-            if "graph_us" not in r:
-                continue
-            other = r["per_layer"]["other"]
-            n = r.get("numerics") or {}
-            key = [f"{point['model']} ({point['layers']})", str(point["batch"]), str(point["context"]), label]
-            rows.append([*key, str(r["kernels"]), f"{other['kernels']:.1f} / {other['us']:.1f}",
-                         _us(r["plain_us"]), _us(r["graph_us"]), _x(stock / r["graph_us"] if stock and r["graph_us"] else None),
-                         f"{n['out_rel_err']:.3f}" if n else "-"])  # fmt: skip
-    for point in p.get("prefill", []):
-        stock = point["variants"]["inductor"].get("graph_us")
-        for label, r in point["variants"].items():
-            if "graph_us" in r:
-                key = [f"{point['model']} ({point['layers']})", "1", f"prefill {point['tokens']}", label]
-                rows.append([*key, "-", "-", _us(r["plain_us"]), _us(r["graph_us"]),
-                             _x(stock / r["graph_us"] if stock and r["graph_us"] else None), "-"])  # fmt: skip
+
+    def pair(stock: dict, ours: dict, key: str, fmt) -> str:
+        return f"{fmt(stock.get(key))} -> {fmt(ours.get(key))}"
+
+    for point in p["points"] + p.get("prefill", []):
+        stock, ours = point["variants"]["inductor"], point["variants"]["fusion_passes"]
+        if "graph_us" not in ours:
+            continue
+        where = (f"{point['batch']} x {point['context']}" if "batch" in point else f"prefill {point['tokens']}")
+        other = "-"
+        if "per_layer" in ours:
+            s_o, o_o = stock["per_layer"]["other"], ours["per_layer"]["other"]
+            other = f"{s_o['kernels']:.1f} / {s_o['us']:.0f} -> {o_o['kernels']:.1f} / {o_o['us']:.0f}"
+        kernels = pair(stock, ours, "kernels", str) if "kernels" in ours else "-"
+        speed = [_x(stock[k] / ours[k] if stock.get(k) and ours.get(k) else None) for k in ("plain_us", "graph_us")]
+        errors = "-"
+        if ours.get("numerics"):
+            errors = f"{stock['numerics']['out_rel_err']:.3f} / {ours['numerics']['out_rel_err']:.3f}"
+        rows.append([f"{point['model']} ({point['layers']})", where, kernels, other,
+                     pair(stock, ours, "graph_us", _us), *speed, errors])  # fmt: skip
     what = (
         "Real widths, bf16, a few layers (in parentheses): one decode step on a transformers StaticCache "
-        "prefilled with `context` tokens (`benchmarks/bench_decode.py`), and a prefill that writes the "
-        'cache. "other / layer": kernels / GPU us per layer outside GEMM, attention and MoE; error: the '
-        "largest relative error of a step's output against eager over 16 teacher-forced steps (MoE "
-        "routing and DeepSeek V3.2's indexer top-k turn last-bit differences into other choices: "
-        "compare with stock Inductor's own). The ranked \"what is left\" lists are in the result file."
+        "(batch x cached tokens; `benchmarks/bench_decode.py`), and a prefill that writes the cache; "
+        'stock Inductor -> fusion_passes. "other / layer": kernels / GPU us per layer outside GEMM, '
+        "attention and MoE. Errors: the largest relative error of a step's output against eager over 16 "
+        "teacher-forced steps, Inductor / fusion_passes (MoE routing turns last-bit differences into "
+        'other experts). The ranked "what is left" lists and eager are in the result file.'
     )
-    header = ["model (layers)", "batch", "context", "variant", "kernels", "other / layer",
-              "plain us", "CUDA graph us", "graph: Inductor / variant", "error vs eager"]  # fmt: skip
-    return what, _table(header, rows, 4)
+    header = ["model (layers)", "step", "kernels", "other / layer", "CUDA graph us",
+              "speedup, plain", "speedup, graph", "errors vs eager"]  # fmt: skip
+    return what, _table(header, rows, 2)
 
 
 def diff_kernels(payloads):
