@@ -119,13 +119,13 @@ class _Walk:
     def run(self, start: torch.fx.Node, op: str) -> tuple[int, int, str]:
         """(spelling ops that lined up, ops in the spelling, the first divergence)."""
         anchors = [n for n in self.ops if op_name(n) == op]
-        if not anchors:
+        self.same_op = 0  # divergences at the spelling's own op (its arguments differ)
+        if not anchors:  # (a pow(-0.5) norm spelling has no rsqrt)
             return 0, len(self.ops), f"the spelling has no {op}"
         # The spelling's op with the candidate's literal arguments first (of its casts, the one to
         # float8, not the upcast to fp32).
         anchors.sort(key=lambda s: self._compare_args(start, s) is not None)
         self.paired: dict[torch.fx.Node, torch.fx.Node] = {}
-        self.same_op = 0  # divergences at the spelling's own op (its arguments differ)
         self.bound: dict[torch.fx.Node, torch.fx.Node] = {}
         queue = deque([(start, anchors[0])])
         first = None

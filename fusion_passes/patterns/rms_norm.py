@@ -14,6 +14,9 @@ Spellings (as transformers writes them):
   ``pow(2)``: both are one correctly rounded product).
 - Olmo2: ``(weight * h).to(dtype)``, the weight multiplied in fp32 (promoted) before the one
   cast: the F.rms_norm form.
+- ``pow(-0.5)`` for the rsqrt (the Llama and the fp32-weight orders): eager's pow kernels
+  special-case -0.5 to rsqrt, so the bits are the rsqrt spelling's.
+- No weight (``rms_norm_unweighted``): a weight of ones, exact.
 - vLLM's native forward with a residual: the add in fp32, the fp32 sum normalised unrounded,
   its rounding the new residual (``add_rms_norm(..., residual_in_fp32=True)``):
       x = x.to(f32) + residual.to(f32); residual = x.to(dtype); ...; x.to(dtype) * weight
@@ -75,6 +78,76 @@ def olmo2_rms_norm(x, weight, eps):
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return (weight * h).to(input_dtype)
+
+
+def pow_rms_norm(x, weight, eps):
+    """The Llama form with the inverse root written ``pow(-0.5)``: eager's pow special-cases the
+    exponent -0.5 to rsqrt (CPU and CUDA kernels), so it is bit-equal to the rsqrt spelling."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.pow(variance + eps, -0.5)
+    return weight * h.to(input_dtype)
+
+
+def pow_fp32_weight_rms_norm(x, weight, eps):
+    """``pow(-0.5)`` with the weight multiplied in fp32 before the one cast (Olmo2's order)."""
+    h = x.float()
+    h = h * (h.pow(2).mean(-1, keepdim=True) + eps) ** -0.5
+    return (weight * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x, eps):
+    """No weight (``F.rms_norm(x, shape, None, eps)``, scale-free q/k norms): the normalised row
+    rounded to x's dtype."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def functional_unweighted_rms_norm(x, eps):
+    """``F.rms_norm(x, shape, None, eps)`` / ``nn.RMSNorm(elementwise_affine=False)``."""
+    return F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def pow_unweighted_rms_norm(x, eps):
+    """No weight, the inverse root as ``pow(-0.5)`` (transformers' Gemma3n with_scale=False)."""
+    h = x.float()
+    return (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
+
+
+def _unweighted_fused(x, eps):
+    # A weight of ones: 1 * n.to(dtype) is exact, so the Llama form of the op is the same math.
+    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return torch.ops.fusion_passes.rms_norm.default(x, ones, eps, 0.0, True)
+
+
+def _check_unweighted(values: dict[str, Any]) -> str | None:
+    x = values["x"]
+    try:
+        check_rms_norm_args(x, x.new_empty(x.shape[-1]), 0.0, True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _scaled_next(match) -> str | None:
+    """An unweighted norm whose output a weight of the row's width multiplies next (after casts)
+    is a weighted form that its own fusion refused (an fp32 weight on bf16 rows): it keeps that
+    refusal instead of being raised by halves."""
+    cast = torch.ops.prims.convert_element_type.default
+    for out in match.output_nodes():
+        if out is None or "val" not in out.meta:
+            continue
+        width, frontier = out.meta["val"].shape[-1], [out]
+        for _ in range(3):
+            for node in frontier:
+                for user in node.users:
+                    other = next((a for a in user.args if a is not node), None) if user.target is torch.ops.aten.mul.Tensor else None
+                    val = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
+                    if isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == width:
+                        return "a weight of the row's width multiplies the result next: a weighted form"
+            frontier = [u for n in frontier for u in n.users if u.target is cast]
+    return None
 
 
 def vllm_add_rms_norm(x, residual, weight, eps):
@@ -161,6 +234,8 @@ _FORMS = (  # spelling, weight_offset, cast_before_weight
     (meta_rms_norm, 0.0, True),
     (gpt_fast_rms_norm, 0.0, True),
     (olmo2_rms_norm, 0.0, False),
+    (pow_rms_norm, 0.0, True),
+    (pow_fp32_weight_rms_norm, 0.0, False),
 )
 
 ADD_RMS_NORM = Fusion(
@@ -211,5 +286,30 @@ RMS_NORM = Fusion(
     builtin=True,
 )
 
-# add_rms_norm first: it must claim a norm before the plain rms_norm pattern takes it alone.
-FUSIONS = (ADD_RMS_NORM, RMS_NORM)
+
+def _unweighted_examples():
+    for dtype in (torch.float32, torch.bfloat16):
+        yield (torch.randn(8, 16, dtype=dtype), DEFAULT_SCALAR_SENTINEL)
+
+
+RMS_NORM_UNWEIGHTED = Fusion(
+    name="rms_norm_unweighted",
+    summary="RMSNorm without a weight -> one rms_norm kernel (a weight of ones)",
+    doc="""RMSNorm over the last dim with no weight.
+
+    Unfused: h = f32(x); y = (h * rsqrt(mean(h^2, -1) + eps)).to(x.dtype)
+    Fused:   y = fusion_passes.rms_norm(x, ones(D), eps, 0.0, cast_before_weight=True)
+             (1 * n.to(dtype) is exact: the same bits)""",
+    spellings=tuple(
+        Spelling(fn.__name__, fn, _unweighted_fused, _check_unweighted)
+        for fn in (unweighted_rms_norm, functional_unweighted_rms_norm, pow_unweighted_rms_norm)
+    ),
+    example_inputs=_unweighted_examples,
+    scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    match_check=_scaled_next,
+    builtin=True,
+)
+
+# add_rms_norm first: it must claim a norm before the plain rms_norm pattern takes it alone; the
+# weighted forms before the unweighted one, whose pattern is a prefix of theirs.
+FUSIONS = (ADD_RMS_NORM, RMS_NORM, RMS_NORM_UNWEIGHTED)

@@ -90,6 +90,43 @@ class VllmNativeRMSNorm(nn.Module):
         return x if residual is None else (x, residual)
 
 
+class PowLlamaRMSNorm(Olmo2RMSNorm):
+    """The Llama form with the inverse root written as a power: ``(variance + eps) ** -0.5``."""
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * (variance + self.variance_epsilon) ** -0.5
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class PowFp32WeightRMSNorm(Olmo2RMSNorm):
+    """``torch.pow(variance + eps, -0.5)``, the weight multiplied in fp32 before the cast."""
+
+    def forward(self, hidden_states):
+        h = hidden_states.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon, -0.5)
+        return (self.weight * h).to(hidden_states.dtype)
+
+
+class ScaleFreeRMSNorm(nn.Module):
+    """transformers' Gemma3n with_scale=False: no weight, the fp32 row normalised and cast back."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(x)
+
+
+def _unweighted_nn_rmsnorm(dim):
+    """torch's nn.RMSNorm without the affine weight (F.rms_norm(x, shape, None, eps))."""
+    return nn.RMSNorm(dim, eps=1e-6, elementwise_affine=False)
+
+
 def _torchtitan_norm(dim):
     """torchtitan: nn.RMSNorm (F.rms_norm)."""
     return nn.RMSNorm(dim, eps=1e-6)
@@ -104,7 +141,12 @@ CASES = {
     "torchtitan": (_torchtitan_norm, False, "functional_rms_norm", "rms_norm"),
     "vllm": (VllmNativeRMSNorm, False, "meta_rms_norm", "rms_norm"),
     "vllm_residual": (VllmNativeRMSNorm, True, "vllm_add_rms_norm", "add_rms_norm"),
+    "pow": (PowLlamaRMSNorm, False, "pow_rms_norm", "rms_norm"),
+    "pow_fp32_weight": (PowFp32WeightRMSNorm, False, "pow_fp32_weight_rms_norm", "rms_norm"),
+    "unweighted_nn": (_unweighted_nn_rmsnorm, False, "functional_unweighted_rms_norm", "rms_norm_unweighted"),
+    "scale_free": (ScaleFreeRMSNorm, False, "pow_unweighted_rms_norm", "rms_norm_unweighted"),
 }
+POW_CASES = {"pow", "pow_fp32_weight", "scale_free"}
 # By default bf16 (the graphs keep every cast there); fp32 and fp16 for each in the slow set.
 PARAMS = [pytest.param(c, torch.bfloat16, id=f"{c}-bf16") for c in CASES] + [
     pytest.param(c, dtype, id=f"{c}-{name}", marks=pytest.mark.slow)
@@ -119,8 +161,9 @@ def test_spelling_raises_bit_exact(case, dtype):
     g = torch.Generator().manual_seed(hash(case) % 1000)
     dim = 72  # not a power of two
     norm = factory(dim).to(dtype)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(dim, generator=g).to(dtype))
+    if getattr(norm, "weight", None) is not None:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=g).to(dtype))
     x, residual = (torch.randn(2, 5, dim, generator=g).to(dtype) for _ in range(2))
     args = (x, residual) if with_residual else (x,)
 
@@ -130,7 +173,8 @@ def test_spelling_raises_bit_exact(case, dtype):
 
     torch._dynamo.reset()
     report = fusion_passes.Report()
-    backend = fusion_passes.backend(["add_rms_norm", "rms_norm"], report=report, lower_back=False)
+    fusions = ["add_rms_norm", "rms_norm", "rms_norm_unweighted"]
+    backend = fusion_passes.backend(fusions, report=report, lower_back=False)
     with torch.no_grad():
         out = torch.compile(fn, backend=backend)(*args)
         expected = fn(*args)
@@ -140,8 +184,10 @@ def test_spelling_raises_bit_exact(case, dtype):
     if dtype != torch.float32:
         assert site.spelling == spelling
     (graph,) = report.graphs
-    assert NORM_OPS <= set(graph.ops_before) and not NORM_OPS & set(graph.ops_after)
-    assert graph.ops_after[f"fusion_passes.{fusion}.default"] == 1
+    norm_ops = {"aten.mean.dim", "aten.pow.Tensor_Scalar"} if case in POW_CASES else NORM_OPS
+    assert norm_ops <= set(graph.ops_before) and not {"aten.rsqrt.default", "aten.mean.dim"} & set(graph.ops_after)
+    op = "rms_norm" if fusion == "rms_norm_unweighted" else fusion  # a weight of ones, the same op
+    assert graph.ops_after[f"fusion_passes.{op}.default"] == 1
     for a, e in zip(*(o if isinstance(o, tuple) else (o,) for o in (out, expected)), strict=True):
         assert torch.equal(a, e)
 
