@@ -213,6 +213,14 @@ def _check_form(offset: float, cast: bool):
     return check
 
 
+def _inverse_root(node) -> bool:
+    """A near-miss candidate: rsqrt, or a pow of exponent -0.5 (not the squares)."""
+    return node.target is not torch.ops.aten.pow.Tensor_Scalar or node.args[1] == -0.5
+
+
+_CANDIDATES = ("aten.rsqrt.default", "aten.pow.Tensor_Scalar")
+
+
 def _examples(with_residual: bool):
     """fp32 graphs drop the casts that bf16/fp16 graphs keep: trace both (fp16 matches the bf16
     pattern; the matcher re-traces every candidate with its real dtypes before accepting it)."""
@@ -264,7 +272,8 @@ ADD_RMS_NORM = Fusion(
     ),
     example_inputs=_examples(with_residual=True),
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
-    candidate_ops=("aten.rsqrt.default",),
+    candidate_ops=_CANDIDATES,
+    candidate=_inverse_root,
     builtin=True,
 )
 
@@ -282,7 +291,8 @@ RMS_NORM = Fusion(
     ),
     example_inputs=_examples(with_residual=False),
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
-    candidate_ops=("aten.rsqrt.default",),
+    candidate_ops=_CANDIDATES,
+    candidate=_inverse_root,
     builtin=True,
 )
 

@@ -39,7 +39,14 @@ def cube_instead_of_square(x, w):
     return w * h.to(x.dtype)
 
 
+def pow_over_dim_1(x, w):
+    h = x.to(torch.float32)
+    h = h * torch.pow(h.pow(2).mean(1, keepdim=True) + 1e-6, -0.5)
+    return w * h.to(x.dtype)
+
+
 CASES = {
+    pow_over_dim_1: ("pow_rms_norm", "aten.mean.dim argument 1 is [1], the spelling has [-1]"),
     over_dim_1: ("llama_rms_norm", "aten.mean.dim argument 1 is [1], the spelling has [-1]"),
     sum_based_l2: ("llama_rms_norm", "expected aten.mean.dim, found aten.sum.dim_IntList"),
     fp32_weight: ("llama_rms_norm", "weight is torch.float32, the spelling expects torch.bfloat16"),
