@@ -52,6 +52,11 @@ class FusionError(ValueError):
 CheckFn = Callable[[dict[str, Any]], "str | None"]
 
 
+class NotASite(str):
+    """A check's reason for a candidate that is no site at all, recorded nowhere: the matcher,
+    retrying after a refusal, bound one branch of a two-branch pattern to the other's nodes."""
+
+
 @dataclass(frozen=True)
 class Spelling:
     """One unfused spelling, the fused call that replaces it, and an optional extra check.

@@ -33,6 +33,7 @@ from fusion_passes.near_miss import find_near_misses
 from fusion_passes.regions import Region, graph_region, match_region, region_ops
 from fusion_passes.fusion import (
     Fusion,
+    NotASite,
     Spelling,
     match_handler,
     pattern_pass,
@@ -232,6 +233,8 @@ class FusionPassManager(CustomGraphPass):
                 reason = check(values)
         if reason is None and fusion.match_check is not None:
             reason = fusion.match_check(match)
+        if isinstance(reason, NotASite):
+            return False
         if reason is None and self.verify:
             try:
                 reason = verify_match(match, _argnames(spelling), spelling.replacement)

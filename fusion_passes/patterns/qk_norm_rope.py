@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
-from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
+from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, NotASite, Spelling
 from fusion_passes.patterns.rope import FAMILY as ROPE_FAMILY
 
 # The whole-row spellings' head dim is traced with this sentinel: no other int of their traced
@@ -153,7 +153,7 @@ def _check(per_head: bool, transposed: bool, offset: float, cast: bool, interlea
         if q is k:
             # The matcher finds k's branch from the nodes q's branch shares with it (cos / sin)
             # and may bind it to q's own branch when k's does not match (e.g. another eps).
-            return "the k branch matched q's own nodes: no separate k norm + RoPE"
+            return NotASite("the k branch matched q's own nodes: no separate k norm + RoPE")
         if values["eps"] != values["k_eps"]:
             return f"q_norm eps {values['eps']} != k_norm eps {values['k_eps']} (the op has one)"
         head_dim = None

@@ -90,6 +90,8 @@ def test_decode_step_leaves_per_head_qk_norm_rope_to_inductor():
     assert report.final()["qk_norm_rope"] == 0
     refused = [r for r in report.rejected if "goes into the KV cache" in r.reason]
     assert sorted(r.module for r in refused) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    # one entry per site: the matcher's retry that binds k to q's own nodes is no site
+    assert [r for r in report.rejected if r.fusion == "qk_norm_rope"] == refused
     assert ours["fused_ops"] == 0 and ours["generated"] == stock["generated"]
     assert report.ops_after()["fusion_passes.qk_norm_rope.default"] == 0
 
