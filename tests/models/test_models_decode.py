@@ -187,3 +187,38 @@ def test_decode_benchmark_smoke(tmp_path):
     assert (point["model"], point["batch"], point["context"]) == ("qwen3", 1, 8)
     for label in ("inductor", "fusion_passes"):
         assert point["variants"][label]["numerics"]["out_rel_err"] <= tolerance(torch.bfloat16).rel_norm
+
+
+FACTORY = """
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+
+def make():
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg).eval(), (torch.randint(0, 128, (1, 8)),)
+"""
+
+
+def test_cli_decode_on_a_users_causal_lm(tmp_path):
+    """A factory's transformers *ForCausalLM: its decode step (logits) compared and reported."""
+    factory = tmp_path / "user_model.py"
+    factory.write_text(FACTORY)
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "fusion_passes.cli", "diff", f"{factory}:make", "--decode", "--batch", "2",
+         "--context", "16", "--device", "cpu", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["decode"] == {"batch": 2, "context": 16}
+    assert report["model"].endswith("a decode step at batch 2 after 16 tokens")
+    assert all(check["ok"] for check in report["numerics"].values())
+    (rejected,) = report["rejected"]
+    assert rejected["fusion"] == "qk_norm_rope" and "goes into the KV cache" in rejected["reason"]
+    assert report["lowered_back"] == {"fusion_passes.add_rms_norm.default": 2,
+                                      "fusion_passes.rms_norm.default": 3, "fusion_passes.rope.default": 2}  # fmt: skip
