@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
-from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
+from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, NotASite, Spelling
 
 # --- the spellings (traced by the pattern matcher; keep them exactly as models write them) ---
 
@@ -133,8 +133,8 @@ def _check_unweighted(values: dict[str, Any]) -> str | None:
 
 def _scaled_next(match) -> str | None:
     """An unweighted norm whose output a weight of the row's width multiplies next (after casts)
-    is a weighted form that its own fusion refused (an fp32 weight on bf16 rows): it keeps that
-    refusal instead of being raised by halves."""
+    is a weighted form that its own fusion refused (an fp32 weight on bf16 rows): no site of this
+    fusion (that refusal is the report's), not raised by halves."""
     cast = torch.ops.prims.convert_element_type.default
     for out in match.output_nodes():
         if out is None or "val" not in out.meta:
@@ -146,7 +146,7 @@ def _scaled_next(match) -> str | None:
                     other = next((a for a in user.args if a is not node), None) if user.target is torch.ops.aten.mul.Tensor else None
                     val = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
                     if isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == width:
-                        return "a weight of the row's width multiplies the result next: a weighted form"
+                        return NotASite("a weight of the row's width multiplies the result next: a weighted form")
             frontier = [u for n in frontier for u in n.users if u.target is cast]
     return None
 

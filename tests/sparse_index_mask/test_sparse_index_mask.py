@@ -68,9 +68,7 @@ def test_a_live_mask_is_left_alone():
     out, report = _compile(transformers_mask, scores, causal, 8)  # top-8 of 37: live
     assert torch.equal(out, transformers_mask(scores, causal, 8))
     assert report.final()["sparse_index_mask_all"] == 0
-    assert [r.reason for r in report.rejected] == [
-        "top-8 of 37 positions: the index mask is live (the cache is longer than index_topk)"
-    ]
+    assert not report.rejected  # the sparse attention at work: no site, no report entry
     assert report.ops_after()["aten.scatter.value"] == 1
 
 
