@@ -16,15 +16,55 @@ def hf_rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def llama(q_proj, k_proj, cos, sin):
-    """transformers Llama / Qwen3 (no q/k norm here): view, transpose, cos.unsqueeze(1)."""
-    b, s = q_proj.shape[:2]
-    q = q_proj.view(b, s, -1, D).transpose(1, 2)
-    k = k_proj.view(b, s, -1, D).transpose(1, 2)
+def glm_rotate_half(x):
+    """transformers GLM4's rotate_half_llm: GPT-J pairs."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+# --- the rotary steps on [B, H, S, D] heads, as transformers writes them ---
+
+
+def hf_rope(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb (unsqueeze_dim=1), every dim rotated."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q_embed = (q * cos) + (hf_rotate_half(q) * sin)
     k_embed = (k * cos) + (hf_rotate_half(k) * sin)
     return q_embed, k_embed
+
+
+def hf_rope_partial(q, k, cos, sin, rotate_half=hf_rotate_half):
+    """transformers' partial rotary (Phi-3, Qwen3-Next, GLM4): the first cos.shape[-1] dims
+    rotated, the rest passed through and concatenated back."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+def glm4_rope(q, k, cos, sin):
+    """transformers GLM4: cos / sin of the rotary embedding's cat((freqs, freqs)) cut to their
+    first half and repeat_interleave(2)-ed, GPT-J pairs on that many dims."""
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return hf_rope_partial(q, k, cos, sin, rotate_half=glm_rotate_half)
+
+
+# --- the attention preludes, from the projections ---
+
+
+def _heads(q_proj, k_proj):
+    b, s = q_proj.shape[:2]
+    return q_proj.view(b, s, -1, D).transpose(1, 2), k_proj.view(b, s, -1, D).transpose(1, 2)
+
+
+def llama(q_proj, k_proj, cos, sin):
+    """transformers Llama / Qwen3 (no q/k norm here): view, transpose, cos.unsqueeze(1)."""
+    return hf_rope(*_heads(q_proj, k_proj), cos, sin)
 
 
 def gemma(q_proj, k_proj, cos32, sin32):
@@ -35,53 +75,21 @@ def gemma(q_proj, k_proj, cos32, sin32):
 
 def olmo2(q_proj, k_proj, cos32, sin32):
     """transformers Olmo2: fp32 cos / sin (q * cos promotes), each result cast back."""
-    b, s = q_proj.shape[:2]
-    q = q_proj.view(b, s, -1, D).transpose(1, 2)
-    k = k_proj.view(b, s, -1, D).transpose(1, 2)
-    q_type, k_type = q.dtype, k.dtype
-    cos, sin = cos32.unsqueeze(1), sin32.unsqueeze(1)
-    q_embed = (q * cos) + (hf_rotate_half(q) * sin)
-    k_embed = (k * cos) + (hf_rotate_half(k) * sin)
-    return q_embed.to(q_type), k_embed.to(k_type)
+    q, k = _heads(q_proj, k_proj)
+    q_embed, k_embed = hf_rope(q, k, cos32, sin32)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
 def phi3(qkv, cos_half, sin_half):
     """transformers Phi-3: one qkv projection sliced, partial rotary (cos spans R < D)."""
-    b, s = qkv.shape[:2]
     query_pos = HQ * D
-    q = qkv[..., :query_pos].view(b, s, -1, D).transpose(1, 2)
-    k = qkv[..., query_pos : query_pos + HK * D].view(b, s, -1, D).transpose(1, 2)
-    cos, sin = cos_half.unsqueeze(1), sin_half.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = torch.cat([(q_rot * cos) + (hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
-    k_embed = torch.cat([(k_rot * cos) + (hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
-    return q_embed, k_embed
-
-
-def _glm_rotate_half(x):
-    x1 = x[..., 0::2]
-    x2 = x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    q, k = _heads(qkv[..., :query_pos], qkv[..., query_pos : query_pos + HK * D])
+    return hf_rope_partial(q, k, cos_half, sin_half)
 
 
 def glm4(q_proj, k_proj, cos_half, sin_half):
-    """transformers GLM4: GPT-J pairs on the first half of the head, cos / sin of the rotary
-    embedding's cat((freqs, freqs)) cut to their first half and repeat_interleave(2)-ed."""
-    b, s = q_proj.shape[:2]
-    q = q_proj.view(b, s, -1, D).transpose(1, 2)
-    k = k_proj.view(b, s, -1, D).transpose(1, 2)
-    cos = cos_half.unsqueeze(1)
-    sin = sin_half.unsqueeze(1)
-    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = (q_rot * cos) + (_glm_rotate_half(q_rot) * sin)
-    k_embed = (k_rot * cos) + (_glm_rotate_half(k_rot) * sin)
-    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+    """transformers GLM4: GPT-J pairs on the first half of the head (see glm4_rope)."""
+    return glm4_rope(*_heads(q_proj, k_proj), cos_half, sin_half)
 
 
 def gpt_fast_apply(x, freqs_cis):
@@ -126,7 +134,9 @@ def vllm_apply(x, cos, sin, is_neox_style):
     return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
-def _vllm(positions, query, key, cos_sin_cache, rotary_dim, is_neox_style):
+def vllm_native(positions, query, key, cos_sin_cache, rotary_dim, is_neox_style):
+    """vLLM's RotaryEmbedding.forward_native on flat [T, H * D] q / k: cos / sin gathered by
+    position and chunked, the first rotary_dim dims of each head rotated, the rest passed."""
     positions = positions.flatten()
     num_tokens = positions.shape[0]
     cos_sin = cos_sin_cache.index_select(0, positions)
@@ -135,14 +145,10 @@ def _vllm(positions, query, key, cos_sin_cache, rotary_dim, is_neox_style):
     for x in (query, key):
         shape = x.shape
         x = x.view(num_tokens, -1, D)
-        if rotary_dim == D:
-            x = vllm_apply(x, cos, sin, is_neox_style)
-        else:
-            x_rot = x[..., :rotary_dim]
-            x_pass = x[..., rotary_dim:]
-            x_rot = vllm_apply(x_rot, cos, sin, is_neox_style)
-            x = torch.cat((x_rot, x_pass), dim=-1)
-        out.append(x.reshape(shape))
+        x_rot = x[..., :rotary_dim]
+        x_pass = x[..., rotary_dim:]
+        x_rot = vllm_apply(x_rot, cos, sin, is_neox_style)
+        out.append(torch.cat((x_rot, x_pass), dim=-1).reshape(shape))
     return tuple(out)
 
 
@@ -150,7 +156,7 @@ def vllm(neox: bool, rotary_dim: int):
     """vLLM's RotaryEmbedding.forward_native on flat [T, H * D] q / k."""
 
     def fn(positions, query, key, cos_sin_cache):
-        return _vllm(positions, query, key, cos_sin_cache, rotary_dim, neox)
+        return vllm_native(positions, query, key, cos_sin_cache, rotary_dim, neox)
 
     fn.__name__ = f"vllm_{'neox' if neox else 'gptj'}_{rotary_dim}"
     return fn

@@ -108,6 +108,9 @@ def test_prefill_through_the_cache_still_fuses_qk_norm_rope():
         expected = step(prompt, positions)
     assert report.final()["qk_norm_rope"] == 2
     assert not [r for r in report.rejected if "KV cache" in r.reason]
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["fusion_passes.qk_norm_rope.default"], after["fusion_passes.qk_norm_rope.default"]) == (0, 2)
+    assert before["aten.neg.default"] - after["aten.neg.default"] == 4  # q's and k's rotations, 2 layers
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
 
 

@@ -19,7 +19,15 @@ import torch
 import torch.nn.functional as F
 
 import fusion_passes
-from _rope_spellings import gpt_fast_apply, hf_rotate_half, vllm_apply  # each code base's RoPE
+from _rope_spellings import (  # each code base's RoPE
+    glm4_rope,
+    glm_rotate_half,
+    gpt_fast_apply,
+    hf_rope,
+    hf_rope_partial,
+    hf_rotate_half,
+    vllm_native,
+)
 from fusion_passes.numerics import tolerance
 
 D, HQ, HK = 12, 3, 1  # odd sizes: 3 + 1 heads of 12, 5 tokens
@@ -50,11 +58,8 @@ def olmo2(q_proj, k_proj, q_w, k_w, cos32, sin32):
     hidden_shape = (b, s, -1, D)
     q = olmo2_rms_norm(q_proj, q_w, 1e-6).view(hidden_shape).transpose(1, 2)
     k = olmo2_rms_norm(k_proj, k_w, 1e-6).view(hidden_shape).transpose(1, 2)
-    q_type, k_type = q.dtype, k.dtype
-    cos, sin = cos32.unsqueeze(1), sin32.unsqueeze(1)
-    q_embed = (q * cos) + (hf_rotate_half(q) * sin)
-    k_embed = (k * cos) + (hf_rotate_half(k) * sin)
-    return q_embed.to(q_type), k_embed.to(k_type)
+    q_embed, k_embed = hf_rope(q, k, cos32, sin32)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
 def gpt_fast(qkv, q_w, k_w, freqs_cache, input_pos):
@@ -79,19 +84,7 @@ def vllm_qwen3(rotary_dim, is_neox_style=True):
         q = llama_rms_norm(q_by_head, q_w, 1e-6).view(q.shape)
         k_by_head = k.view(*k.shape[:-1], k.shape[-1] // D, D)
         k = llama_rms_norm(k_by_head, k_w, 1e-6).view(k.shape)
-        positions = positions.flatten()
-        num_tokens = positions.shape[0]
-        cos_sin = cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        out = []
-        for x in (q, k):
-            shape = x.shape
-            x = x.view(num_tokens, -1, D)
-            x_rot = x[..., :rotary_dim]
-            x_pass = x[..., rotary_dim:]
-            x_rot = vllm_apply(x_rot, cos, sin, is_neox_style)
-            out.append(torch.cat((x_rot, x_pass), dim=-1).reshape(shape))
-        return tuple(out)
+        return vllm_native(positions, q, k, cos_sin_cache, rotary_dim, is_neox_style)
 
     return fn
 
@@ -111,16 +104,7 @@ def vllm_olmo2(positions, q, k, q_w, k_w, cos_sin_cache):
     then RotaryEmbedding.forward_native (NeoX, the whole head)."""
     q = vllm_rms_norm(q, q_w, 1e-6)
     k = vllm_rms_norm(k, k_w, 1e-6)
-    positions = positions.flatten()
-    num_tokens = positions.shape[0]
-    cos_sin = cos_sin_cache.index_select(0, positions)
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    out = []
-    for x in (q, k):
-        shape = x.shape
-        x = x.view(num_tokens, -1, D)
-        out.append(vllm_apply(x, cos, sin, True).reshape(shape))
-    return tuple(out)
+    return vllm_native(positions, q, k, cos_sin_cache, D, True)
 
 
 def phi3(qkv, q_w, k_w, cos, sin):
@@ -131,19 +115,7 @@ def phi3(qkv, q_w, k_w, cos, sin):
     k = qkv[..., query_pos : query_pos + HK * D].view(b, s, -1, D)
     q = llama_rms_norm(q, q_w, 1e-6).transpose(1, 2)
     k = llama_rms_norm(k, k_w, 1e-6).transpose(1, 2)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = torch.cat([(q_rot * cos) + (hf_rotate_half(q_rot) * sin), q_pass], dim=-1)
-    k_embed = torch.cat([(k_rot * cos) + (hf_rotate_half(k_rot) * sin), k_pass], dim=-1)
-    return q_embed, k_embed
-
-
-def _glm_rotate_half(x):
-    x1 = x[..., 0::2]
-    x2 = x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    return hf_rope_partial(q, k, cos, sin)
 
 
 def glm4_with_norms(q_proj, k_proj, q_w, k_w, cos, sin):
@@ -151,15 +123,7 @@ def glm4_with_norms(q_proj, k_proj, q_w, k_w, cos, sin):
     b, s = q_proj.shape[:2]
     q = llama_rms_norm(q_proj.view(b, s, -1, D), q_w, 1e-6).transpose(1, 2)
     k = llama_rms_norm(k_proj.view(b, s, -1, D), k_w, 1e-6).transpose(1, 2)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = (q_rot * cos) + (_glm_rotate_half(q_rot) * sin)
-    k_embed = (k_rot * cos) + (_glm_rotate_half(k_rot) * sin)
-    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+    return glm4_rope(q, k, cos, sin)
 
 
 # --- inputs ---
@@ -292,7 +256,7 @@ def _neox(x, cos, sin):
 
 
 def _gptj(x, cos, sin):
-    return (x * cos) + (_glm_rotate_half(x) * sin)
+    return (x * cos) + (glm_rotate_half(x) * sin)
 
 
 def _layer_norm(x, w, eps):

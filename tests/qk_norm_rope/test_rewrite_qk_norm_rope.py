@@ -10,6 +10,8 @@ import torch
 
 import fusion_passes
 from _params import by_str, grid
+from _rope_spellings import hf_rope as rope_full  # transformers' apply_rotary_pos_emb
+from _rope_spellings import hf_rope_partial as rope_partial  # and its partial form (Qwen3-Next)
 from fusion_passes.patterns.qk_norm_rope import FAMILY
 from fusion_passes.patterns.rope import FAMILY as ROPE_FAMILY
 from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm, offset_rms_norm
@@ -19,36 +21,6 @@ from fusion_passes.registry import get_fusions
 NORMS = {"llama": llama_rms_norm, "fp32_weight": functional_rms_norm, "offset": offset_rms_norm}
 HEAD_DIM, HQ, HK = 16, 4, 2
 ROPE_OPS = {"aten.neg.default", "aten.cat.default"}
-
-
-# --- transformers' apply_rotary_pos_emb (unsqueeze_dim=1), full and partial (Qwen3-Next) ---
-
-
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_full(q, k, cos, sin):
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
-def rope_partial(q, k, cos, sin):
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
-    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
-    q_embed = torch.cat([q_embed, q_pass], dim=-1)
-    k_embed = torch.cat([k_embed, k_pass], dim=-1)
-    return q_embed, k_embed
 
 
 def _run(fn, *args, fusions="all"):

@@ -10,31 +10,20 @@ from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _rope_spellings import glm_rotate_half, hf_rotate_half
 from fusion_passes.lowering.rope.reference import rope_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _hf_rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _glm_rotate_half(x):
-    x1 = x[..., 0::2]
-    x2 = x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
-
 def transformers(x, cos, sin):  # Llama / Qwen3 / Gemma / Phi-3 partial
     r = cos.shape[-1]
     x_rot, x_pass = x[..., :r], x[..., r:]
-    return torch.cat([(x_rot * cos) + (_hf_rotate_half(x_rot) * sin), x_pass], dim=-1)
+    return torch.cat([(x_rot * cos) + (hf_rotate_half(x_rot) * sin), x_pass], dim=-1)
 
 
 def olmo2(x, cos32, sin32):
-    return ((x * cos32) + (_hf_rotate_half(x) * sin32)).to(x.dtype)
+    return ((x * cos32) + (hf_rotate_half(x) * sin32)).to(x.dtype)
 
 
 def glm(x, cos_half, sin_half):  # cos_half: one value per pair, repeated by the model
@@ -42,7 +31,7 @@ def glm(x, cos_half, sin_half):  # cos_half: one value per pair, repeated by the
     sin = sin_half.repeat_interleave(2, dim=-1)
     r = cos.shape[-1]
     x_rot, x_pass = x[..., :r], x[..., r:]
-    return torch.cat([(x_rot * cos) + (_glm_rotate_half(x_rot) * sin), x_pass], dim=-1)
+    return torch.cat([(x_rot * cos) + (glm_rotate_half(x_rot) * sin), x_pass], dim=-1)
 
 
 def vllm(x, cos, sin, is_neox_style):  # cos: half width

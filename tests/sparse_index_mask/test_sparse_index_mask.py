@@ -69,7 +69,7 @@ def test_a_live_mask_is_left_alone():
     assert torch.equal(out, transformers_mask(scores, causal, 8))
     assert report.final()["sparse_index_mask_all"] == 0
     assert not report.rejected  # the sparse attention at work: no site, no report entry
-    assert report.ops_after()["aten.scatter.value"] == 1
+    assert report.ops_after() == report.ops_before() and report.ops_after()["aten.scatter.value"] == 1
 
 
 def test_another_dim_is_not_the_pattern():
@@ -79,7 +79,7 @@ def test_another_dim_is_not_the_pattern():
     out, report = _compile(along_dim_1, scores, causal, 0)
     assert torch.equal(out, along_dim_1(scores, causal, 0))
     assert report.matches["sparse_index_mask_all"] == 0 and not report.rejected
-    assert report.ops_after()["aten.scatter.value"] == 1
+    assert report.ops_after() == report.ops_before() and report.ops_after()["aten.scatter.value"] == 1
 
 
 def test_deepseek_v32_decode_within_index_topk_drops_the_indexer_selection():
