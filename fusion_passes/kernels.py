@@ -49,19 +49,6 @@ def classify_kernel(name: str) -> str:
     return "other"
 
 
-def profile_kernel_names(fn, *args) -> list[str]:
-    """The CUDA kernels one call of ``fn`` launches, in launch order (needs a GPU)."""
-    import torch
-
-    fn(*args)  # warm: compile and autotune outside the profile
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
-
-
 def profile_kernels(fn, *args) -> list[tuple[str, float]]:
     """(name, GPU microseconds) of each CUDA kernel one call of ``fn`` launches, in launch order
     (needs a GPU; the call before the profiled one compiles and autotunes)."""
@@ -120,9 +107,11 @@ def what_is_left(kernels: list[tuple[str, float]], layers: int = 1) -> list[dict
     return ranked
 
 
+def profile_kernel_names(fn, *args) -> list[str]:
+    """The CUDA kernels one call of ``fn`` launches, in launch order (needs a GPU)."""
+    return [name for name, _ in profile_kernels(fn, *args)]
+
+
 def profile_kernel_classes(fn, *args) -> dict[str, int]:
     """CUDA kernels one call of ``fn`` launches, counted per class (needs a GPU)."""
-    counts = dict.fromkeys(KERNEL_CLASSES, 0)
-    for name in profile_kernel_names(fn, *args):
-        counts[classify_kernel(name)] += 1
-    return counts
+    return {c: v["kernels"] for c, v in class_times(profile_kernels(fn, *args)).items()}
