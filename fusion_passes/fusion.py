@@ -187,9 +187,11 @@ def trace_functional(
     fn: Callable[..., Any], args: Sequence[Any], *, get_decomp_fn=select_decomp_table, **kwargs
 ) -> torch.fx.GraphModule:
     """``fwd_only``, put in the form of Inductor's post-grad graphs: functional (some
-    decompositions mutate their temporaries: F.rms_norm adds eps with ``add_``), and with views
-    as reshapes (Inductor turns every ``view`` into ``reshape`` before its post-grad passes)."""
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    decompositions mutate their temporaries: F.rms_norm adds eps with ``add_``), with views as
+    reshapes (Inductor turns every ``view`` into ``reshape`` before its post-grad passes), and
+    without the no-op ops Inductor removes before them (a copy into a same-shaped temporary:
+    ``out[:, :, i] = x`` on a fresh tensor)."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
@@ -197,6 +199,7 @@ def trace_functional(
         gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
         gm.graph.eliminate_dead_code()
     view_to_reshape(gm)
+    remove_noop_ops(gm.graph)
     gm.recompile()
     return gm
 

@@ -16,6 +16,8 @@ from fusion_passes.fusion import Fusion
 from fusion_passes.patterns import (
     allreduce_rms_norm,
     allreduce_rms_norm_quant_fp8,
+    causal_conv1d_update,
+    gated_delta_step,
     mla_rope,
     qk_norm_rope,
     quant_fp8,
@@ -28,6 +30,17 @@ from fusion_passes.patterns import (
 
 FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
     (rms_norm, "first: every later family except SiLU + FP8 starts from the canonical norm ops"),
+    (
+        causal_conv1d_update,
+        "independent of the others (a cat, a convolution and SiLU); before the quantization "
+        "fusions' common-subexpression elimination, as gated_delta_step",
+    ),
+    (
+        gated_delta_step,
+        "independent of the norms (its l2norms sum, not average, and have no weight); before the "
+        "quantization fusions' common-subexpression elimination, which would merge the two "
+        "unsqueezes of the normalised k that transformers' recurrent step traces apart",
+    ),
     (
         mla_rope,
         "after the norms (kv_a_layernorm is a canonical rms_norm); before the quantization "

@@ -22,15 +22,28 @@ import torch.fx
 # op overload -> launcher(*op_args, wrap=...) returning what the op returns. Each lowering module
 # registers its own ops' launchers (register_launcher), next to the op it lowers.
 LAUNCHERS: dict[Any, Callable[..., Any]] = {}
+# op overload -> positions of the inputs its inlined launch overwrites in place (see register_launcher).
+WRITES_INPUTS: dict[Any, tuple[int, ...]] = {}
 
 
-def register_launcher(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_launcher(
+    op: Any, writes_inputs: tuple[int, ...] = ()
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: ``launcher(*args_of_op, wrap)`` launches ``op``'s Triton kernel on CUDA tensors,
     applying ``wrap`` (torch.library.wrap_triton) to each kernel, and returns the op's outputs,
-    none of them aliasing an input. Import triton inside the launcher: CPU-only users never need it."""
+    none of them aliasing an input. Import triton inside the launcher: CPU-only users never need it.
+
+    ``writes_inputs``: positions of inputs that an op returns updated (a KV cache's or a
+    recurrent layer's state: ``new_state = op(..., state)``) and that the launch, given ``wrap``,
+    overwrites in place and returns. Traced functionalized, the kernel's write becomes Inductor's
+    functional Triton wrapper, which Inductor's reinplacing turns back into the in-place write
+    where the graph copies the op's output into that input at its end (a cache update), dropping
+    the copy; elsewhere Inductor clones the input first. Without ``wrap`` the launch must write a
+    copy (the op is functional)."""
 
     def decorator(launcher: Callable[..., Any]) -> Callable[..., Any]:
         LAUNCHERS[op] = launcher
+        WRITES_INPUTS[op] = tuple(writes_inputs)
         return launcher
 
     return decorator
@@ -45,7 +58,7 @@ def inline_triton_launches(graph: torch.fx.Graph) -> int:
         args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
         if not (isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda"):
             continue
-        _inline(graph, node, LAUNCHERS[node.target], args)
+        _inline(graph, node, LAUNCHERS[node.target], args, WRITES_INPUTS.get(node.target, ()))
         count += 1
     return count
 
@@ -64,7 +77,11 @@ def check_lowerable(graph: torch.fx.Graph) -> None:
 
 
 def _inline(
-    graph: torch.fx.Graph, node: torch.fx.Node, launcher: Callable[..., Any], args: list[Any]
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    launcher: Callable[..., Any],
+    args: list[Any],
+    writes_inputs: tuple[int, ...] = (),
 ) -> None:
     """Trace ``launcher`` (functionalized) on the node's fake values and splice it in."""
     tensor_positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
@@ -87,8 +104,23 @@ def _inline(
         sub = make_fx(torch.func.functionalize(launch, remove="mutations"), tracing_mode="real")(
             *tensors
         )
-    # Triton's mutation analysis must find that the kernel writes only the outputs it allocated;
-    # a write-back into the op's inputs (copy_) would break the functional post-grad graph.
+    # Triton's mutation analysis must find that the kernel writes only the outputs it allocated,
+    # or inputs the op returns updated: functionalization writes those back (copy_) at the end,
+    # which is dropped here (the op's output is the updated value; Inductor reinplaces it). Any
+    # other write-back into the op's inputs would break the functional post-grad graph.
+    placeholders_in_order = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    written = {placeholders_in_order[tensor_positions.index(i)] for i in writes_inputs if i in tensor_positions}
+    returned: set[torch.fx.Node] = set()
+    torch.fx.node.map_arg(sub.graph.output_node().args[0], returned.add)
+    for n in list(sub.graph.nodes):
+        if (
+            n.op == "call_function"
+            and n.target is torch.ops.aten.copy_.default
+            and n.args[0] in written
+            and n.args[1] in returned
+            and not n.users
+        ):
+            sub.graph.erase_node(n)
     mutations = [n for n in sub.graph.nodes if n.op == "call_function" and is_mutation_op(n)]
     if mutations:
         raise RuntimeError(f"the traced launch writes its inputs ({mutations[0].format_node()})")

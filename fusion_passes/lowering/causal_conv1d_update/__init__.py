@@ -1,0 +1,1 @@
+"""causal_conv1d_update"""

@@ -1,0 +1,123 @@
+"""One Triton kernel for a Gated DeltaNet decode step: gating, q/k l2norm, the delta-rule update
+of the fp32 state and the output, the state read once and written once.
+
+Unfused (stock Inductor on transformers' gating + recurrent step): sigmoid and softplus gating
+kernels, q / k repeat + l2norm, a decay-and-read reduction over the state, the update + output
+reduction, the output's cast, and a copy of the new state into the cache: the 64 KiB fp32 state
+of each (sequence, value head) crosses memory ~3.6 times (read, read, write, copy).
+Fused: each program owns one (sequence b, value head h) and BLOCK_V of the V columns of its state
+[K, V]; it loads q and k of key head h // (HV / Hk) (no repeat), normalises them, computes
+beta and the decay from b, a, A_log and dt_bias, and with the state block in registers:
+    S = S * exp(g);  delta = (v - sum_k S * k) * beta;  S += k delta^T;  out = sum_k S * q
+then stores S over itself and out. All in fp32; sigmoid(b) rounded to b.dtype as the model does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.gated_delta_step.reference import check_gated_delta_step_args
+
+
+@triton.jit
+def _gated_delta_step_kernel(
+    q_ptr,  # *q.dtype [B, 1, Hk, K] (strides stride_qb, stride_qh; K contiguous)
+    k_ptr,  # *k.dtype [B, 1, Hk, K] (strides stride_kb, stride_kh; K contiguous)
+    v_ptr,  # *v.dtype [B, 1, HV, V] (strides stride_vb, stride_vh; V contiguous)
+    a_ptr,  # *a.dtype [B, 1, HV] (strides stride_ab, stride_ah)
+    b_ptr,  # *b.dtype [B, 1, HV] (strides stride_bb, stride_bh)
+    A_log_ptr,  # *A_log.dtype [HV]
+    dt_bias_ptr,  # *dt_bias.dtype [HV]
+    state_ptr,  # *fp32 [B, HV, K, V] contiguous: read, then overwritten with the new state
+    out_ptr,  # *v.dtype [B, 1, HV, V] contiguous
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_ab, stride_ah, stride_bb, stride_bh,
+    scale,  # the query scale (divided by or multiplied with, DIVIDE_SCALE)
+    l2norm_eps,  # added to sum(x * x) before the rsqrt
+    HV: tl.constexpr,  # value heads
+    GROUP: tl.constexpr,  # value heads per key head (HV / Hk)
+    K: tl.constexpr,  # key head dim
+    V: tl.constexpr,  # value head dim
+    BLOCK_K: tl.constexpr,  # next_power_of_2(K): the whole key dim in one block
+    BLOCK_V: tl.constexpr,  # state columns per program
+    DIVIDE_SCALE: tl.constexpr,
+    QK_L2NORM: tl.constexpr,
+):
+    # Inductor passes Python floats as fp64: pin them to fp32, the reference's precision.
+    scale = tl.cast(scale, tl.float32)
+    l2norm_eps = tl.cast(l2norm_eps, tl.float32)
+    pid = tl.program_id(0)
+    b = (pid // HV).to(tl.int64)
+    h = pid % HV
+    hk = h // GROUP
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    km, vm = ks < K, vs < V
+    # The state block first: the largest load, its latency overlaps the gating math below.
+    s_ptrs = state_ptr + ((b * HV + h) * K + ks[:, None]) * V + vs[None, :]
+    smask = km[:, None] & vm[None, :]
+    s = tl.load(s_ptrs, mask=smask, other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + ks, mask=km, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + ks, mask=km, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + vs, mask=vm, other=0.0).to(tl.float32)
+    if QK_L2NORM:
+        q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + l2norm_eps)
+        k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + l2norm_eps)
+    if DIVIDE_SCALE:
+        q = q / scale
+    else:
+        q = q * scale
+    # beta = sigmoid(b) in b.dtype (the model rounds it there), then fp32.
+    bb = tl.load(b_ptr + b * stride_bb + h * stride_bh).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-bb))).to(b_ptr.dtype.element_ty).to(tl.float32)
+    # g = -exp(A_log) * softplus(a + dt_bias), softplus with torch's threshold 20 (beta 1).
+    x = tl.load(a_ptr + b * stride_ab + h * stride_ah).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+    s = s * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    out = tl.sum(s * q[:, None], axis=0)
+    tl.store(s_ptrs, s, mask=smask)
+    tl.store(out_ptr + (b * HV + h) * V + vs, out.to(out_ptr.dtype.element_ty), mask=vm)
+
+
+def _block_v(batch: int, heads: int, dv: int) -> int:
+    """Columns per program: the whole row where batch x heads programs fill the GPU, narrower at
+    small batches so that more programs share the state's traffic."""
+    block = triton.next_power_of_2(dv)
+    while block > 32 and batch * heads * triton.cdiv(dv, block) < 512:
+        block //= 2
+    return block
+
+
+def gated_delta_step_triton(
+    q, k, v, a, b, A_log, dt_bias, state, scale, divide_scale, qk_l2norm, l2norm_eps, *,
+    wrap: Callable | None = None, block_v: int | None = None, num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new_state) as ``gated_delta_step_reference``. With ``wrap`` (an inlined launch) the
+    state is updated in place and returned; without, a copy is (the op is functional).
+    ``block_v`` / ``num_warps``: launch overrides for the benchmark's sweep."""
+    check_gated_delta_step_args(q, k, v, a, b, A_log, dt_bias, state)
+    bsz, _, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    if wrap is None or not state.is_contiguous():
+        state = state.contiguous() if wrap is not None else state.clone(memory_format=torch.contiguous_format)
+    out = torch.empty((bsz, 1, hv, dv), dtype=v.dtype, device=v.device)
+    block_v = block_v or _block_v(bsz, hv, dv)
+    kernel = wrap(_gated_delta_step_kernel) if wrap is not None else _gated_delta_step_kernel
+    kernel[(bsz * hv, triton.cdiv(dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, state, out,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+        a.stride(0), a.stride(2), b.stride(0), b.stride(2),
+        scale, l2norm_eps,
+        HV=hv, GROUP=hv // hk, K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        DIVIDE_SCALE=divide_scale, QK_L2NORM=qk_l2norm, num_warps=num_warps,
+    )
+    return out, state

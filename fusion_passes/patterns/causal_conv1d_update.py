@@ -1,0 +1,111 @@
+"""A decode step's depthwise causal conv with its conv-state shift (Gated DeltaNet, Mamba-style).
+
+Qwen3-Next / Qwen 3.5 run the projected q / k / v channels through a W-tap depthwise causal conv;
+in a cached decode step transformers calls its ``causal_conv1d_update`` (the same code as
+causal-conv1d's reference ``causal_conv1d_update_ref``), which torch.compile traces as:
+
+    full = cat([conv_state, x], -1).to(weight.dtype)           x = mixed_qkv.transpose(1, 2)
+    conv_state.copy_(full[:, :, -S:])                          functionalized: copy + copy_ back
+    out  = silu(conv1d(full, weight.unsqueeze(1), groups=C)[:, :, -T:]).to(x.dtype)
+
+Unfused: a cat kernel, the state copy, an extern depthwise convolution and a slice + SiLU kernel
+         (4 launches per GDN layer with stock Inductor).
+Fused:   out, new_state = fusion_passes.causal_conv1d_update(x, conv_state, weight, bias, silu)
+         one kernel; on CUDA the state is shifted in place (the copy back into the cache goes).
+
+Not fused: a conv whose state is shorter than W - 1 (not a causal update), x and state of
+different dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fusion_passes.fusion import Fusion, Spelling
+from fusion_passes.lowering.causal_conv1d_update.reference import check_causal_conv1d_update_args
+
+
+def transformers_causal_conv1d_update(x, conv_state, weight):
+    # transformers' causal_conv1d_update (Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE), activation "silu",
+    # no bias (their conv1d has bias=False); conv_state.copy_ written as its functional form.
+    state_len = conv_state.shape[-1]
+    full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    new_state = torch.ops.aten.copy.default(conv_state, full[:, :, -state_len:])
+    out = F.conv1d(full, weight.unsqueeze(1), None, padding=0, groups=x.shape[1])
+    out = F.silu(out[:, :, -x.shape[-1] :])
+    return out.to(x.dtype), new_state
+
+
+def transformers_causal_conv1d_update_bias(x, conv_state, weight, bias):
+    # The same with a conv bias (causal-conv1d's reference takes one).
+    state_len = conv_state.shape[-1]
+    full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    new_state = torch.ops.aten.copy.default(conv_state, full[:, :, -state_len:])
+    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])
+    out = F.silu(out[:, :, -x.shape[-1] :])
+    return out.to(x.dtype), new_state
+
+
+def _fused(x, conv_state, weight):
+    return torch.ops.fusion_passes.causal_conv1d_update(x, conv_state, weight, None, True)
+
+
+def _fused_bias(x, conv_state, weight, bias):
+    return torch.ops.fusion_passes.causal_conv1d_update(x, conv_state, weight, bias, True)
+
+
+def _check(values: dict[str, Any]) -> str | None:
+    try:
+        check_causal_conv1d_update_args(values["x"], values["conv_state"], values["weight"], values.get("bias"))
+    except ValueError as e:
+        return str(e).removeprefix("causal_conv1d_update: ")
+    return None
+
+
+def _is_update(node) -> bool:
+    """A convolution over a cat (state, new inputs): a decode step's update, not a prefill's
+    padded conv (transformers' causal_conv1d_fn) or a vision tower's."""
+    source = node.args[0]
+    return getattr(source, "target", None) is torch.ops.aten.cat.default
+
+
+def _examples():
+    # x is the transpose of the projection's [B, T, C] output, as the model passes it.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(2, 1, 24, dtype=dtype).transpose(1, 2)
+        yield x, torch.randn(2, 24, 4, dtype=dtype), torch.randn(24, 4, dtype=dtype)
+
+
+def _examples_bias():
+    for x, state, weight in _examples():
+        yield x, state, weight, torch.randn(24, dtype=weight.dtype)
+
+
+CAUSAL_CONV1D_UPDATE = Fusion(
+    name="causal_conv1d_update",
+    summary="decode-step causal depthwise conv + state shift + SiLU (Gated DeltaNet) -> one kernel",
+    doc=__doc__.split("\n\n", 1)[1],
+    spellings=(Spelling("transformers_causal_conv1d_update", transformers_causal_conv1d_update, _fused),),
+    example_inputs=_examples,
+    check=_check,
+    candidate_ops=("aten.convolution.default",),
+    candidate=_is_update,
+    builtin=True,
+)
+
+CAUSAL_CONV1D_UPDATE_BIAS = Fusion(
+    name="causal_conv1d_update_bias",
+    summary="the same with a conv bias",
+    doc=__doc__.split("\n\n", 1)[1],
+    spellings=(
+        Spelling("transformers_causal_conv1d_update_bias", transformers_causal_conv1d_update_bias, _fused_bias),
+    ),
+    example_inputs=_examples_bias,
+    check=_check,
+    builtin=True,
+)
+
+FUSIONS = (CAUSAL_CONV1D_UPDATE, CAUSAL_CONV1D_UPDATE_BIAS)
