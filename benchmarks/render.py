@@ -173,6 +173,32 @@ def qk_norm_rope(payloads):
     return what, table
 
 
+def gated_delta_step(payloads):
+    (p,) = payloads
+    copy = p.get("copy_gbps")
+    rows = []
+    for r in p["records"]:
+        g = r["graph_us"]
+        floor = 2 * r["state_bytes"] / copy / 1e3 if copy and r["region"] == "recurrent" else None
+        pct = lambda impl: round(100 * floor / g[impl]) if floor and g.get(impl) else None  # noqa: E731
+        kernels = r.get("kernels") or {}
+        rows.append([
+            r["region"], str(r["batch"]), f"{kernels.get('inductor')} → {kernels.get('ours')}",
+            _us(g["inductor"]), _cell(g["ours"], _speedup(r, "inductor", "ours"), pct("ours")),
+            _cell(g["fla"], None, pct("fla")) if g.get("fla") else "—",
+        ])  # fmt: skip
+    what = (
+        "A Gated DeltaNet layer's decode-step regions (Qwen3-Next / Qwen 3.5 widths: 16 key / 32 value heads "
+        "of 128, fp32 state, bf16; `benchmarks/bench_gated_delta_step.py`): the recurrent step with its gating "
+        "and the state's write into the cache, and the conv with its state shift. us per call inside a CUDA "
+        "graph; for ours, stock Inductor's time over ours; in brackets, the state-traffic floor (one read and "
+        "one write of the state at copy bandwidth) over the time. fla: flash-linear-attention's fused "
+        "recurrent kernel with the same gating and l2norms, its new state not copied into a cache:"
+    )
+    header = ["region", "batch", "kernels", "stock Inductor", "ours", "fla-core 0.6.0"]
+    return what, _table(header, rows, 3)
+
+
 def mla_rope(payloads):
     (p,) = payloads
     records = p["records"]
@@ -352,6 +378,11 @@ SECTIONS = (
     ),
     Section("QK-norm + RoPE (`qk_norm_rope*`)", ("bench_qk_norm_rope",), qk_norm_rope),
     Section("DeepSeek V3 MLA: norm + RoPE (`mla_*`)", ("bench_mla_rope",), mla_rope),
+    Section(
+        "Gated DeltaNet decode step (`causal_conv1d_update`, `gated_delta_step`)",
+        ("bench_gated_delta_step",),
+        gated_delta_step,
+    ),
     Section(
         "Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)",
         ("bench_allreduce_rms_norm",),

@@ -78,3 +78,25 @@ def fp8_region_refusal(table: dict[str, FP8RegionRule], scheme: str, x) -> str |
         f"static FP8 at {rows} rows on {device_name(x.device)}: measured slower fused than stock "
         f"Inductor at {lo}-{hi - 1} rows (lowering/launch_tables.py); left to Inductor"
     )
+
+
+class GatedDeltaLaunch(NamedTuple):
+    """The Gated DeltaNet step's launch by the number of (sequence, value head) pairs it updates:
+    the first rule whose bound the pairs stay under (None: no bound) gives the state columns per
+    program and the warps. Narrow blocks at few pairs spread the state's traffic over more SMs."""
+
+    rules: tuple[tuple[int | None, int, int], ...]
+    evidence: str = ""
+
+
+GATED_DELTA_STEP: dict[str, GatedDeltaLaunch] = {
+    # Halve the block from the whole row until there are 512 programs, down to 32 columns; 4 warps.
+    "default": GatedDeltaLaunch(rules=((None, 0, 4),)),
+    # Swept over 5 block widths x 4 warp counts, K = V = 128, 32 value heads, in a CUDA graph:
+    # 32 pairs (batch 1) 16 cols x 1 warp 3.6 us vs the default's 4.3; 256 pairs 32 x 1 12.6 vs 14.2;
+    # 1024 pairs 64 x 4 42.0 vs 45.7; 4096 pairs 64 x 4 148.6 vs 150.7 (docs/notes/launch-policy.md).
+    "NVIDIA H200": GatedDeltaLaunch(
+        rules=((128, 16, 1), (1024, 32, 1), (None, 64, 4)),
+        evidence="bench_gated_delta_step --sweep on one H200 (2026-12-03)",
+    ),
+}

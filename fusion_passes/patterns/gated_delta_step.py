@@ -94,6 +94,23 @@ def _check(values: dict[str, Any]) -> str | None:
     return None
 
 
+def _is_step_gating(node) -> bool:
+    """A softplus (its log1p) in a graph that reads and writes back a 4-D fp32 input (a recurrent
+    state updated in the cache): a decode step's gating. A prefill's chunked rule starts from a
+    zero state, and a forward without a cache writes none: not candidates."""
+    graph = node.graph
+    written = {
+        n.args[0] for n in graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"
+    }  # fmt: skip
+    for state in written:
+        val = state.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() == 4 and val.dtype == torch.float32:
+            if any(user.target is torch.ops.aten.mul.Tensor for user in state.users):
+                return True
+    return False
+
+
 def _examples():
     # (Hk, HV): grouped value heads (repeated by transformers) and one value head per key head.
     for hk, hv in ((2, 4), (4, 4)):
@@ -122,6 +139,8 @@ GATED_DELTA_STEP = Fusion(
     spellings=(Spelling("transformers_gated_delta_step", transformers_gated_delta_step, _fused),),
     example_inputs=_examples,
     check=_check,
+    candidate_ops=("aten.log1p.default",),
+    candidate=_is_step_gating,
     builtin=True,
 )
 

@@ -40,6 +40,25 @@ def _compile(step, backend):
     return compiled, codes
 
 
+def _launch_args(code: str, kernel: str) -> list[list[str]]:
+    """The arguments of each launch of ``kernel`` in Inductor's generated code, split at the
+    top-level commas."""
+    launches = []
+    for match in re.finditer(rf"{kernel}_\d+\.run\(", code):
+        depth, args, current = 1, [], ""
+        for ch in code[match.end():]:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 or (ch == "," and depth == 1):
+                args.append(current.strip())
+                current = ""
+                if depth == 0:
+                    break
+            else:
+                current += ch
+        launches.append(args)
+    return launches
+
+
 def _run(step, fn):
     step.restore()
     with torch.no_grad():
@@ -70,13 +89,13 @@ def test_decode_step_fuses_gdn_layers_in_place(launch):
     assert ours_out <= 2 * max(stock_out, 4e-3) and ours_cache <= 2 * max(stock_cache, 4e-3)
     if launch == "direct":
         (code,) = codes
-        # the fused kernels are Inductor's launches, and no state is copied back: in place
-        assert len(re.findall(r"_gated_delta_step_kernel", code)) >= 3
-        import os
-
-        if os.environ.get("GDN_CODE_OUT"):
-            with open(os.environ["GDN_CODE_OUT"], "w") as f:
-                f.write(code)
+        # the fused kernels are Inductor's launches, writing the cache's states themselves (the
+        # graph's inputs): Inductor reinplaced them, and no copy into the cache is left
+        conv = _launch_args(code, "_causal_conv1d_update_kernel")
+        step_ = _launch_args(code, "_gated_delta_step_kernel")
+        assert len(conv) == 3 and len(step_) == 3
+        assert all(re.fullmatch(r"arg\d+_1", args[1]) for args in conv)  # conv_state
+        assert all(re.fullmatch(r"arg\d+_1", args[7]) for args in step_)  # the recurrent state
         assert sum(count_kernels(codes).values()) < sum(count_kernels(stock_codes).values())
     # a CUDA graph replays the step: the same outputs as the compiled calls
     step.restore()

@@ -86,18 +86,27 @@ def _gated_delta_step_kernel(
     tl.store(out_ptr + (b * HV + h) * V + vs, out.to(out_ptr.dtype.element_ty), mask=vm)
 
 
-def _block_v(batch: int, heads: int, dv: int) -> int:
-    """Columns per program: the whole row where batch x heads programs fill the GPU, narrower at
-    small batches so that more programs share the state's traffic."""
-    block = triton.next_power_of_2(dv)
-    while block > 32 and batch * heads * triton.cdiv(dv, block) < 512:
-        block //= 2
-    return block
+def _launch(state: torch.Tensor, batch: int, heads: int, dv: int) -> tuple[int, int]:
+    """(state columns per program, warps) from the GPU's launch table (lowering/launch_tables.py)."""
+    from fusion_passes.lowering.common.launch_policy import select
+    from fusion_passes.lowering.launch_tables import GATED_DELTA_STEP
+
+    pairs = batch * heads
+    for bound, block, warps in select(GATED_DELTA_STEP, state.device).rules:
+        if bound is None or pairs < bound:
+            if block:
+                return min(block, triton.next_power_of_2(dv)), warps
+            # the default: halve the whole row until there are 512 programs, down to 32 columns
+            block = triton.next_power_of_2(dv)
+            while block > 32 and pairs * triton.cdiv(dv, block) < 512:
+                block //= 2
+            return block, warps
+    raise AssertionError("a launch table's last rule has no bound")
 
 
 def gated_delta_step_triton(
     q, k, v, a, b, A_log, dt_bias, state, scale, divide_scale, qk_l2norm, l2norm_eps, *,
-    wrap: Callable | None = None, block_v: int | None = None, num_warps: int = 4,
+    wrap: Callable | None = None, block_v: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, new_state) as ``gated_delta_step_reference``. With ``wrap`` (an inlined launch) the
     state is updated in place and returned; without, a copy is (the op is functional).
@@ -110,7 +119,8 @@ def gated_delta_step_triton(
     if wrap is None or not state.is_contiguous():
         state = state.contiguous() if wrap is not None else state.clone(memory_format=torch.contiguous_format)
     out = torch.empty((bsz, 1, hv, dv), dtype=v.dtype, device=v.device)
-    block_v = block_v or _block_v(bsz, hv, dv)
+    table_block, table_warps = _launch(state, bsz, hv, dv)
+    block_v, num_warps = block_v or table_block, num_warps or table_warps
     kernel = wrap(_gated_delta_step_kernel) if wrap is not None else _gated_delta_step_kernel
     kernel[(bsz * hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, out,

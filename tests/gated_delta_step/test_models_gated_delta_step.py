@@ -1,0 +1,77 @@
+"""Cached decode steps of the built-in linear-attention models (tiny widths, StaticCache,
+fullgraph, bf16): every Gated DeltaNet layer's conv and recurrent step fused (3 of the 4 layers
+are GDN), the outputs and the cache's conv and recurrent states after several steps within bf16's
+tolerance of eager's (the layers' inputs come from Inductor's kernels: not bit-equal); a prefill
+through the same cache leaves the layers to Inductor (the chunked rule is not this pattern)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fusion_passes
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import compare, tolerance
+
+STEPS = 3
+
+
+@functools.cache
+def _step(name: str) -> DecodeStep:
+    built = build_model(name, size="tiny", dtype=torch.bfloat16, layers=4)
+    return DecodeStep(built.module, batch=2, context=6, steps=STEPS)
+
+
+def _run(step, fn):
+    step.restore()
+    with torch.no_grad():
+        outs = [fn(*step.inputs(i)) for i in range(STEPS)]
+    return outs, [t.clone() for t in step.cache_tensors()]
+
+
+def _states(step) -> list[int]:
+    """Indices of the cache tensors that are linear-attention states (conv and recurrent)."""
+    ids = set()
+    for layer in step.cache.layers:
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            ids |= {id(t) for t in states.values() if t is not None}
+    return [i for i, t in enumerate(step.cache_tensors()) if id(t) in ids]
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", pytest.param("qwen3-next", marks=pytest.mark.slow),
+                                  pytest.param("qwen3.5-moe", marks=pytest.mark.slow)])  # fmt: skip
+def test_decode_step_fuses_every_gdn_layer(name):
+    step = _step(name)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False)
+    outs, cache = _run(step, compiled)
+    expected_outs, expected_cache = _run(step, step)
+    assert report.final()["causal_conv1d_update"] == 3 and report.final()["gated_delta_step"] == 3
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.convolution.default"] == 3 and after["aten.convolution.default"] == 0
+    assert after["fusion_passes.gated_delta_step.default"] == 3
+    states = _states(step)
+    assert len(states) == 6  # a conv and a recurrent state per GDN layer
+    bound = tolerance(torch.bfloat16).rel_norm
+    assert all(compare(cache[i], expected_cache[i]).rel_norm <= bound for i in states)
+    assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected_outs, strict=True))
+
+
+def test_prefill_leaves_the_chunked_rule_to_inductor():
+    step = _step("qwen3.5")
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False)
+    step.restore()
+    with torch.no_grad():
+        out = compiled(step.prompt, torch.arange(step.context))
+        step.restore()
+        expected = step(step.prompt, torch.arange(step.context))
+    assert report.final()["causal_conv1d_update"] == 0 and report.final()["gated_delta_step"] == 0
+    # the chunked rule starts from a zero state: no decode step's gating, no near miss
+    assert not [m for m in report.near_misses if m.fusion in ("gated_delta_step", "causal_conv1d_update")]
+    assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
