@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 
 from fusion_passes.fusion import Fusion, Spelling
@@ -66,10 +67,14 @@ def _check(values: dict[str, Any]) -> str | None:
 
 
 def _is_update(node) -> bool:
-    """A convolution over a cat (state, new inputs): a decode step's update, not a prefill's
-    padded conv (transformers' causal_conv1d_fn) or a vision tower's."""
-    source = node.args[0]
-    return getattr(source, "target", None) is torch.ops.aten.cat.default
+    """An unpadded convolution over a cat of a graph input (the cached state) with the new inputs:
+    a decode step's update, not a prefill's padded conv (transformers' causal_conv1d_fn, which
+    also reads the cached state where a prompt continues one) or a vision tower's."""
+    source, padding = node.args[0], node.args[4]
+    if getattr(source, "target", None) is not torch.ops.aten.cat.default or any(padding):
+        return False
+    first = source.args[0][0]
+    return isinstance(first, torch.fx.Node) and first.op == "placeholder"
 
 
 def _examples():

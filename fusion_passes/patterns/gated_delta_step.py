@@ -95,9 +95,12 @@ def _check(values: dict[str, Any]) -> str | None:
 
 
 def _is_step_gating(node) -> bool:
-    """A softplus (its log1p) in a graph that reads and writes back a 4-D fp32 input (a recurrent
-    state updated in the cache): a decode step's gating. A prefill's chunked rule starts from a
-    zero state, and a forward without a cache writes none: not candidates."""
+    """A softplus (its log1p) of one token per sequence ([B, 1, HV]) in a graph that reads and
+    writes back a 4-D fp32 input (a recurrent state updated in the cache): a decode step's gating.
+    A prefill's chunked rule (several tokens) and a forward without a cache are not candidates."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 3 or val.shape[1] != 1:
+        return False  # the gate of more than one token per sequence: a prefill's
     graph = node.graph
     written = {
         n.args[0] for n in graph.nodes
