@@ -13,8 +13,9 @@ Unfused: a cat kernel, the state copy, an extern depthwise convolution and a sli
 Fused:   out, new_state = fusion_passes.causal_conv1d_update(x, conv_state, weight, bias, silu)
          one kernel; on CUDA the state is shifted in place (the copy back into the cache goes).
 
-Not fused: a conv whose state is shorter than W - 1 (not a causal update), x and state of
-different dtypes.
+Also causal-conv1d's reference on x [B, C] (one token per sequence: unsqueezed, the output
+squeezed before SiLU): the ``_token`` fusions. Not fused: a conv whose state is shorter than
+W - 1 (not a causal update), x and state of different dtypes, a prefill's padded conv.
 """
 
 from __future__ import annotations
@@ -29,25 +30,53 @@ from fusion_passes.fusion import Fusion, Spelling
 from fusion_passes.lowering.causal_conv1d_update.reference import check_causal_conv1d_update_args
 
 
-def transformers_causal_conv1d_update(x, conv_state, weight):
-    # transformers' causal_conv1d_update (Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE), activation "silu",
-    # no bias (their conv1d has bias=False); conv_state.copy_ written as its functional form.
-    state_len = conv_state.shape[-1]
-    full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
-    new_state = torch.ops.aten.copy.default(conv_state, full[:, :, -state_len:])
-    out = F.conv1d(full, weight.unsqueeze(1), None, padding=0, groups=x.shape[1])
-    out = F.silu(out[:, :, -x.shape[-1] :])
-    return out.to(x.dtype), new_state
-
-
-def transformers_causal_conv1d_update_bias(x, conv_state, weight, bias):
-    # The same with a conv bias (causal-conv1d's reference takes one).
+def _transformers_update(x, conv_state, weight, bias):
+    # transformers' causal_conv1d_update (Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE), activation "silu";
+    # conv_state.copy_ written as its functional form.
     state_len = conv_state.shape[-1]
     full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
     new_state = torch.ops.aten.copy.default(conv_state, full[:, :, -state_len:])
     out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])
     out = F.silu(out[:, :, -x.shape[-1] :])
     return out.to(x.dtype), new_state
+
+
+def transformers_causal_conv1d_update(x, conv_state, weight):
+    # The models' conv1d has bias=False.
+    return _transformers_update(x, conv_state, weight, None)
+
+
+def transformers_causal_conv1d_update_bias(x, conv_state, weight, bias):
+    # With a conv bias (causal-conv1d's reference takes one).
+    return _transformers_update(x, conv_state, weight, bias)
+
+
+def _causal_conv1d_ref_2d(x, conv_state, weight, bias):
+    # causal-conv1d's causal_conv1d_update_ref on one token per sequence (x [B, C]): unsqueezed,
+    # and the conv's output squeezed before the activation.
+    state_len = conv_state.shape[-1]
+    full = torch.cat([conv_state, x.unsqueeze(-1)], dim=-1).to(weight.dtype)
+    new_state = torch.ops.aten.copy.default(conv_state, full[:, :, -state_len:])
+    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[:, :, -1:]
+    return F.silu(out.squeeze(-1)).to(dtype=x.dtype), new_state
+
+
+def causal_conv1d_ref_2d(x, conv_state, weight):
+    return _causal_conv1d_ref_2d(x, conv_state, weight, None)
+
+
+def causal_conv1d_ref_2d_bias(x, conv_state, weight, bias):
+    return _causal_conv1d_ref_2d(x, conv_state, weight, bias)
+
+
+def _fused_2d(x, conv_state, weight):
+    out, state = torch.ops.fusion_passes.causal_conv1d_update(x.unsqueeze(-1), conv_state, weight, None, True)
+    return out.squeeze(-1), state
+
+
+def _fused_2d_bias(x, conv_state, weight, bias):
+    out, state = torch.ops.fusion_passes.causal_conv1d_update(x.unsqueeze(-1), conv_state, weight, bias, True)
+    return out.squeeze(-1), state
 
 
 def _fused(x, conv_state, weight):
@@ -59,8 +88,10 @@ def _fused_bias(x, conv_state, weight, bias):
 
 
 def _check(values: dict[str, Any]) -> str | None:
+    x = values["x"]
+    x = x.unsqueeze(-1) if x.dim() == 2 else x  # the 2-D spelling's one token per sequence
     try:
-        check_causal_conv1d_update_args(values["x"], values["conv_state"], values["weight"], values.get("bias"))
+        check_causal_conv1d_update_args(x, values["conv_state"], values["weight"], values.get("bias"))
     except ValueError as e:
         return str(e).removeprefix("causal_conv1d_update: ")
     return None
@@ -89,28 +120,55 @@ def _examples_bias():
         yield x, state, weight, torch.randn(24, dtype=weight.dtype)
 
 
-CAUSAL_CONV1D_UPDATE = Fusion(
-    name="causal_conv1d_update",
-    summary="decode-step causal depthwise conv + state shift + SiLU (Gated DeltaNet) -> one kernel",
-    doc=__doc__.split("\n\n", 1)[1],
-    spellings=(Spelling("transformers_causal_conv1d_update", transformers_causal_conv1d_update, _fused),),
-    example_inputs=_examples,
-    check=_check,
-    candidate_ops=("aten.convolution.default",),
-    candidate=_is_update,
-    builtin=True,
-)
+def _examples_2d():
+    for x, state, weight in _examples():
+        yield x[:, :, 0], state, weight
 
-CAUSAL_CONV1D_UPDATE_BIAS = Fusion(
-    name="causal_conv1d_update_bias",
-    summary="the same with a conv bias",
-    doc=__doc__.split("\n\n", 1)[1],
-    spellings=(
-        Spelling("transformers_causal_conv1d_update_bias", transformers_causal_conv1d_update_bias, _fused_bias),
+
+def _examples_2d_bias():
+    for x, state, weight, bias in _examples_bias():
+        yield x[:, :, 0], state, weight, bias
+
+
+def _fusion(name: str, summary: str, spelling: Spelling, examples, near_misses: bool = False) -> Fusion:
+    return Fusion(
+        name=name,
+        summary=summary,
+        doc=__doc__.split("\n\n", 1)[1],
+        spellings=(spelling,),
+        example_inputs=examples,
+        check=_check,
+        # One family reports the unmatched decode-step convs (every spelling's conv is one).
+        candidate_ops=("aten.convolution.default",) if near_misses else (),
+        candidate=_is_update if near_misses else None,
+        builtin=True,
+    )
+
+
+FUSIONS = (
+    _fusion(
+        "causal_conv1d_update",
+        "decode-step causal depthwise conv + state shift + SiLU (Gated DeltaNet) -> one kernel",
+        Spelling("transformers_causal_conv1d_update", transformers_causal_conv1d_update, _fused),
+        _examples,
+        near_misses=True,
     ),
-    example_inputs=_examples_bias,
-    check=_check,
-    builtin=True,
+    _fusion(
+        "causal_conv1d_update_bias",
+        "the same with a conv bias",
+        Spelling("transformers_causal_conv1d_update_bias", transformers_causal_conv1d_update_bias, _fused_bias),
+        _examples_bias,
+    ),
+    _fusion(
+        "causal_conv1d_update_token",
+        "the same on x [B, C] (causal-conv1d's reference at one token)",
+        Spelling("causal_conv1d_ref_2d", causal_conv1d_ref_2d, _fused_2d),
+        _examples_2d,
+    ),
+    _fusion(
+        "causal_conv1d_update_token_bias",
+        "the same with a conv bias",
+        Spelling("causal_conv1d_ref_2d_bias", causal_conv1d_ref_2d_bias, _fused_2d_bias),
+        _examples_2d_bias,
+    ),
 )
-
-FUSIONS = (CAUSAL_CONV1D_UPDATE, CAUSAL_CONV1D_UPDATE_BIAS)
