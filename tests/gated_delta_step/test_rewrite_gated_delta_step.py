@@ -173,8 +173,8 @@ def test_step_without_qk_l2norm_does_not_match():
             torch.float32,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="fp32 graphs: the matcher's re-check traces the step on the matched q / k / v "
-                "strides, where .to(float32, contiguous) is a copy that the model's graph lacks",
+                reason="fp32 graphs are not matched: there zeros_like(value) keeps the strides of the "
+                "views, which the matcher's re-check traces as a permuted buffer the model's graph lacks",
             ),
         ),
         torch.float16,
