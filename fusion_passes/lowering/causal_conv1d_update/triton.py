@@ -2,7 +2,8 @@
 
 Unfused (stock Inductor on transformers' causal_conv1d_update): a cat kernel building
 [state, x], a copy of its tail back into the state, an extern depthwise convolution (cuDNN) and
-a kernel for slice + SiLU: 4 launches, the channels read and written three times.
+a kernel for slice + SiLU: 4 launches (7.7 us at batch 1 inside a CUDA graph on one H200, at
+8192 channels; this kernel 3.9 us).
 Fused: each program takes BLOCK_C channels of one sequence, loads the S state entries and the T
 new inputs once, and writes
     out[c, t]     = act(sum_w weight[c, w] * full[c, S - W + 1 + t + w] + bias[c])

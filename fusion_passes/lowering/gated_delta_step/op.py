@@ -2,8 +2,9 @@
 
 Unfused (transformers' gating + torch_recurrent_gated_delta_rule at one token, traced): sigmoid,
 softplus gating, repeat_interleave of q and k, two l2norms, the decay, delta and output
-reductions over the fp32 state, the output's transpose and cast: ~8 kernels per layer, the state
-read twice and written once, plus its copy back into the cache.
+reductions over the fp32 state, the output's transpose and cast, and the new state's copy back
+into the cache: 4 kernels with stock Inductor (measured on one H200; 12.1 us at batch 1, 243 us
+at 128 inside a CUDA graph, where one read and one write of the state take 126 us).
 Fused:
     out, new_state = gated_delta_step(q, k, v, a, b, A_log, dt_bias, state,
                                       scale, divide_scale, qk_l2norm, l2norm_eps)
