@@ -69,22 +69,21 @@ def causal_conv1d_ref_2d_bias(x, conv_state, weight, bias):
     return _causal_conv1d_ref_2d(x, conv_state, weight, bias)
 
 
-def _fused_2d(x, conv_state, weight):
-    out, state = torch.ops.fusion_passes.causal_conv1d_update(x.unsqueeze(-1), conv_state, weight, None, True)
-    return out.squeeze(-1), state
-
-
-def _fused_2d_bias(x, conv_state, weight, bias):
-    out, state = torch.ops.fusion_passes.causal_conv1d_update(x.unsqueeze(-1), conv_state, weight, bias, True)
-    return out.squeeze(-1), state
+def _fused_bias(x, conv_state, weight, bias):
+    return torch.ops.fusion_passes.causal_conv1d_update(x, conv_state, weight, bias, True)
 
 
 def _fused(x, conv_state, weight):
-    return torch.ops.fusion_passes.causal_conv1d_update(x, conv_state, weight, None, True)
+    return _fused_bias(x, conv_state, weight, None)
 
 
-def _fused_bias(x, conv_state, weight, bias):
-    return torch.ops.fusion_passes.causal_conv1d_update(x, conv_state, weight, bias, True)
+def _fused_2d_bias(x, conv_state, weight, bias):
+    out, state = _fused_bias(x.unsqueeze(-1), conv_state, weight, bias)
+    return out.squeeze(-1), state
+
+
+def _fused_2d(x, conv_state, weight):
+    return _fused_2d_bias(x, conv_state, weight, None)
 
 
 def _check(values: dict[str, Any]) -> str | None:

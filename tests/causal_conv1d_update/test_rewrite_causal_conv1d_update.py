@@ -79,7 +79,7 @@ def test_prefill_conv_does_not_match_nor_count_as_a_near_miss():
     with torch.no_grad():
         out = compiled(x, weight, bias)
     assert report.final()["causal_conv1d_update_bias"] == 0 and report.final()["causal_conv1d_update"] == 0
-    assert report.ops_after()["aten.convolution.default"] == 1
+    assert report.ops_after() == report.ops_before() and report.ops_after()["aten.convolution.default"] == 1
     assert not [m for m in report.near_misses if m.fusion.startswith("causal_conv1d_update")]
     torch.testing.assert_close(out, prefill_conv(x, weight, bias), rtol=0, atol=0)
 
@@ -99,5 +99,8 @@ def test_state_computed_in_the_graph_still_fuses_functionally():
     with torch.no_grad():
         out, new_state = compiled(x, state, weight, bias)
     expected, expected_state = fn(x, state, weight, bias)
-    assert report.final()["causal_conv1d_update_bias"] == 1
+    assert report.final()["causal_conv1d_update_bias"] == 1 and sum(report.final().values()) == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (1, 0)
+    assert after["fusion_passes.causal_conv1d_update.default"] == 1
     assert torch.equal(out, expected) and torch.equal(new_state, expected_state)

@@ -74,6 +74,9 @@ def test_decode_step_fuses_gdn_layers_in_place(launch):
     ours, codes = _compile(step, fusion_passes.backend(report=report, launch=launch))
     stock, stock_codes = _compile(step, "inductor")
     assert report.final()["causal_conv1d_update"] == 3 and report.final()["gated_delta_step"] == 3
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
+    assert (before["aten.log1p.default"], after["aten.log1p.default"]) == (3, 0)
     expected_outs, expected_cache = _run(step, step)
 
     def errors(fn):

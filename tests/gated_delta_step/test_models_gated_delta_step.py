@@ -72,6 +72,9 @@ def test_prefill_leaves_the_chunked_rule_to_inductor():
         step.restore()
         expected = step(step.prompt, torch.arange(step.context))
     assert report.final()["causal_conv1d_update"] == 0 and report.final()["gated_delta_step"] == 0
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.convolution.default"] == after["aten.convolution.default"] == 3
+    assert after["fusion_passes.causal_conv1d_update.default"] == after["fusion_passes.gated_delta_step.default"] == 0
     # the chunked rule starts from a zero state: no decode step's gating, no near miss
     assert not [m for m in report.near_misses if m.fusion in ("gated_delta_step", "causal_conv1d_update")]
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm

@@ -119,8 +119,10 @@ def gated_delta_step_triton(
     hv, dv = v.shape[2], v.shape[3]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t.contiguous() for t in (q, k, v))
-    if wrap is None or not state.is_contiguous():
-        state = state.contiguous() if wrap is not None else state.clone(memory_format=torch.contiguous_format)
+    if wrap is None:  # the dispatcher's call is functional: update a copy
+        state = state.clone(memory_format=torch.contiguous_format)
+    elif not state.is_contiguous():  # the kernel indexes a contiguous state: update a copy (returned)
+        state = state.contiguous()
     out = torch.empty((bsz, 1, hv, dv), dtype=v.dtype, device=v.device)
     table_block, table_warps = _launch(state, bsz, hv, dv)
     block_v, num_warps = block_v or table_block, num_warps or table_warps
