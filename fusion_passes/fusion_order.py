@@ -19,6 +19,7 @@ from fusion_passes.patterns import (
     causal_conv1d_update,
     gated_delta_step,
     mla_rope,
+    moe_sort_by_expert,
     qk_norm_rope,
     quant_fp8,
     rms_norm,
@@ -64,6 +65,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "RoPE families (its cse_before deduplicates q / k / v's copies of one quantization)",
     ),
     (silu_mul_quant_fp8, "independent of the others (the MLP's activation, no norm); kept beside the other FP8 family"),
+    (
+        moe_sort_by_expert,
+        "independent of the others (a sort, histc, cumsum and a scatter of integer expert ids, no "
+        "canonical op)",
+    ),
     (sparse_index_mask, "independent of the others (a top-k and a scatter into a mask, no canonical op)"),
     (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
     (

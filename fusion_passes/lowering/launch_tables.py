@@ -100,3 +100,31 @@ GATED_DELTA_STEP: dict[str, GatedDeltaLaunch] = {
         evidence="bench_gated_delta_step --sweep on one H200 (2026-12-03)",
     ),
 }
+
+
+class MoeSortRule(NamedTuple):
+    """The most (token, expert) pairs moe_sort_by_expert's one-kernel sort takes on one GPU; more
+    (a prefill's) are left to Inductor's sort. 0: no limit."""
+
+    max_pairs: int = 0
+    evidence: str = ""
+
+
+MOE_SORT_BY_EXPERT: dict[str, MoeSortRule] = {
+    "default": MoeSortRule(),
+}
+
+
+def moe_sort_refusal(expert_ids) -> str | None:
+    """The one-line reason moe_sort_by_expert leaves the sort of ``expert_ids`` (a fake tensor: the
+    site's size and device) to Inductor on its device, or None to fuse."""
+    from fusion_passes.lowering.common.launch_policy import device_name, select
+
+    limit = select(MOE_SORT_BY_EXPERT, expert_ids.device).max_pairs
+    pairs = expert_ids.numel()
+    if not limit or not isinstance(pairs, int) or pairs <= limit:
+        return None
+    return (
+        f"{pairs} pairs on {device_name(expert_ids.device)}: the one-kernel sort was measured slower "
+        f"than Inductor's beyond {limit} (lowering/launch_tables.py); left to Inductor"
+    )

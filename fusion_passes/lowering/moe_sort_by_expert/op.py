@@ -1,0 +1,44 @@
+"""The canonical op ``fusion_passes::moe_sort_by_expert``: a MoE layer's dispatch prep.
+
+Unfused (transformers' grouped_mm experts, traced): sort of the flat expert ids, histc (a fill and
+a histogram kernel), cumsum, and the inverse permutation's scatter: 5 kernels per MoE layer.
+Fused:
+    sorted_ids, perm, offsets, inv_perm = moe_sort_by_expert(expert_ids, num_experts)
+one kernel. The math (and why a stable sort may stand in for the model's unstable one) lives in
+``reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.common.ops import op_from_reference
+from fusion_passes.lowering.moe_sort_by_expert.reference import (
+    check_moe_sort_by_expert_args,
+    moe_sort_by_expert_reference,
+)
+
+moe_sort_by_expert = op_from_reference(
+    "moe_sort_by_expert", moe_sort_by_expert_reference, check=check_moe_sort_by_expert_args
+)
+
+
+@moe_sort_by_expert.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.moe_sort_by_expert.default)
+def _moe_sort_by_expert_cuda(expert_ids, num_experts, wrap=None):
+    from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
+
+    return moe_sort_by_expert_triton(expert_ids, num_experts, wrap=wrap)
+
+
+@moe_sort_by_expert.register_fake
+def _moe_sort_by_expert_fake(expert_ids, num_experts):
+    check_moe_sort_by_expert_args(expert_ids, num_experts)
+    s, device = expert_ids.shape[0], expert_ids.device
+    return (
+        torch.empty(s, dtype=expert_ids.dtype, device=device),
+        torch.empty(s, dtype=torch.int64, device=device),
+        torch.empty(num_experts, dtype=torch.int32, device=device),
+        torch.empty(s, dtype=torch.int64, device=device),
+    )

@@ -1,0 +1,138 @@
+"""transformers' grouped_mm experts (the MoE blocks of Qwen 3.5-MoE, MiniMax-M2 and DeepSeek V3,
+each with its own router) compiled with moe_sort_by_expert: the dispatch prep (sort, histc,
+cumsum, the inverse permutation's scatter) becomes one op and the block's output is bit-equal to
+stock Inductor's; torchtitan's dispatch (histc over [0, E], argsort) does not match and is
+reported as a near miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
+from transformers.models.minimax_m2 import modeling_minimax_m2
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+import fusion_passes
+from fusion_passes.numerics import compare, tolerance
+
+FUSIONS = ["moe_sort_by_expert"]
+DISPATCH_OPS = ("aten.sort.default", "aten.histc.default", "aten.cumsum.default", "aten.index_put.default")
+EXPERTS, TOP_K, HIDDEN = 16, 4, 64
+
+
+def _block(name: str) -> torch.nn.Module:
+    common = dict(hidden_size=HIDDEN, num_experts_per_tok=TOP_K, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    if name == "qwen3.5-moe":  # softmax top-k, renormalised; a gated shared expert
+        config = transformers.Qwen3_5MoeTextConfig(
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=EXPERTS, **common
+        )
+        cls = modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock
+    elif name == "minimax-m2":  # sigmoid + correction bias top-k
+        config = transformers.MiniMaxM2Config(intermediate_size=32, num_local_experts=EXPERTS, **common)
+        cls = modeling_minimax_m2.MiniMaxM2SparseMoeBlock
+    else:  # deepseek-v3: group-limited sigmoid top-k, routed scaling, shared experts
+        config = transformers.DeepseekV3Config(
+            moe_intermediate_size=32, intermediate_size=64, n_routed_experts=EXPERTS, n_group=4, topk_group=2,
+            n_shared_experts=1, **common,
+        )
+        cls = modeling_deepseek_v3.DeepseekV3MoE
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    block = cls(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    return block
+
+
+def _compile(fn, fusions=FUSIONS):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True), report
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-moe", "minimax-m2", "deepseek-v3"])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_transformers_dispatch_fuses_bit_equal_to_stock_inductor(model, tokens):
+    block = _block(model)
+    x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16)
+    compiled, report = _compile(block)
+    with torch.no_grad():
+        out = compiled(x)
+        torch._dynamo.reset()
+        stock = torch.compile(block, fullgraph=True)(x)
+        eager = block(x)
+    assert report.final() == {"moe_sort_by_expert": 1}
+    before, after = report.ops_before(), report.ops_after()
+    assert [before[op] for op in DISPATCH_OPS] == [1, 1, 1, 1]
+    assert [after[op] for op in DISPATCH_OPS] == [0, 0, 0, 0]
+    assert after["fusion_passes.moe_sort_by_expert.default"] == 1
+    assert torch.equal(out, stock)
+    # Against eager: the block's bf16 roundings differ (Inductor's, not the dispatch's).
+    assert compare(out, eager).rel_norm < tolerance(torch.bfloat16).rel_norm
+
+
+def test_tied_expert_ids_keep_stock_inductors_output():
+    """Every token the same: each expert's pairs tie, and the stable order the op returns (not
+    the model's unstable sort's) must not change the block's output."""
+    block = _block("qwen3.5-moe")
+    x = torch.randn(1, 1, HIDDEN, dtype=torch.bfloat16).expand(1, 9, HIDDEN).contiguous()
+    compiled, report = _compile(block)
+    with torch.no_grad():
+        out = compiled(x)
+        torch._dynamo.reset()
+        stock = torch.compile(block, fullgraph=True)(x)
+    assert report.final() == {"moe_sort_by_expert": 1}
+    assert torch.equal(out, stock)
+
+
+def torchtitan_dispatch(x, top_scores, selected_experts_indices, num_experts, top_k):
+    """torchtitan's LocalTokenDispatcher.dispatch (histc over [0, num_experts], on float ids as its
+    CPU path needs; argsort stable)."""
+    num_tokens_per_expert = torch.histc(
+        selected_experts_indices.view(-1).float(), bins=num_experts, min=0, max=num_experts
+    )
+    token_indices_experts_sorted = torch.argsort(selected_experts_indices.view(-1), stable=True)
+    top_scores_experts_sorted = top_scores.view(-1)[token_indices_experts_sorted]
+    token_indices_experts_sorted = token_indices_experts_sorted // top_k
+    routed_input = x[token_indices_experts_sorted]
+    return routed_input, top_scores_experts_sorted, num_tokens_per_expert
+
+
+def test_torchtitan_dispatch_is_a_near_miss_not_a_match():
+    """Its histc bins [0, E] (an id equal to E lands in the last bin: not the expert counts the op
+    returns), and it returns counts, not offsets."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, HIDDEN, generator=g)
+    scores = torch.rand(5, TOP_K, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(5)])
+    fn = lambda x, s, i: torchtitan_dispatch(x, s, i, EXPERTS, TOP_K)  # noqa: E731
+    compiled, report = _compile(fn)
+    with torch.no_grad():
+        out = compiled(x, scores, ids)
+    assert report.final() == {"moe_sort_by_expert": 0}
+    assert report.ops_after() == report.ops_before() and report.ops_after()["aten.histc.default"] == 1
+    assert [m.fusion for m in report.near_misses] == ["moe_sort_by_expert"]
+    for got, want in zip(out, fn(x, scores, ids)):
+        assert torch.equal(got, want)
+
+
+def test_descending_sort_does_not_match():
+    def fn(ids):
+        ids_g, perm = torch.sort(ids, descending=True)
+        counts = torch.histc(ids_g.float(), bins=EXPERTS, min=0, max=EXPERTS - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0))
+        return ids_g, perm, offsets, inv_perm
+
+    ids = torch.randint(0, EXPERTS, (12,), generator=torch.Generator().manual_seed(1))
+    compiled, report = _compile(fn)
+    with torch.no_grad():
+        out = compiled(ids)
+    assert report.final() == {"moe_sort_by_expert": 0}
+    assert report.ops_after() == report.ops_before()
+    for got, want in zip(out, fn(ids)):
+        assert torch.equal(got, want)
