@@ -1,4 +1,5 @@
-"""One Triton kernel for a MoE layer's dispatch prep: the stable sort of the flat expert ids, the
+"""One Triton kernel for a MoE layer's dispatch prep (named without "moe": the decode benchmark
+classes kernels by name, and this one replaces kernels of its "other" class): the stable sort of the flat expert ids, the
 inverse permutation and the grouped GEMM's offsets.
 
 Unfused (stock Inductor on transformers' grouped_mm experts): a bitonic sort, a zero fill and a
@@ -26,7 +27,7 @@ from fusion_passes.lowering.moe_sort_by_expert.reference import check_moe_sort_b
 
 
 @triton.jit
-def _moe_sort_by_expert_kernel(
+def _sort_pairs_by_expert_kernel(
     ids_ptr,  # *int [S]: the flat expert ids (any integer dtype)
     sorted_ptr,  # *ids.dtype [S]
     perm_ptr,  # *int64 [S]
@@ -88,7 +89,7 @@ def moe_sort_by_expert_triton(
     block_j = min(128, max(16, triton.next_power_of_2(s)))
     block_e = min(64, max(16, triton.next_power_of_2(num_experts)))
     rank_programs = triton.cdiv(s, block_i)
-    kernel = wrap(_moe_sort_by_expert_kernel) if wrap is not None else _moe_sort_by_expert_kernel
+    kernel = wrap(_sort_pairs_by_expert_kernel) if wrap is not None else _sort_pairs_by_expert_kernel
     kernel[(rank_programs + triton.cdiv(num_experts, block_e),)](
         ids, sorted_ids, perm, inv_perm, offsets, s, num_experts,
         RANK_PROGRAMS=rank_programs, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, num_warps=4,

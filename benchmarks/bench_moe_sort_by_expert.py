@@ -1,0 +1,132 @@
+"""Time a MoE layer's dispatch prep (bf16 model, int64 expert ids) on one GPU: eager vs stock
+Inductor vs ours, at decode and prefill pair counts.
+
+    region: transformers' grouped_mm experts before the grouped GEMMs: the sort of the flat top-k
+            expert ids, histc + cumsum (the grouped GEMM's offsets) and the inverse permutation
+
+256 experts, top-8 (Qwen 3.5-MoE, MiniMax-M2, DeepSeek V3.x) by default; the ids of each token
+are distinct, as top-k returns them. Each implementation is timed as plain launches (do_bench
+median) and in a CUDA graph of calls on 16 distinct id sets, and its kernels per call are counted
+with the profiler. The pair count from which ours is slower than stock Inductor is the launch
+table's limit (lowering/launch_tables.py: MOE_SORT_BY_EXPERT).
+
+Implementations: eager; inductor (torch.compile); ours (torch.compile with the fusion_passes
+backend: the fused kernel launched by Inductor, no launch-table limit); ours_kernel (our launcher
+called directly).
+
+    python -m benchmarks.bench_moe_sort_by_expert [--tokens 1 64 4096] [--experts 256] [--top-k 8]
+    python -m benchmarks.bench_moe_sort_by_expert --smoke   # tiny sizes; on a CPU via Triton's interpreter
+"""
+
+from __future__ import annotations
+
+import sys
+from unittest import mock
+
+import torch
+
+from benchmarks import common
+
+common.interpret_smoke_run()  # before triton is imported
+
+import fusion_passes  # noqa: E402
+from benchmarks.timing import kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
+from fusion_passes.lowering import launch_tables  # noqa: E402
+from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton  # noqa: E402
+from fusion_passes.patterns.moe_sort_by_expert import transformers_grouped_mm_dispatch  # noqa: E402
+
+TOKENS = (1, 8, 64, 128, 256, 512, 1024, 4096)
+SMOKE_TOKENS = (1, 5)
+SETS = 16
+
+
+def region(top_k_index, num_experts):
+    return transformers_grouped_mm_dispatch(top_k_index.reshape(-1), num_experts)
+
+
+def ids_set(tokens, experts, top_k, device, g):
+    return torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(device)
+
+
+def check(out, ids, experts) -> bool:
+    """Sorted ids and offsets as the model's ops give them; a permutation that sorts; its inverse."""
+    sorted_ids, perm, offsets, inv_perm = out
+    flat = ids.reshape(-1)
+    want_sorted = torch.sort(flat).values
+    want_offsets = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+    arange = torch.arange(flat.numel(), device=flat.device)
+    return (torch.equal(sorted_ids, want_sorted) and torch.equal(offsets, want_offsets)
+            and torch.equal(flat[perm], sorted_ids) and torch.equal(inv_perm[perm], arange))  # fmt: skip
+
+
+def bench(tokens, experts, top_k, device, g) -> dict:
+    sets = [ids_set(tokens, experts, top_k, device, g) for _ in range(SETS if device == "cuda" else 1)]
+    report = fusion_passes.Report()
+    # ours without the launch table's limit: the point of the benchmark is where the limit lies
+    no_limit = {"default": launch_tables.MoeSortRule()}
+    with mock.patch.object(launch_tables, "MOE_SORT_BY_EXPERT", no_limit):
+        ours = torch.compile(region, backend=fusion_passes.backend(["moe_sort_by_expert"], report=report),
+                             fullgraph=True)  # fmt: skip
+        ours(sets[0], experts)
+    impls = {
+        "eager": region,
+        "inductor": torch.compile(region, fullgraph=True),
+        "ours": ours,
+        "ours_kernel": lambda ids, e: moe_sort_by_expert_triton(ids.reshape(-1), e),
+    }
+    record = {"tokens": tokens, "pairs": tokens * top_k, "experts": experts, "top_k": top_k,
+              "fused_sites": report.matches.get("moe_sort_by_expert", 0), "correct": {},
+              "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
+    for name, fn in impls.items():
+        calls = [lambda ids=ids, fn=fn: fn(ids, experts) for ids in sets]
+        record["correct"][name] = check(calls[0](), sets[0], experts)
+        record["kernels"][name] = kernels_per_call(calls[0])
+        record["plain_us"][name] = time_plain_us(calls[0])
+        record["graph_us"][name] = time_graph_us(calls)
+    return record
+
+
+def report_text(records, device_name) -> str:
+    lines = [f"# MoE dispatch prep (sort by expert, offsets, inverse permutation), {device_name}", ""]
+    impls = list(records[0]["graph_us"])
+    for mode in ("graph_us", "plain_us"):
+        lines += [f"## {mode} (us per call)", "",
+                  "| tokens x top-k (pairs) | experts | " + " | ".join(impls) + " | ours vs inductor | kernels "
+                  + "/".join(impls) + " |",
+                  "|---" * (len(impls) + 4) + "|"]  # fmt: skip
+        for r in records:
+            t = r[mode]
+            lines.append(f"| {r['tokens']} x {r['top_k']} ({r['pairs']}) | {r['experts']} | "
+                         + " | ".join(common.us(t[i]) for i in impls) + " | " + common.ratio(t["inductor"], t["ours"])
+                         + " | " + "/".join(str(r["kernels"][i]) for i in impls) + " |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = common.parser(__doc__, "bench_moe_sort_by_expert", smoke="tiny sizes; CPU under TRITON_INTERPRET=1")
+    common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "tokens (each routed to top-k experts)")
+    parser.add_argument("--experts", type=int, nargs="+", default=[256])
+    parser.add_argument("--top-k", type=int, default=8)
+    args = common.parse(parser)
+    device = common.device(parser, args.smoke)
+    device_name = common.device_name(device)
+    g = torch.Generator().manual_seed(0)
+    records = []
+    with torch.no_grad():
+        for experts in args.experts:
+            for tokens in args.tokens:
+                torch._dynamo.reset()
+                records.append(bench(tokens, experts, args.top_k, device, g))
+                r = records[-1]
+                print(f"experts={experts} tokens={tokens}: " + ", ".join(
+                    f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"]) + f"; correct {r['correct']}", flush=True)
+    common.finish(args, report_text(records, device_name), {"device": device_name, "records": records})
+    bad = [(r["experts"], r["tokens"]) for r in records if r["fused_sites"] != 1 or not all(r["correct"].values())]
+    if bad:
+        print(f"FAILURE (not fused, or a wrong result) at {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
