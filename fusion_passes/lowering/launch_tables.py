@@ -111,7 +111,13 @@ class MoeSortRule(NamedTuple):
 
 
 MOE_SORT_BY_EXPERT: dict[str, MoeSortRule] = {
-    "default": MoeSortRule(),
+    # The kernel's work grows as pairs^2 on any GPU: the H200's limit stands for GPUs no one has
+    # measured (a prefill's sort left to Inductor costs little beside its GEMMs; a fused one there
+    # costs up to 14x Inductor's).
+    "default": MoeSortRule(4096, evidence="bench_moe_sort_by_expert on one H200 (2026-12-03)"),
+    # 256 experts, top-8, in a CUDA graph: 3.3x / 2.5x / 1.2x stock Inductor at 8 / 512 / 4096
+    # pairs, 0.79x at 8192, 0.07x at 32768 (a 4096-token prefill).
+    "NVIDIA H200": MoeSortRule(4096, evidence="bench_moe_sort_by_expert on one H200 (2026-12-03)"),
 }
 
 
