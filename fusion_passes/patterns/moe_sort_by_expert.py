@@ -16,8 +16,8 @@ per MoE layer with stock Inductor.
 Fused:   sorted_ids, perm, offsets, inv_perm = fusion_passes.moe_sort_by_expert(expert_ids, E)
          one kernel (a stable sort: see the op's reference for why it may replace the model's).
 
-Not fused: a histc over other bounds (the ids' bins would not be the experts), a sort of another
-dimension or descending, and on a GPU whose launch table says so, a sort of more pairs than the
+Not fused: a histc over other bounds (the ids' bins would not be the experts), one expert (histc
+over [0, 0], its default, bins the ids' own range; the pattern's histc has explicit bounds), a descending sort, and on a GPU whose launch table says so, a sort of more pairs than the
 kernel was measured to win at (a prefill's), which is left to Inductor.
 """
 

@@ -36,7 +36,9 @@ def _check(expert_ids, num_experts):
     # The reference states what the model's ops compute: the same sorted ids and offsets, a
     # permutation that sorts (the model's sort may order equal ids otherwise), its inverse.
     model_sorted, _, model_offsets = _transformers_ops(expert_ids.cpu(), num_experts)
-    assert torch.equal(sorted_ids.cpu(), model_sorted) and torch.equal(offsets.cpu(), model_offsets)
+    assert torch.equal(sorted_ids.cpu(), model_sorted)
+    if num_experts > 1:  # histc over [0, 0] counts over the data's own range (the pattern refuses E = 1)
+        assert torch.equal(offsets.cpu(), model_offsets)
     assert torch.equal(expert_ids[perm], sorted_ids)
     assert torch.equal(inv_perm[perm], torch.arange(expert_ids.numel(), device=expert_ids.device))
 

@@ -136,3 +136,26 @@ def test_descending_sort_does_not_match():
     assert report.ops_after() == report.ops_before()
     for got, want in zip(out, fn(ids)):
         assert torch.equal(got, want)
+
+
+def _dispatch(ids, num_experts):
+    """transformers' lines (CPU branch) on flat ids."""
+    ids_g, perm = torch.sort(ids)
+    counts = torch.histc(ids_g.float(), bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0))
+    return ids_g, perm, offsets, inv_perm
+
+
+def test_one_expert_is_not_fused():
+    """histc(bins=1, min=0, max=0) bins the ids' own range (a sentinel id is counted): the traced
+    graph drops those bounds, histc's defaults, and the pattern's explicit ones do not match."""
+    ids = torch.tensor([0, 0, 1, 0])
+    compiled, report = _compile(lambda ids: _dispatch(ids, 1))
+    with torch.no_grad():
+        out = compiled(ids)
+    assert report.final() == {"moe_sort_by_expert": 0} and not report.rejected
+    assert [m.fusion for m in report.near_misses] == ["moe_sort_by_expert"]
+    assert report.ops_after() == report.ops_before()
+    assert out[2].tolist() == [4]
