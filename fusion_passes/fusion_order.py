@@ -19,6 +19,7 @@ from fusion_passes.patterns import (
     causal_conv1d_update,
     gated_delta_step,
     mla_rope,
+    moe_route,
     moe_sort_by_expert,
     qk_norm_rope,
     quant_fp8,
@@ -65,6 +66,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "RoPE families (its cse_before deduplicates q / k / v's copies of one quantization)",
     ),
     (silu_mul_quant_fp8, "independent of the others (the MLP's activation, no norm); kept beside the other FP8 family"),
+    (
+        moe_route,
+        "independent of the others (a softmax or sigmoid, a top-k and a renormalisation of the "
+        "router's scores, no canonical op); before moe_sort_by_expert, whose sort reads its ids",
+    ),
     (
         moe_sort_by_expert,
         "independent of the others (a sort, histc, cumsum and a scatter of integer expert ids, no "

@@ -36,6 +36,8 @@ def find_near_misses(graph: torch.fx.Graph, fusions: Sequence[Fusion], index: in
         if node.op != "call_function" or op_name(node) not in by_op:
             continue
         val = node.meta.get("val")
+        if isinstance(val, (tuple, list)) and val:  # a multi-output op (topk): its first output's rank
+            val = val[0]
         if not isinstance(val, torch.Tensor):
             continue
         best: tuple[tuple[float, int], int, int, str, Fusion, Spelling] | None = None

@@ -1,0 +1,91 @@
+"""One Triton kernel for a MoE layer's top-k routing: scores, top-k, gather and renormalisation.
+
+Unfused (stock Inductor on transformers' routers): a softmax (or sigmoid + bias) kernel, torch's
+top-k (a radix select, and a bitonic sort where the router asks for sorted ids: Qwen3 / 3.5-MoE),
+and a renormalisation kernel: 3-4 kernels per MoE layer, the sort alone 4.0 us at batch 1 inside a
+CUDA graph (measured on one H200).
+Fused: one program per token holds its E scores in registers (fp32), then k times takes the
+largest choice score (ties: the lowest id), records its score and id and masks it out; the k
+weights are renormalised by their sum and stored with the ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.moe_route.reference import check_moe_route_args
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr,  # *logits.dtype [T, E] (row stride stride_t; E contiguous)
+    bias_ptr,  # *bias.dtype [E] (read when HAS_BIAS)
+    weights_ptr,  # *fp32 [T, TOP_K] contiguous
+    ids_ptr,  # *int64 [T, TOP_K] contiguous
+    stride_t,
+    E,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next_power_of_2(TOP_K)
+    BLOCK_E: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    x = tl.load(logits_ptr + t * stride_t + e, mask=em, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        ex = tl.exp(x - tl.max(x, axis=0))
+        ex = tl.where(em, ex, 0.0)
+        scores = ex / tl.sum(ex, axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    choice = tl.where(em, choice, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        pick = tl.min(tl.where(choice == best, e, BLOCK_E), axis=0)
+        w = tl.sum(tl.where(e == pick, scores, 0.0), axis=0)
+        weights = tl.where(ks == k, w, weights)
+        ids = tl.where(ks == k, pick, ids)
+        choice = tl.where(e == pick, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(weights_ptr + t * TOP_K + ks, weights, mask=ks < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + ks, ids.to(tl.int64), mask=ks < TOP_K)
+
+
+def moe_route_triton(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    softmax: bool,
+    renormalize: bool,
+    *,
+    wrap: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) as ``moe_route_reference``."""
+    check_moe_route_args(logits, bias, top_k, softmax)
+    tokens, experts = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    kernel = wrap(_route_topk_kernel) if wrap is not None else _route_topk_kernel
+    if tokens:
+        kernel[(tokens,)](
+            logits, bias if bias is not None else logits, weights, ids, logits.stride(0), experts,
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts), SOFTMAX=softmax, HAS_BIAS=bias is not None,
+            RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4,
+        )
+    return weights, ids

@@ -1,0 +1,114 @@
+"""transformers' MoE routers compiled with the moe_route fusions: Qwen 3.5-MoE's and Qwen3-MoE's
+softmax top-k (renormalised, and not: norm_topk_prob=False), MiniMax-M2's sigmoid + correction
+bias top-k. Each router becomes one op: ids equal to eager's and weights within fp32 rounding in
+fp32 (tie-free scores), the whole MoE block within bf16's tolerance of eager in bf16; DeepSeek V3's
+group-limited routing is not matched and is reported as a near miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.minimax_m2 import modeling_minimax_m2
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+import fusion_passes
+from fusion_passes.numerics import compare, tolerance
+
+ROUTES = ["moe_route_softmax", "moe_route_softmax_unnormalized", "moe_route_sigmoid_bias"]
+EXPERTS, TOP_K, HIDDEN = 32, 4, 64
+
+
+def _router(name: str, dtype: torch.dtype):
+    common = dict(hidden_size=HIDDEN, num_experts_per_tok=TOP_K, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    if name == "qwen3.5-moe":
+        config = transformers.Qwen3_5MoeTextConfig(num_experts=EXPERTS, **common)
+        router, args = modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter(config), ()
+    elif name == "qwen3-moe":
+        config = transformers.Qwen3MoeConfig(num_experts=EXPERTS, norm_topk_prob=False, **common)
+        router, args = modeling_qwen3_moe.Qwen3MoeTopKRouter(config), ()
+    else:
+        config = transformers.MiniMaxM2Config(num_local_experts=EXPERTS, **common)
+        router = modeling_minimax_m2.MiniMaxM2TopKRouter(config)
+        args = (torch.rand(EXPERTS, generator=torch.Generator().manual_seed(3)) * 0.05,)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+    return router.to(dtype).eval(), args
+
+
+def _compile(fn, fusions):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True), report
+
+
+@pytest.mark.parametrize(
+    ("model", "fusion"),
+    [("qwen3.5-moe", "moe_route_softmax"), ("qwen3-moe", "moe_route_softmax_unnormalized"),
+     ("minimax-m2", "moe_route_sigmoid_bias")],
+)  # fmt: skip
+def test_router_fuses_with_eagers_ids(model, fusion):
+    router, args = _router(model, torch.float32)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    compiled, report = _compile(router, ROUTES)
+    with torch.no_grad():
+        _, weights, ids = compiled(x, *args)
+        _, want_weights, want_ids = router(x, *args)
+    assert report.final()[fusion] == 1 and sum(report.final().values()) == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (1, 0)
+    assert after["fusion_passes.moe_route.default"] == 1
+    if model == "minimax-m2":
+        # topk(sorted=False): the order of the k ids is unspecified (the op's is by score); each
+        # row's experts and their weights compared in id order
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(1, order)
+        want_ids, want_order = want_ids.sort(dim=-1)
+        want_weights = want_weights.gather(1, want_order)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-moe", "minimax-m2"])
+def test_bf16_moe_block_with_routing_and_dispatch_fused(model):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "moe_sort_by_expert"))
+    from test_rewrite_moe_sort_by_expert import _block
+
+    block = _block(model)
+    x = torch.randn(1, 7, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    compiled, report = _compile(block, [*ROUTES, "moe_sort_by_expert"])
+    with torch.no_grad():
+        out = compiled(x)
+        eager = block(x)
+    route = "moe_route_softmax" if model == "qwen3.5-moe" else "moe_route_sigmoid_bias"
+    assert report.final()[route] == 1 and report.final()["moe_sort_by_expert"] == 1
+    assert sum(report.final().values()) == 2
+    assert report.ops_after()["aten.topk.default"] == 0
+    assert compare(out, eager).rel_norm < tolerance(torch.bfloat16).rel_norm
+
+
+def test_deepseek_group_limited_routing_is_a_near_miss():
+    config = transformers.DeepseekV3Config(hidden_size=HIDDEN, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                           n_group=4, topk_group=2, num_hidden_layers=1)  # fmt: skip
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    router = modeling_deepseek_v3.DeepseekV3TopkRouter(config).eval()
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    compiled, report = _compile(router, ROUTES)
+    with torch.no_grad():
+        out = compiled(x)
+        want = router(x)
+    assert sum(report.final().values()) == 0
+    assert report.ops_after() == report.ops_before()
+    assert {m.fusion for m in report.near_misses} == {"moe_route_softmax"}
+    assert len(report.near_misses) == report.ops_before()["aten.topk.default"]
+    for got, expected in zip(out, want):
+        assert torch.equal(got, expected)
