@@ -1,8 +1,10 @@
-"""Time a MoE layer's dispatch prep (bf16 model, int64 expert ids) on one GPU: eager vs stock
-Inductor vs ours, at decode and prefill pair counts.
+"""Time a MoE layer's routing and dispatch prep (bf16 model) on one GPU: eager vs stock Inductor vs
+ours, at decode and prefill token counts.
 
-    region: transformers' grouped_mm experts before the grouped GEMMs: the sort of the flat top-k
-            expert ids, histc + cumsum (the grouped GEMM's offsets) and the inverse permutation
+    sort:  transformers' grouped_mm experts before the grouped GEMMs: the sort of the flat top-k
+           expert ids, histc + cumsum (the grouped GEMM's offsets) and the inverse permutation
+    route: the Qwen 3.5-MoE router after its gate GEMM (softmax, sorted top-k, renormalisation,
+           the cast to bf16) on bf16 logits
 
 256 experts, top-8 (Qwen 3.5-MoE, MiniMax-M2, DeepSeek V3.x) by default; the ids of each token
 are distinct, as top-k returns them. Each implementation is timed as plain launches (do_bench
@@ -14,7 +16,7 @@ Implementations: eager; inductor (torch.compile); ours (torch.compile with the f
 backend: the fused kernel launched by Inductor, no launch-table limit); ours_kernel (our launcher
 called directly).
 
-    python -m benchmarks.bench_moe_sort_by_expert [--tokens 1 64 4096] [--experts 256] [--top-k 8]
+    python -m benchmarks.bench_moe_sort_by_expert [--regions route sort] [--tokens 1 64 4096] [--experts 256] [--top-k 8]
     python -m benchmarks.bench_moe_sort_by_expert --smoke   # tiny sizes; on a CPU via Triton's interpreter
 """
 
@@ -32,7 +34,9 @@ common.interpret_smoke_run()  # before triton is imported
 import fusion_passes  # noqa: E402
 from benchmarks.timing import kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 from fusion_passes.lowering import launch_tables  # noqa: E402
+from fusion_passes.lowering.moe_route.triton import moe_route_triton  # noqa: E402
 from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton  # noqa: E402
+from fusion_passes.patterns.moe_route import qwen_router  # noqa: E402
 from fusion_passes.patterns.moe_sort_by_expert import transformers_grouped_mm_dispatch  # noqa: E402
 
 TOKENS = (1, 8, 64, 128, 256, 512, 1024, 4096)
@@ -74,7 +78,7 @@ def bench(tokens, experts, top_k, device, g) -> dict:
         "ours": ours,
         "ours_kernel": lambda ids, e: moe_sort_by_expert_triton(ids.reshape(-1), e),
     }
-    record = {"tokens": tokens, "pairs": tokens * top_k, "experts": experts, "top_k": top_k,
+    record = {"region": "sort", "tokens": tokens, "pairs": tokens * top_k, "experts": experts, "top_k": top_k,
               "fused_sites": report.matches.get("moe_sort_by_expert", 0), "correct": {},
               "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
     for name, fn in impls.items():
@@ -86,15 +90,46 @@ def bench(tokens, experts, top_k, device, g) -> dict:
     return record
 
 
+def bench_route(tokens, experts, top_k, device, g) -> dict:
+    sets = [torch.randn(tokens, experts, generator=g).to(device, torch.bfloat16) for _ in range(SETS if device == "cuda" else 1)]
+    report = fusion_passes.Report()
+    ours = torch.compile(qwen_router, backend=fusion_passes.backend(["moe_route_softmax"], report=report), fullgraph=True)
+    ours(sets[0], top_k)
+    impls = {
+        "eager": qwen_router,
+        "inductor": torch.compile(qwen_router, fullgraph=True),
+        "ours": ours,
+        "ours_kernel": lambda x, k: moe_route_triton(x, None, k, True, True),
+    }
+    record = {"region": "route", "tokens": tokens, "pairs": tokens * top_k, "experts": experts, "top_k": top_k,
+              "fused_sites": report.matches.get("moe_route_softmax", 0), "correct": {},
+              "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
+    want_w, want_ids = qwen_router(sets[0], top_k)
+    for name, fn in impls.items():
+        calls = [lambda x=x, fn=fn: fn(x, top_k) for x in sets]
+        w, ids = calls[0]()
+        # the selected experts (equal bf16 scores may come in another order) and their weights
+        record["correct"][name] = bool(torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+                                       and torch.allclose(w.float().sort(-1).values, want_w.float().sort(-1).values,
+                                                          rtol=1e-2, atol=1e-3))  # fmt: skip
+        record["kernels"][name] = kernels_per_call(calls[0])
+        record["plain_us"][name] = time_plain_us(calls[0])
+        record["graph_us"][name] = time_graph_us(calls)
+    return record
+
+
 def report_text(records, device_name) -> str:
-    lines = [f"# MoE dispatch prep (sort by expert, offsets, inverse permutation), {device_name}", ""]
+    lines = [f"# MoE routing and dispatch prep, {device_name}", ""]
     impls = list(records[0]["graph_us"])
-    for mode in ("graph_us", "plain_us"):
-        lines += [f"## {mode} (us per call)", "",
+    for region, mode in [(r, m) for r in ("route", "sort") for m in ("graph_us", "plain_us")]:
+        rows = [r for r in records if r.get("region", "sort") == region]
+        if not rows:
+            continue
+        lines += [f"## {region}, {mode} (us per call)", "",
                   "| tokens x top-k (pairs) | experts | " + " | ".join(impls) + " | ours vs inductor | kernels "
                   + "/".join(impls) + " |",
                   "|---" * (len(impls) + 4) + "|"]  # fmt: skip
-        for r in records:
+        for r in rows:
             t = r[mode]
             lines.append(f"| {r['tokens']} x {r['top_k']} ({r['pairs']}) | {r['experts']} | "
                          + " | ".join(common.us(t[i]) for i in impls) + " | " + common.ratio(t["inductor"], t["ours"])
@@ -108,21 +143,21 @@ def main() -> int:
     common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "tokens (each routed to top-k experts)")
     parser.add_argument("--experts", type=int, nargs="+", default=[256])
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--regions", nargs="+", default=["route", "sort"], choices=["route", "sort"])
     args = common.parse(parser)
     device = common.device(parser, args.smoke)
     device_name = common.device_name(device)
     g = torch.Generator().manual_seed(0)
     records = []
     with torch.no_grad():
-        for experts in args.experts:
-            for tokens in args.tokens:
-                torch._dynamo.reset()
-                records.append(bench(tokens, experts, args.top_k, device, g))
-                r = records[-1]
-                print(f"experts={experts} tokens={tokens}: " + ", ".join(
-                    f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"]) + f"; correct {r['correct']}", flush=True)
+        for region, experts, tokens in [(r, e, t) for r in args.regions for e in args.experts for t in args.tokens]:
+            torch._dynamo.reset()
+            records.append((bench_route if region == "route" else bench)(tokens, experts, args.top_k, device, g))
+            r = records[-1]
+            print(f"{region} experts={experts} tokens={tokens}: " + ", ".join(
+                f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"]) + f"; correct {r['correct']}", flush=True)
     common.finish(args, report_text(records, device_name), {"device": device_name, "records": records})
-    bad = [(r["experts"], r["tokens"]) for r in records if r["fused_sites"] != 1 or not all(r["correct"].values())]
+    bad = [(r["region"], r["experts"], r["tokens"]) for r in records if r["fused_sites"] != 1 or not all(r["correct"].values())]
     if bad:
         print(f"FAILURE (not fused, or a wrong result) at {bad}")
     return 1 if bad else 0

@@ -206,20 +206,21 @@ def moe_sort_by_expert(payloads):
         g, p_ = r["graph_us"], r["plain_us"]
         kernels = r.get("kernels") or {}
         rows.append([
-            f"{r['tokens']} x {r['top_k']} ({r['pairs']})", str(r["experts"]),
+            r.get("region", "sort"), f"{r['tokens']} x {r['top_k']} ({r['pairs']})", str(r["experts"]),
             f"{kernels.get('inductor')} → {kernels.get('ours')}", _us(g["inductor"]),
             _cell(g["ours"], _speedup(r, "inductor", "ours"), None),
             _cell(p_["ours"], p_["inductor"] / p_["ours"] if p_.get("ours") else None, None),
         ])  # fmt: skip
     what = (
-        "A MoE layer's dispatch prep before the grouped GEMMs (transformers' grouped_mm experts: the sort of the "
-        "flat top-k expert ids, histc + cumsum offsets, the inverse permutation; "
-        "`benchmarks/bench_moe_sort_by_expert.py`). us per call inside a CUDA graph, and plain launches; for "
-        "ours, stock Inductor's time over ours. The launch table leaves the sort to Inductor from the first "
-        "pair count where ours is slower:"
+        "A MoE layer's routing and dispatch prep (`benchmarks/bench_moe_sort_by_expert.py`): route, the Qwen "
+        "3.5-MoE router after its gate GEMM (softmax, sorted top-k, renormalisation); sort, transformers' "
+        "grouped_mm experts before the grouped GEMMs (the sort of the flat top-k expert ids, histc + cumsum "
+        "offsets, the inverse permutation). us per call inside a CUDA graph, and plain launches; for ours, "
+        "stock Inductor's time over ours. The launch table leaves the sort to Inductor from the first pair "
+        "count where ours is slower:"
     )
-    header = ["tokens x top-k (pairs)", "experts", "kernels", "stock Inductor", "ours", "ours, plain launches"]
-    return what, _table(header, rows, 2)
+    header = ["region", "tokens x top-k (pairs)", "experts", "kernels", "stock Inductor", "ours", "ours, plain launches"]
+    return what, _table(header, rows, 3)
 
 
 def mla_rope(payloads):
@@ -406,7 +407,7 @@ SECTIONS = (
         ("bench_gated_delta_step",),
         gated_delta_step,
     ),
-    Section("MoE dispatch prep (`moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
+    Section("MoE routing and dispatch prep (`moe_route_*`, `moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
     Section(
         "Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)",
         ("bench_allreduce_rms_norm",),

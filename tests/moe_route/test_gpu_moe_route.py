@@ -1,0 +1,85 @@
+"""CUDA: MoE decode steps (tiny widths, StaticCache, fullgraph) with every default fusion: each
+MoE layer's router one kernel (its top-k and sort kernels gone), fewer kernels than stock
+Inductor, the outputs over several steps within stock Inductor's own error against eager (twice
+it, or bf16's rounding where that is 0), in both launch modes, and a CUDA-graph replay. Skipped
+without a GPU (run on the GPU machine)."""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import pytest
+import torch
+from torch._inductor.graph import GraphLowering
+
+import fusion_passes
+from fusion_passes.kernels import count_kernels
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import compare
+
+pytestmark = pytest.mark.gpu
+STEPS = 4
+LAYERS = 2
+
+
+def _compile(step, backend):
+    import torch._inductor.config as inductor_config
+
+    codes: list[str] = []
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    step.restore()
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+            mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
+        compiled(*step.inputs(0))
+    return compiled, codes
+
+
+def _error(step, fn, expected) -> float:
+    step.restore()
+    with torch.no_grad():
+        outs = [fn(*step.inputs(i)).clone() for i in range(STEPS)]
+    return max(compare(a, e).rel_norm for a, e in zip(outs, expected, strict=True))
+
+
+@pytest.mark.parametrize(("model", "route"), [("qwen3-moe", "moe_route_softmax"), ("minimax-m2", "moe_route_sigmoid_bias")])
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+def test_decode_step_routes_in_one_kernel(model, route, launch):
+    torch._dynamo.reset()
+    built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=LAYERS, device="cuda")
+    step = DecodeStep(built.module, batch=3, context=8, steps=STEPS)
+    report = fusion_passes.Report()
+    ours, codes = _compile(step, fusion_passes.backend(report=report, launch=launch))
+    stock, stock_codes = _compile(step, "inductor")
+    assert report.final()[route] == LAYERS and report.final()["moe_sort_by_expert"] == LAYERS
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (LAYERS, 0)
+    step.restore()
+    with torch.no_grad():
+        expected = [step(*step.inputs(i)).clone() for i in range(STEPS)]
+    assert _error(step, ours, expected) <= 2 * max(_error(step, stock, expected), 4e-3)
+    if launch == "direct":
+        (code,) = codes
+        assert len(re.findall(r"_route_topk_kernel_\d+\.run\(", code)) == LAYERS
+        assert sum(count_kernels(codes).values()) < sum(count_kernels(stock_codes).values())
+    step.restore()
+    with torch.no_grad():
+        inputs = [t.clone() for t in step.inputs(0)]
+        ours(*inputs)
+        step.restore()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            ours(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        step.restore()
+        with torch.cuda.graph(graph):
+            out = ours(*inputs)
+        step.restore()
+        graph.replay()
+        replayed = out.clone()
+        step.restore()
+        direct = ours(*inputs)
+    assert torch.equal(replayed, direct)
