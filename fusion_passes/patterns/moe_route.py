@@ -43,6 +43,29 @@ def qwen_router(router_logits, top_k):
     return router_top_value.to(router_logits.dtype), router_indices
 
 
+def _online_softmax(x):
+    # Inductor's post-grad passes on CUDA turn softmax's amax / sub / exp / sum into its online
+    # softmax prim before the fusions run (config.online_softmax): the CUDA graph's spelling.
+    from torch._inductor.inductor_prims import prepare_softmax_online
+
+    xmax, xsum = prepare_softmax_online(x, -1)
+    return (x - xmax).exp() / xsum
+
+
+def qwen_router_online_softmax(router_logits, top_k):
+    # qwen_router as a CUDA graph holds it.
+    router_probs = _online_softmax(router_logits.float())
+    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
+    router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
+    return router_top_value.to(router_logits.dtype), router_indices
+
+
+def qwen_router_unnormalized_online_softmax(router_logits, top_k):
+    router_probs = _online_softmax(router_logits.float())
+    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
+    return router_top_value.to(router_logits.dtype), router_indices
+
+
 def qwen_router_unnormalized(router_logits, top_k):
     # Qwen3MoeTopKRouter with norm_topk_prob=False.
     router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
@@ -111,12 +134,12 @@ def _examples_sigmoid():
             yield torch.randn(3, 40, dtype=dtype), torch.randn(40, dtype=bias_dtype), TOP_K_SENTINEL
 
 
-def _fusion(name, summary, spelling, examples, near_misses=False) -> Fusion:
+def _fusion(name, summary, spellings, examples, near_misses=False) -> Fusion:
     return Fusion(
         name=name,
         summary=summary,
         doc=__doc__.split("\n\n", 1)[1],
-        spellings=(spelling,),
+        spellings=spellings,
         example_inputs=examples,
         scalars={"top_k": TOP_K_SENTINEL},
         check=_check,
@@ -131,20 +154,30 @@ FUSIONS = (
     _fusion(
         "moe_route_softmax",
         "MoE routing: softmax + top-k + renormalise (Qwen3 / 3.5-MoE, Qwen3-Next) -> one kernel",
-        Spelling("qwen_router", qwen_router, _fused_softmax),
+        (
+            Spelling("qwen_router", qwen_router, _fused_softmax),
+            Spelling("qwen_router_online_softmax", qwen_router_online_softmax, _fused_softmax),
+        ),
         _examples_softmax,
         near_misses=True,
     ),
     _fusion(
         "moe_route_softmax_unnormalized",
         "the same without the renormalisation (Qwen3-MoE, norm_topk_prob=False)",
-        Spelling("qwen_router_unnormalized", qwen_router_unnormalized, _fused_softmax_unnormalized),
+        (
+            Spelling("qwen_router_unnormalized", qwen_router_unnormalized, _fused_softmax_unnormalized),
+            Spelling(
+                "qwen_router_unnormalized_online_softmax",
+                qwen_router_unnormalized_online_softmax,
+                _fused_softmax_unnormalized,
+            ),
+        ),
         _examples_softmax,
     ),
     _fusion(
         "moe_route_sigmoid_bias",
         "MoE routing: sigmoid + correction bias + top-k + gather + renormalise (MiniMax-M2) -> one kernel",
-        Spelling("minimax_router", minimax_router, _fused_sigmoid_bias),
+        (Spelling("minimax_router", minimax_router, _fused_sigmoid_bias),),
         _examples_sigmoid,
     ),
 )

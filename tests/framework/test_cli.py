@@ -271,7 +271,9 @@ def test_console_script_and_debug_traceback(factory_file):
 
 def test_built_in_model_report_validates_and_counts_sites(tmp_path):
     """DeepSeek V3.2 (tiny, 2 layers): every RMSNorm fused, and in each attention layer the MLA kv
-    path, the q RoPE, and the indexer's q RoPE and key LayerNorm + RoPE; no candidate left over."""
+    path, the q RoPE, and the indexer's q RoPE and key LayerNorm + RoPE; the MoE layer's dispatch
+    fused; no candidate left over but its group-limited router's three top-ks (group scores, groups,
+    experts), which no routing fusion takes: near misses."""
     path = tmp_path / "v32.json"
     assert main(["diff", "deepseek-v3.2", "--dtype", "bf16", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
@@ -280,7 +282,11 @@ def test_built_in_model_report_validates_and_counts_sites(tmp_path):
     assert matches["rms_norm"] + matches["add_rms_norm"] == data["expected_rms_norm_sites"] == 9
     for fusion in ("mla_kv_norm_rope", "mla_q_rope", "mla_indexer_q_rope", "mla_indexer_k_norm_rope"):
         assert matches[fusion] == 2, (fusion, matches)
-    assert data["near_misses"] == [] and data["errors"] == []
+    assert matches["moe_sort_by_expert"] == 1
+    assert [(m["fusion"], m["location"].split(":")[0]) for m in data["near_misses"]] == [
+        ("moe_route_softmax", "modeling_deepseek_v32.py")
+    ] * 3
+    assert data["errors"] == []
 
 
 def test_report_shape_summary_fates_tolerance_and_folded_rows(factory_file, tmp_path, capsys):

@@ -112,3 +112,28 @@ def test_deepseek_group_limited_routing_is_a_near_miss():
     assert len(report.near_misses) == report.ops_before()["aten.topk.default"]
     for got, expected in zip(out, want):
         assert torch.equal(got, expected)
+
+
+def test_cuda_graphs_online_softmax_form_fuses():
+    """On CUDA, Inductor's post-grad passes rewrite the router's softmax into its online-softmax
+    prim (prepare_softmax_online) before the fusions run; that form, written here as Inductor
+    leaves it, is matched too (the CPU keeps the decomposed softmax)."""
+    from torch._inductor.inductor_prims import prepare_softmax_online
+
+    def router(logits):
+        x = logits.float()
+        xmax, xsum = prepare_softmax_online(x, -1)
+        probs = (x - xmax).exp() / xsum
+        top_value, top_index = torch.topk(probs, TOP_K, dim=-1)
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return top_value.to(logits.dtype), top_index
+
+    logits = torch.randn(9, EXPERTS, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    compiled, report = _compile(router, ROUTES)
+    with torch.no_grad():
+        weights, ids = compiled(logits)
+    want_weights, want_ids = router(logits)
+    assert report.final()["moe_route_softmax"] == 1 and sum(report.final().values()) == 1
+    assert report.ops_after()["aten.topk.default"] == 0
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    torch.testing.assert_close(weights.float().sort(-1).values, want_weights.float().sort(-1).values, rtol=1e-2, atol=1e-3)
