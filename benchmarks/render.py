@@ -201,26 +201,38 @@ def gated_delta_step(payloads):
 
 def moe_sort_by_expert(payloads):
     (p,) = payloads
-    rows = []
+    by_tokens: dict[int, dict[str, dict]] = {}
     for r in p["records"]:
-        g, p_ = r["graph_us"], r["plain_us"]
+        by_tokens.setdefault(r["tokens"], {})[r.get("region", "sort")] = r
+
+    def cells(r):
+        if r is None:
+            return ["—", "—", "—"]
+        g, plain = r["graph_us"], r["plain_us"]
         kernels = r.get("kernels") or {}
-        rows.append([
-            r.get("region", "sort"), f"{r['tokens']} x {r['top_k']} ({r['pairs']})", str(r["experts"]),
-            f"{kernels.get('inductor')} → {kernels.get('ours')}", _us(g["inductor"]),
-            _cell(g["ours"], _speedup(r, "inductor", "ours"), None),
-            _cell(p_["ours"], p_["inductor"] / p_["ours"] if p_.get("ours") else None, None),
-        ])  # fmt: skip
+        plain_x = plain["inductor"] / plain["ours"] if plain.get("ours") and plain.get("inductor") else None
+        return [f"{kernels.get('inductor')} → {kernels.get('ours')}",
+                f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}",
+                _x(plain_x) if plain_x else "—"]  # fmt: skip
+
+    rows = []
+    for tokens in sorted(by_tokens):
+        regions = by_tokens[tokens]
+        any_r = next(iter(regions.values()))
+        rows.append([f"{tokens} x {any_r['top_k']} ({any_r['pairs']})", *cells(regions.get("route")),
+                     *cells(regions.get("sort"))])  # fmt: skip
+    experts = sorted({r["experts"] for r in p["records"]})
     what = (
-        "A MoE layer's routing and dispatch prep (`benchmarks/bench_moe_sort_by_expert.py`): route, the Qwen "
-        "3.5-MoE router after its gate GEMM (softmax, sorted top-k, renormalisation); sort, transformers' "
-        "grouped_mm experts before the grouped GEMMs (the sort of the flat top-k expert ids, histc + cumsum "
-        "offsets, the inverse permutation). us per call inside a CUDA graph, and plain launches; for ours, "
-        "stock Inductor's time over ours. The launch table leaves the sort to Inductor from the first pair "
-        "count where ours is slower:"
+        f"A MoE layer's routing and dispatch prep, {'/'.join(map(str, experts))} experts "
+        "(`benchmarks/bench_moe_sort_by_expert.py`). Route: the Qwen 3.5-MoE router after its gate GEMM "
+        "(softmax, sorted top-k, renormalisation). Sort: transformers' grouped_mm experts before the grouped "
+        "GEMMs (the sort of the flat top-k expert ids, histc + cumsum offsets, the inverse permutation); the "
+        "launch table leaves it to Inductor from the first pair count where ours is slower. us per call inside "
+        "a CUDA graph, stock Inductor → ours (speedup); plain launches: the speedup alone:"
     )
-    header = ["region", "tokens x top-k (pairs)", "experts", "kernels", "stock Inductor", "ours", "ours, plain launches"]
-    return what, _table(header, rows, 3)
+    header = ["tokens x top-k (pairs)", "route kernels", "route, CUDA graph", "route, plain",
+              "sort kernels", "sort, CUDA graph", "sort, plain"]  # fmt: skip
+    return what, _table(header, rows, 1)
 
 
 def mla_rope(payloads):
