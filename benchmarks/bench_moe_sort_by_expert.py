@@ -16,7 +16,7 @@ Implementations: eager; inductor (torch.compile); ours (torch.compile with the f
 backend: the fused kernel launched by Inductor, no launch-table limit); ours_kernel (our launcher
 called directly).
 
-    python -m benchmarks.bench_moe_sort_by_expert [--regions route sort] [--tokens 1 64 4096] [--experts 256] [--top-k 8]
+    python -m benchmarks.bench_moe_sort_by_expert [--regions route sort] [--tokens 1 64 4096] [--experts 256]
     python -m benchmarks.bench_moe_sort_by_expert --smoke   # tiny sizes; on a CPU via Triton's interpreter
 """
 
@@ -91,9 +91,11 @@ def bench(tokens, experts, top_k, device, g) -> dict:
 
 
 def bench_route(tokens, experts, top_k, device, g) -> dict:
-    sets = [torch.randn(tokens, experts, generator=g).to(device, torch.bfloat16) for _ in range(SETS if device == "cuda" else 1)]
+    n_sets = SETS if device == "cuda" else 1
+    sets = [torch.randn(tokens, experts, generator=g).to(device, torch.bfloat16) for _ in range(n_sets)]
     report = fusion_passes.Report()
-    ours = torch.compile(qwen_router, backend=fusion_passes.backend(["moe_route_softmax"], report=report), fullgraph=True)
+    backend = fusion_passes.backend(["moe_route_softmax"], report=report)
+    ours = torch.compile(qwen_router, backend=backend, fullgraph=True)
     ours(sets[0], top_k)
     impls = {
         "eager": qwen_router,
@@ -157,7 +159,8 @@ def main() -> int:
             print(f"{region} experts={experts} tokens={tokens}: " + ", ".join(
                 f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"]) + f"; correct {r['correct']}", flush=True)
     common.finish(args, report_text(records, device_name), {"device": device_name, "records": records})
-    bad = [(r["region"], r["experts"], r["tokens"]) for r in records if r["fused_sites"] != 1 or not all(r["correct"].values())]
+    bad = [(r["region"], r["experts"], r["tokens"]) for r in records
+           if r["fused_sites"] != 1 or not all(r["correct"].values())]  # fmt: skip
     if bad:
         print(f"FAILURE (not fused, or a wrong result) at {bad}")
     return 1 if bad else 0

@@ -11,14 +11,15 @@ the flat expert ids of the top-k routing:
 (on the CPU histc reads ``expert_ids_g.float()``: it has no integer CPU kernel). The gathers by
 perm, the sentinel mask and the grouped GEMMs around it stay the model's.
 
-Unfused: a bitonic sort, histc's fill and histogram kernels, a cumsum and the scatter: 5 kernels
-per MoE layer with stock Inductor.
+Unfused: Inductor's sort (with the scatter), histc's fill and histogram kernels and a cumsum: 4
+         kernels per MoE layer at decode sizes with stock Inductor.
 Fused:   sorted_ids, perm, offsets, inv_perm = fusion_passes.moe_sort_by_expert(expert_ids, E)
          one kernel (a stable sort: see the op's reference for why it may replace the model's).
 
 Not fused: a histc over other bounds (the ids' bins would not be the experts), one expert (histc
-over [0, 0], its default, bins the ids' own range; the pattern's histc has explicit bounds), a descending sort, and on a GPU whose launch table says so, a sort of more pairs than the
-kernel was measured to win at (a prefill's), which is left to Inductor.
+over [0, 0], its default, bins the ids' own range; the pattern's histc has explicit bounds), a
+descending sort, and on a GPU whose launch table says so, a sort of more pairs than the kernel was
+measured to win at (a prefill's), which is left to Inductor.
 """
 
 from __future__ import annotations

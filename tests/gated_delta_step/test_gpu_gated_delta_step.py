@@ -7,11 +7,10 @@ launch modes, and a CUDA-graph replay. Skipped without a GPU (run on the GPU mac
 from __future__ import annotations
 
 import re
-from unittest import mock
 
 import pytest
 import torch
-from torch._inductor.graph import GraphLowering
+from _gpu_decode import assert_graph_replay_matches, compile_step
 
 import fusion_passes
 from fusion_passes.kernels import count_kernels
@@ -26,18 +25,6 @@ STEPS = 4
 def _step(name="qwen3.5"):
     built = build_model(name, size="tiny", dtype=torch.bfloat16, layers=4, device="cuda")
     return DecodeStep(built.module, batch=3, context=8, steps=STEPS)
-
-
-def _compile(step, backend):
-    import torch._inductor.config as inductor_config
-
-    codes: list[str] = []
-    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
-    step.restore()
-    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
-            mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
-        compiled(*step.inputs(0))
-    return compiled, codes
 
 
 def _launch_args(code: str, kernel: str) -> list[list[str]]:
@@ -71,8 +58,8 @@ def test_decode_step_fuses_gdn_layers_in_place(launch):
     torch._dynamo.reset()
     step = _step()
     report = fusion_passes.Report()
-    ours, codes = _compile(step, fusion_passes.backend(report=report, launch=launch))
-    stock, stock_codes = _compile(step, "inductor")
+    ours, codes = compile_step(step, fusion_passes.backend(report=report, launch=launch))
+    stock, stock_codes = compile_step(step, "inductor")
     assert report.final()["causal_conv1d_update"] == 3 and report.final()["gated_delta_step"] == 3
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
@@ -100,24 +87,4 @@ def test_decode_step_fuses_gdn_layers_in_place(launch):
         assert all(re.fullmatch(r"arg\d+_1", args[1]) for args in conv)  # conv_state
         assert all(re.fullmatch(r"arg\d+_1", args[7]) for args in step_)  # the recurrent state
         assert sum(count_kernels(codes).values()) < sum(count_kernels(stock_codes).values())
-    # a CUDA graph replays the step: the same outputs as the compiled calls
-    step.restore()
-    with torch.no_grad():
-        inputs = [t.clone() for t in step.inputs(0)]
-        ours(*inputs)
-        step.restore()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            ours(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        step.restore()
-        with torch.cuda.graph(graph):
-            out = ours(*inputs)
-        step.restore()
-        graph.replay()
-        replayed = out.clone()
-        step.restore()
-        direct = ours(*inputs)
-    assert torch.equal(replayed, direct)
+    assert_graph_replay_matches(step, ours)

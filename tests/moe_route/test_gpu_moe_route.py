@@ -7,11 +7,10 @@ without a GPU (run on the GPU machine)."""
 from __future__ import annotations
 
 import re
-from unittest import mock
 
 import pytest
 import torch
-from torch._inductor.graph import GraphLowering
+from _gpu_decode import assert_graph_replay_matches, compile_step
 
 import fusion_passes
 from fusion_passes.kernels import count_kernels
@@ -24,18 +23,6 @@ STEPS = 4
 LAYERS = 2
 
 
-def _compile(step, backend):
-    import torch._inductor.config as inductor_config
-
-    codes: list[str] = []
-    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
-    step.restore()
-    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
-            mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
-        compiled(*step.inputs(0))
-    return compiled, codes
-
-
 def _error(step, fn, expected) -> float:
     step.restore()
     with torch.no_grad():
@@ -43,15 +30,17 @@ def _error(step, fn, expected) -> float:
     return max(compare(a, e).rel_norm for a, e in zip(outs, expected, strict=True))
 
 
-@pytest.mark.parametrize(("model", "route"), [("qwen3-moe", "moe_route_softmax"), ("minimax-m2", "moe_route_sigmoid_bias")])
+@pytest.mark.parametrize(
+    ("model", "route"), [("qwen3-moe", "moe_route_softmax"), ("minimax-m2", "moe_route_sigmoid_bias")]
+)
 @pytest.mark.parametrize("launch", ["direct", "dispatch"])
 def test_decode_step_routes_in_one_kernel(model, route, launch):
     torch._dynamo.reset()
     built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=LAYERS, device="cuda")
     step = DecodeStep(built.module, batch=3, context=8, steps=STEPS)
     report = fusion_passes.Report()
-    ours, codes = _compile(step, fusion_passes.backend(report=report, launch=launch))
-    stock, stock_codes = _compile(step, "inductor")
+    ours, codes = compile_step(step, fusion_passes.backend(report=report, launch=launch))
+    stock, stock_codes = compile_step(step, "inductor")
     assert report.final()[route] == LAYERS and report.final()["moe_sort_by_expert"] == LAYERS
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.topk.default"], after["aten.topk.default"]) == (LAYERS, 0)
@@ -63,23 +52,4 @@ def test_decode_step_routes_in_one_kernel(model, route, launch):
         (code,) = codes
         assert len(re.findall(r"_route_topk_kernel_\d+\.run\(", code)) == LAYERS
         assert sum(count_kernels(codes).values()) < sum(count_kernels(stock_codes).values())
-    step.restore()
-    with torch.no_grad():
-        inputs = [t.clone() for t in step.inputs(0)]
-        ours(*inputs)
-        step.restore()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            ours(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        step.restore()
-        with torch.cuda.graph(graph):
-            out = ours(*inputs)
-        step.restore()
-        graph.replay()
-        replayed = out.clone()
-        step.restore()
-        direct = ours(*inputs)
-    assert torch.equal(replayed, direct)
+    assert_graph_replay_matches(step, ours)

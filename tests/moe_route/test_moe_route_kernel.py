@@ -88,7 +88,8 @@ def test_real_router_widths():
 def test_op_is_functional_and_checked():
     logits = torch.randn(3, 16, device=DEVICE)
     torch.library.opcheck(torch.ops.fusion_passes.moe_route.default, (logits, None, 4, True, True))
-    torch.library.opcheck(torch.ops.fusion_passes.moe_route.default, (logits, torch.rand(16, device=DEVICE), 4, False, True))
+    bias = torch.rand(16, device=DEVICE)
+    torch.library.opcheck(torch.ops.fusion_passes.moe_route.default, (logits, bias, 4, False, True))
 
 
 @pytest.mark.parametrize(

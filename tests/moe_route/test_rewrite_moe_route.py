@@ -136,4 +136,6 @@ def test_cuda_graphs_online_softmax_form_fuses():
     assert report.final()["moe_route_softmax"] == 1 and sum(report.final().values()) == 1
     assert report.ops_after()["aten.topk.default"] == 0
     assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
-    torch.testing.assert_close(weights.float().sort(-1).values, want_weights.float().sort(-1).values, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(
+        weights.float().sort(-1).values, want_weights.float().sort(-1).values, rtol=1e-2, atol=1e-3
+    )

@@ -7,11 +7,10 @@ replay. Skipped without a GPU (run on the GPU machine)."""
 from __future__ import annotations
 
 import re
-from unittest import mock
 
 import pytest
 import torch
-from torch._inductor.graph import GraphLowering
+from _gpu_decode import assert_graph_replay_matches, compile_step
 
 import fusion_passes
 from fusion_passes.kernels import count_kernels
@@ -21,18 +20,6 @@ from fusion_passes.models.decode import DecodeStep
 pytestmark = pytest.mark.gpu
 STEPS = 4
 LAYERS = 2
-
-
-def _compile(step, backend):
-    import torch._inductor.config as inductor_config
-
-    codes: list[str] = []
-    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
-    step.restore()
-    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
-            mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
-        compiled(*step.inputs(0))
-    return compiled, codes
 
 
 def _outputs(step, fn):
@@ -48,8 +35,8 @@ def test_decode_step_dispatch_is_one_kernel_and_bit_equal_to_stock(model, launch
     built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=LAYERS, device="cuda")
     step = DecodeStep(built.module, batch=3, context=8, steps=STEPS)
     report = fusion_passes.Report()
-    ours, codes = _compile(step, fusion_passes.backend(["moe_sort_by_expert"], report=report, launch=launch))
-    stock, stock_codes = _compile(step, "inductor")
+    ours, codes = compile_step(step, fusion_passes.backend(["moe_sort_by_expert"], report=report, launch=launch))
+    stock, stock_codes = compile_step(step, "inductor")
     assert report.final() == {"moe_sort_by_expert": LAYERS}
     before, after = report.ops_before(), report.ops_after()
     for op in ("aten.sort.default", "aten.histc.default", "aten.cumsum.default"):
@@ -59,24 +46,4 @@ def test_decode_step_dispatch_is_one_kernel_and_bit_equal_to_stock(model, launch
         (code,) = codes
         assert len(re.findall(r"_sort_pairs_by_expert_kernel_\d+\.run\(", code)) == LAYERS
         assert sum(count_kernels(codes).values()) < sum(count_kernels(stock_codes).values())
-    # a CUDA graph replays the step: the same outputs as the compiled calls
-    step.restore()
-    with torch.no_grad():
-        inputs = [t.clone() for t in step.inputs(0)]
-        ours(*inputs)
-        step.restore()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            ours(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        step.restore()
-        with torch.cuda.graph(graph):
-            out = ours(*inputs)
-        step.restore()
-        graph.replay()
-        replayed = out.clone()
-        step.restore()
-        direct = ours(*inputs)
-    assert torch.equal(replayed, direct)
+    assert_graph_replay_matches(step, ours)

@@ -85,7 +85,8 @@ def moe_route_triton(
     if tokens:
         kernel[(tokens,)](
             logits, bias if bias is not None else logits, weights, ids, logits.stride(0), experts,
-            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts), SOFTMAX=softmax, HAS_BIAS=bias is not None,
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
+            SOFTMAX=softmax, HAS_BIAS=bias is not None,
             RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4,
         )
     return weights, ids

@@ -1,7 +1,8 @@
 """The canonical op ``fusion_passes::moe_sort_by_expert``: a MoE layer's dispatch prep.
 
 Unfused (transformers' grouped_mm experts, traced): sort of the flat expert ids, histc (a fill and
-a histogram kernel), cumsum, and the inverse permutation's scatter: 5 kernels per MoE layer.
+a histogram kernel), cumsum, and the inverse permutation's scatter: 4 kernels per MoE layer with
+stock Inductor (its sort kernel takes the scatter; 10 from 1024 pairs, 27 from 8192).
 Fused:
     sorted_ids, perm, offsets, inv_perm = moe_sort_by_expert(expert_ids, num_experts)
 one kernel. The math (and why a stable sort may stand in for the model's unstable one) lives in
