@@ -7,17 +7,23 @@ transformers' routers (traced; the gate projection before them stays a GEMM):
         (Qwen3-MoE with norm_topk_prob=False: without the renormalisation)
     MiniMax-M2 (``MiniMaxM2TopKRouter``):
         p = sigmoid(logits.float());  ids = topk(p + bias, k, sorted=False);  w = p.gather(1, ids) / sum
+    DeepSeek V3 / V3.2 (``DeepseekV3TopkRouter``; GLM4-MoE, Kimi and others copy it), opt-in:
+        p = sigmoid(logits);  c = p + bias;  g = sum of each group's top-2 c;  keep topk_group groups
+        ids = topk(c with the other groups at -inf, k);  w = p.gather(1, ids) / (sum + 1e-20) * scale
 
 Unfused: a softmax (or sigmoid + bias) kernel, torch's top-k (a radix select; sorted ids add a
 bitonic sort, 4.0 us per layer at batch 1 inside a CUDA graph on one H200) and the
-renormalisation: 3-4 kernels per MoE layer with stock Inductor.
+renormalisation: 3-4 kernels per MoE layer with stock Inductor (DeepSeek's: three top-ks, the
+group mask's scatter and more).
 Fused:   weights, ids = fusion_passes.moe_route(logits, bias, k, softmax, renormalize)
+         weights, ids = fusion_passes.moe_route_grouped(logits, bias, k, n_group, topk_group, True, scale)
          one kernel; the weights cast to the logits' dtype where the router casts them.
 
 Equal scores: the op orders them by expert id; torch.topk leaves their order unspecified (its
 CUDA sort is not stable) and, at the k-th place, takes the lower ids first as the op does. Not
-fused: DeepSeek V3's group-limited routing (a top-k of group scores first; reported as a near
-miss), a top-k over another dim or of the smallest.
+fused: DeepSeek V3's routing without moe_route_grouped enabled (reported as a near miss), one
+group only (n_group=1: GLM-4.5; Inductor simplifies its mask further), a top-k over another dim or
+of the smallest.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.fusion import Fusion, Spelling
-from fusion_passes.lowering.moe_route.reference import check_moe_route_args
+from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
+from fusion_passes.lowering.moe_route.reference import check_moe_route_args, check_moe_route_grouped_args
 
 # The sentinel top-k is traced with (a pattern argument): no other size of the examples is 5.
 TOP_K_SENTINEL = 5
+# The grouped router's: 42 experts in 7 groups of 6, 3 kept, top-5, over 2 tokens; no other size of
+# its examples is 7 or 3 (its literal top-2 and scatter value 1 are neither).
+GROUPS_SENTINEL, KEPT_GROUPS_SENTINEL = 7, 3
 
 
 def qwen_router(router_logits, top_k):
@@ -83,6 +92,72 @@ def minimax_router(router_logits, e_score_correction_bias, top_k):
     return top_k_weights, top_k_index
 
 
+def _deepseek_v3_group_scores(router_logits, e_score_correction_bias, n_group):
+    num_experts = router_logits.shape[-1]
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + e_score_correction_bias
+    group_scores = (
+        scores_for_choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    )
+    return scores, scores_for_choice, group_scores
+
+
+def _deepseek_v3_choose(scores, scores_for_choice, group_mask, top_k, n_group, routed_scaling_factor):
+    num_experts = scores.shape[-1]
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
+    # masked_fill(~score_mask.bool(), -inf), in the form Inductor's constant folding leaves it
+    # (its scalar_tensor(-inf) becomes full([], -inf) before the post-grad passes)
+    minus_inf = torch.full([], float("-inf"), dtype=scores_for_choice.dtype, device=scores_for_choice.device)
+    scores_for_choice = torch.where(~score_mask.bool(), minus_inf, scores_for_choice)
+    topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+    topk_weights = topk_weights / denominator
+    topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_indices
+
+
+def deepseek_v3_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor):
+    # DeepseekV3TopkRouter / DeepseekV32TopkRouter (and the routers copied from them: GLM4-MoE,
+    # Kimi, dots1, ...) after the fp32 gate projection, norm_topk_prob=True; in-place ops written
+    # functionally.
+    scores, scores_for_choice, group_scores = _deepseek_v3_group_scores(
+        router_logits, e_score_correction_bias, n_group
+    )
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    return _deepseek_v3_choose(scores, scores_for_choice, group_mask, top_k, n_group, routed_scaling_factor)
+
+
+def deepseek_v3_router_one_group_kept(
+    router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor
+):
+    # The same router keeping one group (topk_group=1: GLM-4.5's n_group=1, DeepSeek's tiny
+    # configs): Inductor turns the scatter of one index per row into a one-hot comparison with an
+    # iota, written here as it leaves it.
+    scores, scores_for_choice, group_scores = _deepseek_v3_group_scores(
+        router_logits, e_score_correction_bias, n_group
+    )
+    group_idx = torch.topk(group_scores, k=1, dim=-1, sorted=False)[1]
+    groups = torch.arange(n_group, device=group_idx.device).view(1, n_group)
+    scalar = torch.ops.aten.scalar_tensor.default  # as Inductor's rewrite calls it (a layout, no pin_memory)
+    one = scalar(1, dtype=torch.int64, layout=torch.strided, device=group_idx.device)
+    zero = scalar(0, dtype=torch.int64, layout=torch.strided, device=group_idx.device)
+    hit = group_idx.expand(group_idx.shape[0], n_group) == groups
+    group_mask = torch.where(hit, one, zero).to(scores.dtype)
+    return _deepseek_v3_choose(scores, scores_for_choice, group_mask, top_k, n_group, routed_scaling_factor)
+
+
+def _fused_grouped(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor):
+    return torch.ops.fusion_passes.moe_route_grouped(
+        router_logits, e_score_correction_bias, top_k, n_group, topk_group, True, routed_scaling_factor
+    )
+
+
+def _fused_grouped_one_kept(router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor):
+    return _fused_grouped(router_logits, e_score_correction_bias, top_k, n_group, 1, routed_scaling_factor)
+
+
 def _fused_softmax(router_logits, top_k):
     weights, ids = torch.ops.fusion_passes.moe_route(router_logits, None, top_k, True, True)
     return weights.to(router_logits.dtype), ids
@@ -103,6 +178,17 @@ def _check(values: dict[str, Any]) -> str | None:
         check_moe_route_args(values["router_logits"], bias, values["top_k"], bias is None)
     except ValueError as e:
         return str(e).removeprefix("moe_route: ")
+    return None
+
+
+def _check_grouped(values: dict[str, Any]) -> str | None:
+    try:
+        check_moe_route_grouped_args(
+            values["router_logits"], values["e_score_correction_bias"], values["top_k"], values["n_group"],
+            values.get("topk_group", 1),
+        )
+    except ValueError as e:
+        return str(e).removeprefix("moe_route_grouped: ")
     return None
 
 
@@ -134,6 +220,19 @@ def _examples_sigmoid():
             yield torch.randn(3, 40, dtype=dtype), torch.randn(40, dtype=bias_dtype), TOP_K_SENTINEL
 
 
+def _examples_grouped():
+    # fp32 logits (the router's gate GEMM runs in fp32); the bias in fp32 or bf16 (DeepSeek V3's
+    # buffer follows the model's dtype, V3.2 keeps it in fp32).
+    for bias_dtype in (torch.float32, torch.bfloat16):
+        yield (torch.randn(2, 42), torch.rand(42).to(bias_dtype), TOP_K_SENTINEL, GROUPS_SENTINEL,
+               KEPT_GROUPS_SENTINEL, DEFAULT_SCALAR_SENTINEL)  # fmt: skip
+
+
+def _examples_one_group_kept():
+    for args in _examples_grouped():
+        yield args[:4] + args[5:]  # no topk_group: 1
+
+
 def _fusion(name, summary, spellings, examples, near_misses=False) -> Fusion:
     return Fusion(
         name=name,
@@ -149,6 +248,41 @@ def _fusion(name, summary, spellings, examples, near_misses=False) -> Fusion:
         builtin=True,
     )
 
+
+_GROUPED_OPT_IN = (
+    "its kernel has not been timed on a GPU yet (the other routing forms were, 3.2-3.5x stock Inductor)"
+)
+
+MOE_ROUTE_GROUPED_ONE_GROUP = Fusion(
+    name="moe_route_grouped_one_group",
+    summary="the same keeping one group (topk_group=1: GLM-4.5, small DeepSeek configs)",
+    doc=__doc__.split("\n\n", 1)[1],
+    spellings=(
+        Spelling("deepseek_v3_router_one_group_kept", deepseek_v3_router_one_group_kept, _fused_grouped_one_kept),
+    ),
+    example_inputs=_examples_one_group_kept,
+    scalars={"top_k": TOP_K_SENTINEL, "n_group": GROUPS_SENTINEL,
+             "routed_scaling_factor": DEFAULT_SCALAR_SENTINEL},  # fmt: skip
+    check=_check_grouped,
+    opt_in=_GROUPED_OPT_IN,
+    builtin=True,
+)
+
+MOE_ROUTE_GROUPED = Fusion(
+    name="moe_route_grouped",
+    summary="MoE group-limited routing (DeepSeek V3 / V3.2, GLM4-MoE: sigmoid + bias, group top-2, "
+    "group top-k, top-k, renormalise, scale) -> one kernel",
+    doc=__doc__.split("\n\n", 1)[1],
+    spellings=(Spelling("deepseek_v3_router", deepseek_v3_router, _fused_grouped),),
+    example_inputs=_examples_grouped,
+    scalars={"top_k": TOP_K_SENTINEL, "n_group": GROUPS_SENTINEL, "topk_group": KEPT_GROUPS_SENTINEL,
+             "routed_scaling_factor": DEFAULT_SCALAR_SENTINEL},  # fmt: skip
+    check=_check_grouped,
+    # The one-kept-group form is the same fusion in another graph form: enabled along with it.
+    requires=("moe_route_grouped_one_group",),
+    opt_in=_GROUPED_OPT_IN,
+    builtin=True,
+)
 
 FUSIONS = (
     _fusion(
@@ -180,4 +314,6 @@ FUSIONS = (
         (Spelling("minimax_router", minimax_router, _fused_sigmoid_bias),),
         _examples_sigmoid,
     ),
+    MOE_ROUTE_GROUPED_ONE_GROUP,
+    MOE_ROUTE_GROUPED,
 )

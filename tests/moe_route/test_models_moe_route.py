@@ -50,3 +50,25 @@ def test_decode_step_routes_every_moe_layer(name):
         assert {m.fusion for m in report.near_misses} >= {"moe_route_softmax"}
     bound = tolerance(torch.bfloat16).rel_norm
     assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected, strict=True))
+
+
+@pytest.mark.slow
+def test_deepseek_decode_step_with_group_limited_routing():
+    """DeepSeek V3.2 (tiny: 2 groups of 2 experts, 1 kept: the one-hot group mask's form) with the
+    opt-in moe_route_grouped on top of the defaults: every MoE layer's router one op, outputs
+    within bf16's tolerance of eager's."""
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
+    step = DecodeStep(built.module, batch=2, context=6, steps=STEPS)
+    moe_layers = sum(1 for m in built.module.modules() if type(m).__name__.endswith("Experts"))
+    report = fusion_passes.Report()
+    fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + ["moe_route_grouped"]
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False)
+    outs = _run(step, compiled)
+    expected = _run(step, step)
+    final = report.final()
+    assert (final["moe_route_grouped_one_group"], final["moe_route_grouped"]) == (moe_layers, 0)
+    assert final["moe_sort_by_expert"] == moe_layers
+    assert not [m for m in report.near_misses if m.fusion.startswith("moe_route")]
+    bound = tolerance(torch.bfloat16).rel_norm
+    assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected, strict=True))

@@ -108,3 +108,57 @@ def test_bad_arguments_raise(logits, bias, top_k, softmax, message):
         moe_route_triton(logits.to(DEVICE), bias, top_k, softmax, True)
     with pytest.raises(ValueError, match=message):
         torch.ops.fusion_passes.moe_route(logits.to(DEVICE), bias, top_k, softmax, True)
+
+
+@st.composite
+def _grouped_cases(draw):
+    n_group = draw(st.sampled_from([1, 2, 3, 4, 7, 8]))
+    group = draw(st.sampled_from([2, 3, 6, 8, 32]))
+    topk_group = draw(st.integers(1, n_group))
+    return dict(
+        tokens=draw(st.integers(1, 6)),
+        n_group=n_group,
+        group=group,
+        topk_group=topk_group,
+        top_k=draw(st.integers(1, min(8, topk_group * group))),
+        renormalize=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(case=_grouped_cases())
+def test_grouped_matches_reference(case):
+    from fusion_passes.lowering.moe_route.reference import moe_route_grouped_reference
+    from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton
+
+    g = torch.Generator().manual_seed(case["seed"])
+    experts = case["n_group"] * case["group"]
+    logits = _distinct_logits(case["tokens"], experts, case["dtype"], g).to(DEVICE)
+    bias = (torch.randperm(experts, generator=g).float() * 1e-3).to(DEVICE)
+    args = (logits, bias, case["top_k"], case["n_group"], case["topk_group"], case["renormalize"], 2.5)
+    weights, ids = moe_route_grouped_triton(*args)
+    want_w, want_ids = moe_route_grouped_reference(*args)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=1e-7)
+
+
+def test_grouped_deepseek_width_and_bad_arguments():
+    """256 experts in 8 groups of 32, 4 kept, top-8 (DeepSeek V3 / V3.2), against the reference;
+    a top-k larger than the kept groups hold is refused."""
+    from fusion_passes.lowering.moe_route.reference import moe_route_grouped_reference
+    from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(17, 256, generator=g).to(DEVICE)
+    bias = (torch.rand(256, generator=g) * 0.1).to(DEVICE)
+    weights, ids = moe_route_grouped_triton(logits, bias, 8, 8, 4, True, 2.5)
+    want_w, want_ids = moe_route_grouped_reference(logits, bias, 8, 8, 4, True, 2.5)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=1e-7)
+    torch.library.opcheck(torch.ops.fusion_passes.moe_route_grouped.default, (logits, bias, 8, 8, 4, True, 2.5))
+    with pytest.raises(ValueError, match="top_k 9 of 1 kept groups of 8"):
+        torch.ops.fusion_passes.moe_route_grouped(logits[:, :32], bias[:32], 9, 4, 1, True, 1.0)
+    with pytest.raises(ValueError, match="do not split into 3 groups"):
+        moe_route_grouped_triton(logits[:, :32], bias[:32], 2, 3, 1, True, 1.0)

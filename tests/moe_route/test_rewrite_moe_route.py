@@ -139,3 +139,47 @@ def test_cuda_graphs_online_softmax_form_fuses():
     torch.testing.assert_close(
         weights.float().sort(-1).values, want_weights.float().sort(-1).values, rtol=1e-2, atol=1e-3
     )
+
+
+@pytest.mark.parametrize(
+    ("router", "topk_group"), [("deepseek-v3", 2), ("deepseek-v3.2", 2), ("glm4-moe", 2), ("deepseek-v3.2", 1)]
+)
+def test_group_limited_router_fuses_when_enabled(router, topk_group):
+    """DeepSeek V3 / V3.2's router and GLM4-MoE's copy of it, with moe_route_grouped (opt-in):
+    one op for the sigmoid, the group top-2 sums, both top-ks, the renormalisation and the
+    routed scaling; the experts and weights equal eager's (fp32 router, tie-free). Keeping one
+    group, Inductor writes the group mask as a one-hot comparison: moe_route_grouped_one_group,
+    enabled along with it."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32
+    from transformers.models.glm4_moe import modeling_glm4_moe
+
+    common = dict(hidden_size=HIDDEN, num_experts_per_tok=TOP_K, n_group=4, topk_group=topk_group,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=1)  # fmt: skip
+    if router == "deepseek-v3":
+        module = modeling_deepseek_v3.DeepseekV3TopkRouter(transformers.DeepseekV3Config(n_routed_experts=EXPERTS, **common))
+    elif router == "deepseek-v3.2":
+        module = modeling_deepseek_v32.DeepseekV32TopkRouter(
+            transformers.DeepseekV32Config(n_routed_experts=EXPERTS, **common)
+        )
+    else:
+        module = modeling_glm4_moe.Glm4MoeTopkRouter(transformers.Glm4MoeConfig(n_routed_experts=EXPERTS, **common))
+    module.eval()
+    with torch.no_grad():
+        module.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
+        module.e_score_correction_bias.uniform_(0, 0.1, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    compiled, report = _compile(module, [*ROUTES, "moe_route_grouped"])
+    with torch.no_grad():
+        _, weights, ids = compiled(x)
+        _, want_weights, want_ids = module(x)
+    fusion = "moe_route_grouped" if topk_group > 1 else "moe_route_grouped_one_group"
+    assert report.final()[fusion] == 1 and sum(report.final().values()) == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (3, 0)
+    assert after["fusion_passes.moe_route_grouped.default"] == 1 and not report.near_misses
+    # topk(sorted=False): compared in expert-id order
+    ids, order = ids.sort(dim=-1)
+    want_ids, want_order = want_ids.sort(dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), rtol=2e-6, atol=1e-7)
