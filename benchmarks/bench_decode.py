@@ -20,6 +20,7 @@ Compiles take most of a run; --lock FILE lets several runs (one per model) share
 compiles on its own and holds the lock only while it times or profiles.
 
     python -m benchmarks.bench_decode --models deepseek-v3.2 --batch 1 64 --context 1024 --json out.json
+    python -m benchmarks.bench_decode --models deepseek-v3.2 --opt-in moe_route_grouped   # with opt-in fusions
     python -m benchmarks.bench_decode --smoke     # tiny widths on a CPU: the code path, numerics, no times
 """
 
@@ -112,16 +113,17 @@ def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int |
     return result
 
 
-def compile_variants(step: DecodeStep) -> tuple[dict, fusion_passes.Report]:
-    """Stock Inductor and fusion_passes, compiled on their first call. No torch._dynamo.reset():
-    every point's steps stay compiled until it is timed (each is one more entry on DecodeStep's
-    forward; the limit is raised in main)."""
+def compile_variants(step: DecodeStep, opt_in: tuple[str, ...] = ()) -> tuple[dict, fusion_passes.Report]:
+    """Stock Inductor and fusion_passes (its default fusions and the opt-in ones named), compiled
+    on their first call. No torch._dynamo.reset(): every point's steps stay compiled until it is
+    timed (each is one more entry on DecodeStep's forward; the limit is raised in main)."""
     report = fusion_passes.Report()
+    fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(opt_in)
     variants = {
         "eager": step,
         "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
         "fusion_passes": torch.compile(
-            step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False
+            step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False
         ),
     }
     return variants, report
@@ -131,6 +133,8 @@ class Point:
     """One (model, batch, context) decode point, or a prefill when ``prefill`` is set: built,
     compiled and checked by prepare(), timed by time() (separately, so that several runs can
     compile at once and take turns on the GPU)."""
+
+    opt_in: tuple[str, ...] = ()  # opt-in fusions enabled on top of the defaults (main sets it)
 
     def __init__(self, name: str, size: str, layers: int, batch: int, context: int, prefill: bool = False):
         self.name, self.size, self.layers, self.batch, self.context = name, size, layers, batch, context
@@ -143,7 +147,7 @@ class Point:
         steps = 1 if self.prefill else max(check_steps, 1)
         self.step = DecodeStep(built.module, batch=self.batch, context=self.context, steps=steps)
         check = not self.prefill and check_steps > 0
-        self.variants, report = compile_variants(self.step)
+        self.variants, report = compile_variants(self.step, self.opt_in)
         if self.prefill:
             self.inputs = (self.step.prompt, torch.arange(self.context, device=self.step.prompt.device))
         else:
@@ -244,6 +248,8 @@ def main() -> int:
                              "for the comparison: long contexts at large batches fit)")  # fmt: skip
     parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
                         help="also time a prefill of N tokens (batch 1) that writes the cache")  # fmt: skip
+    parser.add_argument("--opt-in", nargs="+", default=[], metavar="FUSION",
+                        help="opt-in fusions to enable on top of the defaults (e.g. moe_route_grouped)")  # fmt: skip
     parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")
     parser.add_argument("--barrier", metavar="DIR:N", help="wait until N runs sharing DIR have compiled before timing")
     parser.add_argument("--barrier-timeout", type=float, default=420, help="seconds --barrier waits at most")
@@ -260,6 +266,7 @@ def main() -> int:
     # Two compiled variants per point, all on DecodeStep.forward (the default limit is 8).
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
+    Point.opt_in = tuple(args.opt_in)
     decode = [Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]
     prefill = [Point(m, size, args.layers, 1, n, prefill=True) for m in args.models for n in args.prefill]
 
