@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.moe_route.reference import check_moe_route_args
+from fusion_passes.lowering.moe_route.reference import check_moe_route_args, check_moe_route_grouped_args
 
 
 @triton.jit
@@ -65,6 +65,16 @@ def _route_topk_kernel(
     tl.store(ids_ptr + t * TOP_K + ks, ids.to(tl.int64), mask=ks < TOP_K)
 
 
+def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits with contiguous rows, and the (weights fp32, ids int64) [T, top_k] to fill."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    tokens = logits.shape[0]
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    return logits, weights, ids
+
+
 def moe_route_triton(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -77,10 +87,7 @@ def moe_route_triton(
     """(weights, ids) as ``moe_route_reference``."""
     check_moe_route_args(logits, bias, top_k, softmax)
     tokens, experts = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    logits, weights, ids = _outputs(logits, top_k)
     kernel = wrap(_route_topk_kernel) if wrap is not None else _route_topk_kernel
     if tokens:
         kernel[(tokens,)](
@@ -163,14 +170,9 @@ def moe_route_grouped_triton(
     wrap: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) as ``moe_route_grouped_reference``."""
-    from fusion_passes.lowering.moe_route.reference import check_moe_route_grouped_args
-
     check_moe_route_grouped_args(logits, bias, top_k, n_group, topk_group)
     tokens, experts = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    logits, weights, ids = _outputs(logits, top_k)
     kernel = wrap(_route_grouped_topk_kernel) if wrap is not None else _route_grouped_topk_kernel
     if tokens:
         group = experts // n_group
