@@ -36,7 +36,7 @@ from fusion_passes.lowering.moe_sort_by_expert.reference import check_moe_sort_b
 NUM_EXPERTS_SENTINEL = 61
 
 
-def transformers_grouped_mm_dispatch(expert_ids, num_experts):
+def _sort_and_offsets(expert_ids, num_experts):
     # As transformers writes it, device branch included: histc counts the int32 ids on CUDA, and
     # float32 ids on the CPU (no integer histc there). The matcher re-traces each candidate on the
     # graph's own values, so each device gets its own branch.
@@ -45,13 +45,30 @@ def transformers_grouped_mm_dispatch(expert_ids, num_experts):
     histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
     tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    return expert_ids_g, perm, offsets
+
+
+def transformers_grouped_mm_dispatch(expert_ids, num_experts):
+    expert_ids_g, perm, offsets = _sort_and_offsets(expert_ids, num_experts)
     inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.size(0), device=device)
+    inv_perm[perm] = torch.arange(perm.size(0), device=expert_ids.device)
     return expert_ids_g, perm, offsets, inv_perm
+
+
+def transformers_grouped_mm_dispatch_sort(expert_ids, num_experts):
+    # The same without the inverse permutation's scatter, which stays the model's: with dynamic
+    # shapes its arange takes its size from the token count (4 * s0), not from the ids the pattern
+    # sees, and the whole spelling does not match.
+    return _sort_and_offsets(expert_ids, num_experts)
 
 
 def _fused(expert_ids, num_experts):
     return torch.ops.fusion_passes.moe_sort_by_expert(expert_ids, num_experts)
+
+
+def _fused_sort(expert_ids, num_experts):
+    sorted_ids, perm, offsets, _ = torch.ops.fusion_passes.moe_sort_by_expert(expert_ids, num_experts)
+    return sorted_ids, perm, offsets
 
 
 def _check(values: dict[str, Any]) -> str | None:
@@ -75,7 +92,11 @@ MOE_SORT_BY_EXPERT = Fusion(
     name="moe_sort_by_expert",
     summary="MoE dispatch prep (sort by expert, histc + cumsum offsets, inverse permutation) -> one kernel",
     doc=__doc__.split("\n\n", 1)[1],
-    spellings=(Spelling("transformers_grouped_mm_dispatch", transformers_grouped_mm_dispatch, _fused),),
+    # The whole dispatch first: where it matches, the scatter goes too.
+    spellings=(
+        Spelling("transformers_grouped_mm_dispatch", transformers_grouped_mm_dispatch, _fused),
+        Spelling("transformers_grouped_mm_dispatch_sort", transformers_grouped_mm_dispatch_sort, _fused_sort),
+    ),
     example_inputs=_examples,
     scalars={"num_experts": NUM_EXPERTS_SENTINEL},
     check=_check,

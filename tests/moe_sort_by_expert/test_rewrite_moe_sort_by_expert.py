@@ -159,3 +159,25 @@ def test_one_expert_is_not_fused():
     assert [m.fusion for m in report.near_misses] == ["moe_sort_by_expert"]
     assert report.ops_after() == report.ops_before()
     assert out[2].tolist() == [4]
+
+
+def test_dynamic_shapes_fuse_the_sort_and_leave_the_scatter():
+    """Compiled with dynamic shapes (a serving engine's varying batch): the inverse permutation's
+    arange takes its size from the token count (4 * s0), which the whole spelling does not match;
+    the sort and offsets still fuse (the second spelling), the scatter stays Inductor's, and the
+    block's output is bit-equal to stock Inductor's at every token count."""
+    block = _block("qwen3.5-moe")
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    ours = torch.compile(block, backend=fusion_passes.backend(FUSIONS, report=report), fullgraph=True, dynamic=True)
+    inputs = [torch.randn(1, t, HIDDEN, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(t)) for t in (3, 7, 12)]
+    with torch.no_grad():
+        outs = [ours(x) for x in inputs]
+        torch._dynamo.reset()
+        stock = torch.compile(block, fullgraph=True, dynamic=True)
+        assert all(torch.equal(out, stock(x)) for out, x in zip(outs, inputs, strict=True))
+    assert report.final() == {"moe_sort_by_expert": 1}  # one graph for every token count
+    assert [s.spelling for s in report.sites] == ["transformers_grouped_mm_dispatch_sort"]
+    before, after = report.ops_before(), report.ops_after()
+    assert [before[op] for op in DISPATCH_OPS] == [1, 1, 1, 1]
+    assert [after[op] for op in DISPATCH_OPS] == [0, 0, 0, 1]

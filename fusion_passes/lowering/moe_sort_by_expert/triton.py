@@ -34,13 +34,13 @@ def _sort_pairs_by_expert_kernel(
     offsets_ptr,  # *int32 [E]
     S,  # pairs (runtime: one compile serves every batch)
     E,  # experts
-    RANK_PROGRAMS: tl.constexpr,  # cdiv(S, BLOCK_I): the programs that rank; the rest count
+    rank_programs,  # cdiv(S, BLOCK_I): the programs that rank, the rest count (runtime, as S)
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if pid < RANK_PROGRAMS:
+    if pid < rank_programs:
         i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
         mi = i < S
         ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
@@ -58,7 +58,7 @@ def _sort_pairs_by_expert_kernel(
         tl.store(perm_ptr + rank, i.to(tl.int64), mask=mi)
         tl.store(inv_perm_ptr + i, rank.to(tl.int64), mask=mi)
     else:
-        x = (pid - RANK_PROGRAMS) * BLOCK_E + tl.arange(0, BLOCK_E)
+        x = (pid - rank_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
         count = tl.zeros((BLOCK_E,), dtype=tl.int32)
         j0 = 0
         while j0 < S:
@@ -85,12 +85,13 @@ def moe_sort_by_expert_triton(
     # 16 pairs ranked per program: batch 64 x top-8 (512 pairs) is 32 programs beside the
     # offsets' 4; tiles of 16 x 128 compares (16 per thread at 4 warps).
     block_i = 16
-    block_j = min(128, max(16, triton.next_power_of_2(s)))
+    # A symbolic pair count (dynamic shapes) takes the widest tile: no guard on its size.
+    block_j = min(128, max(16, triton.next_power_of_2(s))) if isinstance(s, int) else 128
     block_e = min(64, max(16, triton.next_power_of_2(num_experts)))
     rank_programs = triton.cdiv(s, block_i)
     kernel = wrap(_sort_pairs_by_expert_kernel) if wrap is not None else _sort_pairs_by_expert_kernel
     kernel[(rank_programs + triton.cdiv(num_experts, block_e),)](
-        ids, sorted_ids, perm, inv_perm, offsets, s, num_experts,
-        RANK_PROGRAMS=rank_programs, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, num_warps=4,
+        ids, sorted_ids, perm, inv_perm, offsets, s, num_experts, rank_programs,
+        BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, num_warps=4,
     )
     return sorted_ids, perm, offsets, inv_perm
