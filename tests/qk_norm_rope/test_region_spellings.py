@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_passes
+from _stock import assert_as_stock_inductor
 from _rope_spellings import (  # each code base's RoPE
     glm4_rope,
     glm_rotate_half,
@@ -296,7 +297,8 @@ def test_negative_is_not_fused(name):
     if reason is not None:
         # (the matcher's other anchor, k's rope, finds k's own branch: rejected as such)
         assert any(reason in r.reason for r in report.rejected)
-    _close(out, expected, dtype)
+    # left unfused: stock Inductor's output (not eager's, from which its roundings can stray)
+    assert_as_stock_inductor(fn, (q, k, w_q, w_k, cos, sin, cos_k, sin_k), out)
 
 
 def test_layers_sharing_one_cache_pair_their_own_q_and_k():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fusion_passes
+from _stock import assert_as_stock_inductor
 from _params import by_str, grid
 from _rope_spellings import hf_rope as rope_full  # transformers' apply_rotary_pos_emb
 from _rope_spellings import hf_rope_partial as rope_partial  # and its partial form (Qwen3-Next)
@@ -30,17 +31,6 @@ def _run(fn, *args, fusions="all"):
         out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report))(*args)
         expected = fn(*args)
     return out, expected, report
-
-
-def _assert_as_stock_inductor(fn, args, out):
-    """A site left unfused is lowered back to the model's own ops: the output is stock Inductor's,
-    bit for bit (stock Inductor itself is off eager's by its own roundings: up to 1.5 bf16 ulps at
-    one element of 192 for some draws, outside the elementwise tolerance)."""
-    torch._dynamo.reset()
-    with torch.no_grad():
-        stock = torch.compile(fn, backend="inductor")(*args)
-    for a, s in zip(out, stock, strict=True):
-        assert torch.equal(a, s)
 
 
 def _assert_close(out, expected):
@@ -168,7 +158,7 @@ def test_rope_without_norm_is_not_fused():
     assert _matched(report) == {"rope": 2}
     assert report.lowered_back() == {"fusion_passes.rope.default": 2}
     assert ROPE_OPS <= set(report.graphs[0].ops_after)
-    _assert_as_stock_inductor(fn, args, out)
+    assert_as_stock_inductor(fn, args, out)
 
 
 def test_norm_over_another_axis_is_not_fused():
@@ -189,7 +179,7 @@ def test_norm_over_another_axis_is_not_fused():
     assert _matched(report) == {"rms_norm": 2, "rope_partial": 2}
     assert report.lowered_back() == {"fusion_passes.rms_norm.default": 2, "fusion_passes.rope.default": 2}
     assert not report.sites_of("qk_norm_rope") and not report.errors
-    _assert_as_stock_inductor(fn, (q, k, w[0], w[1], cos, sin), out)
+    assert_as_stock_inductor(fn, (q, k, w[0], w[1], cos, sin), out)
 
 
 def test_one_position_for_every_token_is_fused():
@@ -220,7 +210,7 @@ def test_mismatched_cos_sin_is_not_fused(case):
     assert _matched(report) == {"rms_norm": 2}
     assert report.rejected and all(r.fusion in ROPE_FAMILY for r in report.rejected)
     assert any("cos" in r.reason for r in report.rejected)
-    _assert_as_stock_inductor(fn, (q, k, wq, wk, cos, sin), out)
+    assert_as_stock_inductor(fn, (q, k, wq, wk, cos, sin), out)
 
 
 def test_whole_row_norm_fused_at_prefill_sizes():
@@ -247,7 +237,7 @@ def test_different_eps_or_normed_value_reused_is_not_fused():
     out, expected, report = _run(fn, *args)
     assert _matched(report) == {"rms_norm": 2, "rope": 2}
     assert any("eps" in r.reason for r in report.rejected)
-    _assert_as_stock_inductor(fn, args, out)
+    assert_as_stock_inductor(fn, args, out)
 
     def reused(q_proj, k_proj, q_weight, k_weight, cos, sin):
         b, s = q_proj.shape[:2]
@@ -257,7 +247,7 @@ def test_different_eps_or_normed_value_reused_is_not_fused():
 
     out, expected, report = _run(reused, *args)
     assert _matched(report) == {"rms_norm": 2, "rope": 2}
-    _assert_as_stock_inductor(reused, args, out)
+    assert_as_stock_inductor(reused, args, out)
 
 
 def test_family_is_in_all_after_rms_norm_and_enabled_by_name():
