@@ -63,7 +63,7 @@ def check(out, ids, experts) -> bool:
             and torch.equal(flat[perm], sorted_ids) and torch.equal(inv_perm[perm], arange))  # fmt: skip
 
 
-def bench(tokens, experts, top_k, device, g) -> dict:
+def bench_sort(tokens, experts, top_k, device, g) -> dict:
     sets = [ids_set(tokens, experts, top_k, device, g) for _ in range(SETS if device == "cuda" else 1)]
     report = fusion_passes.Report()
     # ours without the launch table's limit: the point of the benchmark is where the limit lies
@@ -154,7 +154,7 @@ def main() -> int:
     with torch.no_grad():
         for region, experts, tokens in [(r, e, t) for r in args.regions for e in args.experts for t in args.tokens]:
             torch._dynamo.reset()
-            records.append((bench_route if region == "route" else bench)(tokens, experts, args.top_k, device, g))
+            records.append((bench_route if region == "route" else bench_sort)(tokens, experts, args.top_k, device, g))
             r = records[-1]
             print(f"{region} experts={experts} tokens={tokens}: " + ", ".join(
                 f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"]) + f"; correct {r['correct']}", flush=True)

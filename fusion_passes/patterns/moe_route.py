@@ -43,12 +43,12 @@ TOP_K_SENTINEL = 5
 GROUPS_SENTINEL, KEPT_GROUPS_SENTINEL = 7, 3
 
 
-def qwen_router(router_logits, top_k):
-    # Qwen3_5MoeTopKRouter / Qwen3NextTopKRouter / Qwen3MoeTopKRouter (norm_topk_prob) after the
-    # gate projection; `router_top_value /= ...` written functionally.
-    router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+def _qwen_top_k(router_logits, router_probs, top_k, renormalize):
+    # Qwen3_5MoeTopKRouter / Qwen3NextTopKRouter / Qwen3MoeTopKRouter after the softmax;
+    # `router_top_value /= ...` written functionally.
     router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
-    router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
+    if renormalize:
+        router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
     return router_top_value.to(router_logits.dtype), router_indices
 
 
@@ -61,25 +61,23 @@ def _online_softmax(x):
     return (x - xmax).exp() / xsum
 
 
+def qwen_router(router_logits, top_k):
+    # The Qwen routers after the gate projection (Qwen3-MoE with norm_topk_prob=True).
+    return _qwen_top_k(router_logits, F.softmax(router_logits, dtype=torch.float, dim=-1), top_k, True)
+
+
 def qwen_router_online_softmax(router_logits, top_k):
     # qwen_router as a CUDA graph holds it.
-    router_probs = _online_softmax(router_logits.float())
-    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
-    router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
-    return router_top_value.to(router_logits.dtype), router_indices
-
-
-def qwen_router_unnormalized_online_softmax(router_logits, top_k):
-    router_probs = _online_softmax(router_logits.float())
-    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
-    return router_top_value.to(router_logits.dtype), router_indices
+    return _qwen_top_k(router_logits, _online_softmax(router_logits.float()), top_k, True)
 
 
 def qwen_router_unnormalized(router_logits, top_k):
     # Qwen3MoeTopKRouter with norm_topk_prob=False.
-    router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
-    return router_top_value.to(router_logits.dtype), router_indices
+    return _qwen_top_k(router_logits, F.softmax(router_logits, dtype=torch.float, dim=-1), top_k, False)
+
+
+def qwen_router_unnormalized_online_softmax(router_logits, top_k):
+    return _qwen_top_k(router_logits, _online_softmax(router_logits.float()), top_k, False)
 
 
 def minimax_router(router_logits, e_score_correction_bias, top_k):
@@ -132,9 +130,9 @@ def deepseek_v3_router(router_logits, e_score_correction_bias, top_k, n_group, t
 def deepseek_v3_router_one_group_kept(
     router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor
 ):
-    # The same router keeping one group (topk_group=1: GLM-4.5's n_group=1, DeepSeek's tiny
-    # configs): Inductor turns the scatter of one index per row into a one-hot comparison with an
-    # iota, written here as it leaves it.
+    # The same router keeping one of several groups (topk_group=1: DeepSeek's tiny configs):
+    # Inductor turns the scatter of one index per row into a one-hot comparison with an iota,
+    # written here as it leaves it. (One group in all, n_group=1, simplifies further: not matched.)
     scores, scores_for_choice, group_scores = _deepseek_v3_group_scores(
         router_logits, e_score_correction_bias, n_group
     )
@@ -255,7 +253,7 @@ _GROUPED_OPT_IN = (
 
 MOE_ROUTE_GROUPED_ONE_GROUP = Fusion(
     name="moe_route_grouped_one_group",
-    summary="the same keeping one group (topk_group=1: GLM-4.5, small DeepSeek configs)",
+    summary="the same keeping one of several groups (topk_group=1: small DeepSeek configs)",
     doc=__doc__.split("\n\n", 1)[1],
     spellings=(
         Spelling("deepseek_v3_router_one_group_kept", deepseek_v3_router_one_group_kept, _fused_grouped_one_kept),

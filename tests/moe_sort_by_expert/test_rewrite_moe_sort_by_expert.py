@@ -8,43 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from transformers.models.deepseek_v3 import modeling_deepseek_v3
-from transformers.models.minimax_m2 import modeling_minimax_m2
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 import fusion_passes
+from _moe_blocks import EXPERTS, HIDDEN, TOP_K, moe_block
 from fusion_passes.numerics import compare, tolerance
 
 FUSIONS = ["moe_sort_by_expert"]
 DISPATCH_OPS = ("aten.sort.default", "aten.histc.default", "aten.cumsum.default", "aten.index_put.default")
-EXPERTS, TOP_K, HIDDEN = 16, 4, 64
-
-
-def _block(name: str) -> torch.nn.Module:
-    common = dict(hidden_size=HIDDEN, num_experts_per_tok=TOP_K, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    if name == "qwen3.5-moe":  # softmax top-k, renormalised; a gated shared expert
-        config = transformers.Qwen3_5MoeTextConfig(
-            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=EXPERTS, **common
-        )
-        cls = modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock
-    elif name == "minimax-m2":  # sigmoid + correction bias top-k
-        config = transformers.MiniMaxM2Config(intermediate_size=32, num_local_experts=EXPERTS, **common)
-        cls = modeling_minimax_m2.MiniMaxM2SparseMoeBlock
-    else:  # deepseek-v3: group-limited sigmoid top-k, routed scaling, shared experts
-        config = transformers.DeepseekV3Config(
-            moe_intermediate_size=32, intermediate_size=64, n_routed_experts=EXPERTS, n_group=4, topk_group=2,
-            n_shared_experts=1, **common,
-        )
-        cls = modeling_deepseek_v3.DeepseekV3MoE
-    config._experts_implementation = "grouped_mm"
-    torch.manual_seed(0)
-    block = cls(config).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.2)
-    return block
 
 
 def _compile(fn, fusions=FUSIONS):
@@ -56,7 +26,7 @@ def _compile(fn, fusions=FUSIONS):
 @pytest.mark.parametrize("model", ["qwen3.5-moe", "minimax-m2", "deepseek-v3"])
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_transformers_dispatch_fuses_bit_equal_to_stock_inductor(model, tokens):
-    block = _block(model)
+    block = moe_block(model)
     x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16)
     compiled, report = _compile(block)
     with torch.no_grad():
@@ -77,7 +47,7 @@ def test_transformers_dispatch_fuses_bit_equal_to_stock_inductor(model, tokens):
 def test_tied_expert_ids_keep_stock_inductors_output():
     """Every token the same: each expert's pairs tie, and the stable order the op returns (not
     the model's unstable sort's) must not change the block's output."""
-    block = _block("qwen3.5-moe")
+    block = moe_block("qwen3.5-moe")
     x = torch.randn(1, 1, HIDDEN, dtype=torch.bfloat16).expand(1, 9, HIDDEN).contiguous()
     compiled, report = _compile(block)
     with torch.no_grad():
@@ -85,6 +55,9 @@ def test_tied_expert_ids_keep_stock_inductors_output():
         torch._dynamo.reset()
         stock = torch.compile(block, fullgraph=True)(x)
     assert report.final() == {"moe_sort_by_expert": 1}
+    before, after = report.ops_before(), report.ops_after()
+    assert [before[op] for op in DISPATCH_OPS] == [1, 1, 1, 1]
+    assert [after[op] for op in DISPATCH_OPS] == [0, 0, 0, 0]
     assert torch.equal(out, stock)
 
 
@@ -166,7 +139,7 @@ def test_dynamic_shapes_fuse_the_sort_and_leave_the_scatter():
     arange takes its size from the token count (4 * s0), which the whole spelling does not match;
     the sort and offsets still fuse (the second spelling), the scatter stays Inductor's, and the
     block's output is bit-equal to stock Inductor's at every token count."""
-    block = _block("qwen3.5-moe")
+    block = moe_block("qwen3.5-moe")
     report = fusion_passes.Report()
     torch._dynamo.reset()
     ours = torch.compile(block, backend=fusion_passes.backend(FUSIONS, report=report), fullgraph=True, dynamic=True)
