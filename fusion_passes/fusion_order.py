@@ -18,6 +18,7 @@ from fusion_passes.patterns import (
     allreduce_rms_norm_quant_fp8,
     causal_conv1d_update,
     gated_delta_step,
+    gqa_decode_attention,
     mla_rope,
     moe_route,
     moe_sort_by_expert,
@@ -77,6 +78,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "canonical op)",
     ),
     (sparse_index_mask, "independent of the others (a top-k and a scatter into a mask, no canonical op)"),
+    (
+        gqa_decode_attention,
+        "independent of the others (copies of the keys and values and the SDPA call reading them, "
+        "no canonical op); after the RoPE and cache-write regions that produce its query and keys",
+    ),
     (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
     (
         allreduce_rms_norm_quant_fp8,

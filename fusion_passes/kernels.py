@@ -40,9 +40,16 @@ _CLASSES = (
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|splitk|wgmma|_mm_|\bmm\b", re.I)),
 )
 KERNEL_CLASSES = ("gemm", "attention", "moe", "other")
+# Inductor's generated pointwise / reduction kernels are named after every op they absorbed: a
+# copy of the keys fused with the SDPA call's mask is "triton_poi_fused__scaled_dot_product_
+# cudnn_attention_..._clone_expand_..." (244 us a layer at MiniMax-M2's width, batch 64), and is
+# glue, not attention. Only its templates (triton_tem_: GEMMs) take a class by name.
+_INDUCTOR_GLUE = re.compile(r"^triton_(?:poi|per|red)_")
 
 
 def classify_kernel(name: str) -> str:
+    if _INDUCTOR_GLUE.match(name):
+        return "other"
     for cls, pattern in _CLASSES:
         if pattern.search(name):
             return cls

@@ -15,7 +15,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 import fusion_passes
-from fusion_passes.kernels import count_kernels, what_is_left
+from fusion_passes.kernels import classify_kernel, count_kernels, what_is_left
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeError, DecodeStep
 from fusion_passes.numerics import compare, tolerance
@@ -158,6 +158,16 @@ def test_what_is_left_ranks_other_kernels_by_region():
         ("triton_poi_fused_rope_1", "gemm -> attention", 1),
     ]
     assert left[0]["per_layer_us"] == 1.5
+
+
+def test_inductor_glue_named_after_attention_or_topk_is_other():
+    # Inductor names a fused kernel after every op it absorbed: the keys' repeat copy fused with
+    # the SDPA call's mask carries the attention op's name, and is a copy.
+    assert classify_kernel("triton_poi_fused__scaled_dot_product_cudnn_attention_clone_expand_9") == "other"
+    assert classify_kernel("triton_per_fused_topk_sort_3") == "other"
+    assert classify_kernel("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35") == "attention"
+    assert classify_kernel("triton_tem_fused_mm_0") == "gemm"
+    assert classify_kernel("_route_topk_kernel") == "moe"
 
 
 def test_cli_decode_on_a_model_it_cannot_step(tmp_path):
