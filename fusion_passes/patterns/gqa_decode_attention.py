@@ -4,40 +4,41 @@ Models whose attention has fewer KV heads than query heads (GQA: MiniMax-M2 48 /
 64 / 4, Qwen 3.5 16 / 2) repeat each KV head before SDPA when they pass a mask, which a decode
 step on a static cache always does:
 
-    # transformers (repeat_kv; torch's own GQA would fall back to the math kernel with a mask)
+    # transformers (repeat_kv; it asks SDPA for GQA only without a mask)
     key = key[:, :, None].expand(B, Hkv, g, L, D).reshape(B, Hkv * g, L, D)   # the same for value
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
 
-gpt-fast's ``k.repeat_interleave(g, dim=1)`` traces to the same graph. At decode the query is one
-token, so the g query heads of a KV head are g rows that attend to the same keys under the same
-mask row: attention over the KV heads with g query rows each is the same math, row for row.
+gpt-fast's ``k.repeat_interleave(g, dim=1)`` traces to the same graph; Meta's reference and
+torchtitan repeat on [B, L, Hkv, D] and transpose after.
 
-Unfused: two copies of the whole cache, g times wider (a [B, Hkv * g, L, D] tensor each for keys
-         and values), then SDPA reading the copies: at MiniMax-M2's width, batch 64 and 1028
-         cached tokens the copies take 2 x 244 us and the attention 377 us per layer on one H200
-Fused:   out = SDPA(query.reshape(B, Hkv, g, D), key, value,
-                    attn_mask=mask.expand(B, H, 1, L).reshape(B, Hkv, g, L)).reshape(B, H, 1, D)
-         no copy; the attention kernel reads the cache as it is (the dispatcher picks its backend
-         for the new shapes, as it would for the model's own call)
+Unfused: two copies of the cache, g times wider ([B, Hkv * g, L, D] each for keys and values),
+         then SDPA reading the copies: at MiniMax-M2's width, batch 64 and 1028 cached tokens the
+         copies take 2 x 244 us and the attention 377 us per layer on one H200
+Fused:   out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                              enable_gqa=True)
+         SDPA's own grouped-query attention (query head h reads KV head h // g, as repeat_kv
+         lays them out): no copy, the kernel reads the cache as it is
 
-Each output row is the same softmax-weighted sum as before; the backend computes a tile of g rows
-instead of one, which may round differently (bf16 tolerance against the unfused step, tested).
+The same math; the kernel SDPA picks for grouped heads may round differently (bf16 tolerance
+against the unfused step, tested). Refused where the dispatcher has no fused kernel for grouped
+heads with a mask on the device (its math fallback would upcast and materialize the scores).
 
 Matched on the SDPA call as Inductor's graph holds it: the backend the dispatcher chose when the
 model was traced (cuDNN or memory-efficient attention on CUDA, the flash kernel on the CPU), with
-a mask (without one, transformers already asks SDPA for GQA). Not a site: a query of several
-tokens (a prefill: the rows of one KV head would need their own causal mask rows). Not matched:
-keys and values repeated by different factors, a causal call, dropout, or the key repeated along
-another dim than the heads (tested).
+a mask. Not a site: a query of several tokens (a prefill, not measured). Not matched: a causal
+call, dropout, or keys tiled (``repeat(1, g, 1, 1)``: head h reads KV head h % Hkv) rather than
+repeated (tested).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+from torch._guards import detect_fake_mode
 
-from fusion_passes.fusion import Fusion, NotASite, Spelling
+from fusion_passes.fusion import Fusion, NotASite, Spelling, trace_functional
 
 # The softmax scale is a pattern argument, traced with this sentinel (exact in every float dtype).
 SCALE_SENTINEL = 2.0**-5
@@ -71,6 +72,8 @@ SDPA_OPS = (
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
 )
+# What the grouped call may become (flash attention takes grouped heads, but no mask)
+_FUSED_SDPA_OPS = SDPA_OPS + ("aten._scaled_dot_product_flash_attention.default",)
 
 
 def repeat_kv_bshd(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -98,19 +101,24 @@ def _spelling_bshd(sdpa):
 
 
 def grouped_decode_attention(query, key, value, mask, scale):
-    """The fused form: SDPA over the KV heads with each head's g query heads as g query rows."""
-    batch, heads, _, head_dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    query_g = query.reshape(batch, kv_heads, group, head_dim)
-    mask_g = mask.expand(batch, heads, 1, length).reshape(batch, kv_heads, group, length)
-    out = torch.nn.functional.scaled_dot_product_attention(query_g, key, value, attn_mask=mask_g, scale=scale)
-    return out.reshape(batch, heads, 1, head_dim)
+    """The fused form: SDPA's grouped-query attention on the cache's own KV heads."""
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                            enable_gqa=True)  # fmt: skip
 
 
 def grouped_decode_attention_bshd(query, key, value, mask, scale):
     """The same on keys and values laid out [B, L, Hkv, D] (read through a transpose)."""
     return grouped_decode_attention(query, key.transpose(1, 2), value.transpose(1, 2), mask, scale)
+
+
+def _gqa_sdpa_op(query, key, value, mask) -> str | None:
+    """The fused SDPA op the dispatcher picks for grouped heads with this mask on the values'
+    device (traced as the matcher traces the replacement), or None where it would run the math
+    fallback (which upcasts and materializes the scores)."""
+    with detect_fake_mode([query]) or contextlib.nullcontext():
+        gm = trace_functional(grouped_decode_attention, [query, key, value, mask, 1.0])
+    ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    return next((op for op in _FUSED_SDPA_OPS if op in ops), None)
 
 
 def _checker(head_dim_of_kv: int):
@@ -124,25 +132,29 @@ def _checker(head_dim_of_kv: int):
             return f"{query.shape[1]} query heads over {kv_heads} key / {value.shape[head_dim_of_kv]} value heads"
         if values["mask"].dim() > 4:
             return f"a mask of {values['mask'].dim()} dims"
+        if head_dim_of_kv == 2:
+            key, value = key.transpose(1, 2), value.transpose(1, 2)
+        if _gqa_sdpa_op(query, key, value, values["mask"]) is None:
+            return "no fused SDPA kernel takes grouped heads with a mask on this device (the math fallback would)"
         return None
 
     return check
 
 
 def _is_decode_repeat(node) -> bool:
-    """An SDPA call on one query token whose key is a copy of a wider expand (a repeat left)."""
+    """An SDPA call on one query token whose key is a repeat: a reshape of a copy of an expand."""
     query, key = node.args[0], node.args[1]
     val = getattr(query, "meta", {}).get("val")
     if val is None or val.dim() != 4 or val.shape[2] != 1:
         return False
-    frontier, seen = [key], 0
-    while frontier and seen < 4:
-        n = frontier.pop()
-        seen += 1
-        if getattr(n, "target", None) == _aten.expand.default:
-            return True
-        frontier.extend(a for a in getattr(n, "args", ()) if hasattr(a, "target"))
-    return False
+    if getattr(key, "target", None) == _aten.permute.default:  # Meta's layout: transposed after
+        key = key.args[0]
+    chain = (_aten.reshape.default, _aten.clone.default, _aten.expand.default)
+    for target in chain:
+        if getattr(key, "target", None) != target:
+            return False
+        key = key.args[0]
+    return True
 
 
 def _examples():
