@@ -235,6 +235,27 @@ def moe_sort_by_expert(payloads):
     return what, _table(header, rows, 1)
 
 
+def gqa_decode_attention(payloads):
+    (p,) = payloads
+    rows = []
+    for r in p["records"]:
+        g, plain, k = r["graph_us"], r["plain_us"], r.get("kernels") or {}
+        plain_x = plain["inductor"] / plain["ours"] if plain.get("ours") and plain.get("inductor") else None
+        rows.append([f"{r['shape']} ({r['heads']} / {r['kv_heads']} x {r['head_dim']})", f"{r['batch']} x {r['context']}",
+                     f"{k.get('inductor')} → {k.get('ours')}",
+                     f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}",
+                     _x(plain_x) if plain_x else "—", _us(g.get("torch_gqa")), _us(r["floor_us"])])  # fmt: skip
+    what = (
+        "A decode step's attention on a StaticCache with fewer KV heads than query heads "
+        "(`benchmarks/bench_gqa_decode_attention.py`): transformers' repeat_kv + SDPA (query heads / KV heads "
+        "x head dim; batch x cached tokens), stock Inductor → ours (SDPA's grouped-query attention on the "
+        "cache as it is), us per call inside a CUDA graph (speedup); plain launches: the speedup alone. "
+        "torch GQA: `enable_gqa=True` called eagerly; floor: one read of the keys and values at 4.3 TB/s:"
+    )
+    header = ["shape", "batch x context", "kernels", "CUDA graph", "plain", "torch GQA, eager", "floor"]
+    return what, _table(header, rows, 2)
+
+
 def mla_rope(payloads):
     (p,) = payloads
     records = p["records"]
@@ -420,6 +441,7 @@ SECTIONS = (
         gated_delta_step,
     ),
     Section("MoE routing and dispatch prep (`moe_route_*`, `moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
+    Section("GQA attention at decode (`gqa_decode_attention`)", ("bench_gqa_decode_attention",), gqa_decode_attention),
     Section(
         "Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)",
         ("bench_allreduce_rms_norm",),
