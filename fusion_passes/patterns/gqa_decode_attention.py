@@ -23,6 +23,9 @@ The same math; the kernel SDPA picks for grouped heads may round differently (bf
 against the unfused step, tested). Refused where the dispatcher has no fused kernel for grouped
 heads with a mask on the device (its math fallback would upcast and materialize the scores).
 
+A varying batch (torch.compile's automatic dynamic shapes: the recompile marks the batch dynamic)
+fuses too; ``dynamic=True``, which makes the head counts symbolic as well, does not (a near miss).
+
 Matched on the SDPA call as Inductor's graph holds it: the backend the dispatcher chose when the
 model was traced (cuDNN or memory-efficient attention on CUDA, the flash kernel on the CPU), with
 a mask. Not a site: a query of several tokens (a prefill, not measured). Not matched: a causal

@@ -151,3 +151,16 @@ def test_dropout_is_not_matched():
     _, report = _compile(with_dropout, (q, k, v, mask))
     assert report.final()["gqa_decode_attention"] == 0
     assert report.ops_before()["aten.clone.default"] == report.ops_after()["aten.clone.default"] == 2
+
+
+def test_a_varying_batch_reuses_one_dynamic_graph():
+    """A serving engine's batch varies: the recompile marks it dynamic, and that graph fuses too."""
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    fn = torch.compile(transformers_sdpa, backend=fusion_passes.backend(FUSION, report=report), fullgraph=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5):
+            args = _inputs(batch, 8, 2, 1, 19, 32, torch.float32, seed=batch)
+            assert torch.equal(fn(*args), transformers_sdpa(*args))
+    assert [g.ops_after.get("aten.clone.default", 0) for g in report.graphs] == [0, 0]
+    assert report.final()["gqa_decode_attention"] == 2  # the static graph and the batch-dynamic one
