@@ -127,9 +127,7 @@ def deepseek_v3_router(router_logits, e_score_correction_bias, top_k, n_group, t
     return _deepseek_v3_choose(scores, scores_for_choice, group_mask, top_k, n_group, routed_scaling_factor)
 
 
-def deepseek_v3_router_one_group_kept(
-    router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor
-):
+def _one_group_kept(router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor, cast_mask):
     # The same router keeping one of several groups (topk_group=1: DeepSeek's tiny configs):
     # Inductor turns the scatter of one index per row into a one-hot comparison with an iota,
     # written here as it leaves it. (One group in all, n_group=1, simplifies further: not matched.)
@@ -142,8 +140,22 @@ def deepseek_v3_router_one_group_kept(
     one = scalar(1, dtype=torch.int64, layout=torch.strided, device=group_idx.device)
     zero = scalar(0, dtype=torch.int64, layout=torch.strided, device=group_idx.device)
     hit = group_idx.expand(group_idx.shape[0], n_group) == groups
-    group_mask = torch.where(hit, one, zero).to(scores.dtype)
+    group_mask = torch.where(hit, one, zero)
+    if cast_mask:
+        group_mask = group_mask.to(scores.dtype)
     return _deepseek_v3_choose(scores, scores_for_choice, group_mask, top_k, n_group, routed_scaling_factor)
+
+
+def deepseek_v3_router_one_group_kept(router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor):
+    return _one_group_kept(router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor, True)
+
+
+def deepseek_v3_router_one_group_kept_int_mask(
+    router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor
+):
+    # On CUDA the one-hot mask reaches the fusions without its cast to the scores' dtype (int64
+    # straight to bool for the masked_fill): the graph a decode step on one H200 held.
+    return _one_group_kept(router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor, False)
 
 
 def _fused_grouped(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor):
@@ -257,6 +269,8 @@ MOE_ROUTE_GROUPED_ONE_GROUP = Fusion(
     doc=__doc__.split("\n\n", 1)[1],
     spellings=(
         Spelling("deepseek_v3_router_one_group_kept", deepseek_v3_router_one_group_kept, _fused_grouped_one_kept),
+        Spelling("deepseek_v3_router_one_group_kept_int_mask", deepseek_v3_router_one_group_kept_int_mask,
+                 _fused_grouped_one_kept),  # fmt: skip
     ),
     example_inputs=_examples_one_group_kept,
     scalars={"top_k": TOP_K_SENTINEL, "n_group": GROUPS_SENTINEL,

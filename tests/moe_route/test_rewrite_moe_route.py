@@ -183,3 +183,53 @@ def test_group_limited_router_fuses_when_enabled(router, topk_group):
     want_ids, want_order = want_ids.sort(dim=-1)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), rtol=2e-6, atol=1e-7)
+
+
+def test_cuda_one_group_kept_int_mask_form_fuses():
+    """A DeepSeek V3.2 decode step on CUDA (one H200) held the one-kept-group router's one-hot mask
+    without its cast to the scores' dtype: where(eq, scalar_tensor(1), scalar_tensor(0)) in int64,
+    expanded, then straight to bool for the masked_fill. The CPU's compile folds those scalars into
+    constants first, so the graph is built here as the CUDA step held it (traced, not compiled)
+    and given to the passes; the int-mask spelling matches it, and the rewritten graph computes
+    the router's experts and weights."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fusion_passes.fusion import trace_functional
+    from fusion_passes.pass_manager import FusionPassManager
+    from fusion_passes.registry import get_fusions
+
+    scalar = torch.ops.aten.scalar_tensor.default
+
+    def router(logits, bias):
+        scores = logits.sigmoid()
+        choice = scores + bias
+        group_scores = choice.view(-1, 2, EXPERTS // 2).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=1, dim=-1, sorted=False)[1]
+        iota = torch.ops.prims.iota(2, start=0, step=1, dtype=torch.int64, device=logits.device, requires_grad=False)
+        hit = group_idx.expand(group_idx.shape[0], 2) == iota.view(1, 2)
+        one, zero = (scalar(v, dtype=torch.int64, layout=torch.strided, device=logits.device) for v in (1, 0))
+        score_mask = torch.where(hit, one, zero).unsqueeze(-1).expand(-1, 2, EXPERTS // 2).reshape(-1, EXPERTS)
+        choice = torch.where(~score_mask.bool(), torch.full([], float("-inf")), choice)
+        ids = torch.topk(choice, k=TOP_K, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * 2.5, ids
+
+    g = torch.Generator().manual_seed(8)
+    logits, bias = torch.randn(9, EXPERTS, generator=g), torch.rand(EXPERTS, generator=g) * 0.1
+    gm = trace_functional(router, [logits, bias])
+    FakeTensorProp(gm, FakeTensorMode()).propagate(logits, bias)
+    report = fusion_passes.Report()
+    FusionPassManager(get_fusions([*ROUTES, "moe_route_grouped"]), report)(gm.graph)
+    gm.recompile()
+    assert report.final()["moe_route_grouped_one_group"] == 1 and sum(report.final().values()) == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (3, 0)
+    assert (before["aten.scalar_tensor.default"], after["fusion_passes.moe_route_grouped.default"]) == (2, 1)
+    weights, ids = gm(logits, bias)
+    want_weights, want_ids = router(logits, bias)
+    ids, order = ids.sort(dim=-1)
+    want_ids, want_order = want_ids.sort(dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), rtol=2e-6, atol=1e-7)
