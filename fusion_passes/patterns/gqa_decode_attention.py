@@ -124,18 +124,18 @@ def _gqa_sdpa_op(query, key, value, mask) -> str | None:
     return next((op for op in _FUSED_SDPA_OPS if op in ops), None)
 
 
-def _checker(head_dim_of_kv: int):
+def _checker(kv_heads_dim: int):
     def check(values: dict[str, Any]) -> str | None:
         query, key, value = values["query"], values["key"], values["value"]
         if query.dim() != 4 or query.shape[2] != 1:
-            # a prefill (or a chunk of tokens): folding the query heads needs one query row per head
+            # a prefill: the copies are a small part of its attention there, and it is not measured
             return NotASite(f"a query of {query.shape[2] if query.dim() == 4 else '?'} tokens per head")
-        kv_heads = key.shape[head_dim_of_kv]
-        if value.shape[head_dim_of_kv] != kv_heads or query.shape[1] % kv_heads:
-            return f"{query.shape[1]} query heads over {kv_heads} key / {value.shape[head_dim_of_kv]} value heads"
+        kv_heads = key.shape[kv_heads_dim]
+        if value.shape[kv_heads_dim] != kv_heads or query.shape[1] % kv_heads:
+            return f"{query.shape[1]} query heads over {kv_heads} key / {value.shape[kv_heads_dim]} value heads"
         if values["mask"].dim() > 4:
             return f"a mask of {values['mask'].dim()} dims"
-        if head_dim_of_kv == 2:
+        if kv_heads_dim == 2:
             key, value = key.transpose(1, 2), value.transpose(1, 2)
         if _gqa_sdpa_op(query, key, value, values["mask"]) is None:
             return "no fused SDPA kernel takes grouped heads with a mask on this device (the math fallback would)"
@@ -171,7 +171,7 @@ def _examples():
 
 GQA_DECODE_ATTENTION = Fusion(
     name="gqa_decode_attention",
-    summary="repeat_kv of keys and values + SDPA at decode -> SDPA over the KV heads (no cache copies)",
+    summary="repeat_kv of keys and values + SDPA at decode -> SDPA's grouped-query attention (no cache copies)",
     doc=__doc__.split("\n\n", 1)[1],
     spellings=tuple(
         Spelling(f"transformers_repeat_kv_sdpa_{name}", _spelling(sdpa), grouped_decode_attention, _checker(1))
