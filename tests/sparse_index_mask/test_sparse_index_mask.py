@@ -101,3 +101,61 @@ def test_deepseek_v32_decode_within_index_topk_drops_the_indexer_selection():
     # the indexers' top-k go; the MoE router's (3 per layer with experts: 1 here) stay
     assert before["aten.topk.default"] - after["aten.topk.default"] == 2
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+LIVE = ["sparse_index_mask_all", "sparse_index_mask_topk"]
+
+
+@pytest.mark.parametrize("t,k", [(37, 8), (64, 63)])
+def test_a_live_mask_is_one_kernel_when_enabled(t, k):
+    scores, causal = _inputs(t)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(transformers_mask, backend=fusion_passes.backend(LIVE, report=report), fullgraph=True)(
+            scores, causal, k
+        )
+    assert torch.equal(out, transformers_mask(scores, causal, k))  # randn scores: no ties
+    assert (report.final()["sparse_index_mask_all"], report.final()["sparse_index_mask_topk"]) == (0, 1)
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (1, 0)
+    assert (before["aten.scatter.value"], after["aten.scatter.value"]) == (1, 0)
+    assert after["fusion_passes.sparse_index_mask.default"] == 1
+
+
+def test_every_position_stays_the_constant_mask_with_both_enabled():
+    scores, causal = _inputs(37)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(transformers_mask, backend=fusion_passes.backend(LIVE, report=report), fullgraph=True)(
+            scores, causal, 2048
+        )
+    assert torch.equal(out, transformers_mask(scores, causal, 2048))
+    assert (report.final()["sparse_index_mask_all"], report.final()["sparse_index_mask_topk"]) == (1, 0)
+    assert report.ops_after()["fusion_passes.sparse_index_mask.default"] == 0
+
+
+def test_deepseek_v32_decode_with_a_live_index_mask():
+    """The tiny config's index_topk (4) keeps 4 of the cache's 10 positions: the mask is live. With
+    the kernel enabled the step computes what the default fusions' step computes, bit for bit (its
+    index scores tie nowhere at the 4th place); the tiny model's routing makes both differ from
+    eager by more than bf16's tolerance, so eager is not the yardstick here."""
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
+    step = DecodeStep(built.module, batch=2, context=8, steps=2)
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    runs = {}
+    for name, fusions in (("defaults", defaults), ("live", defaults + ["sparse_index_mask_topk"])):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
+        with torch.no_grad():
+            step.restore()
+            runs[name] = ([compiled(*step.inputs(i)).clone() for i in range(2)], report)
+    report = runs["live"][1]
+    assert (report.final()["sparse_index_mask_all"], report.final()["sparse_index_mask_topk"]) == (0, 2)
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.scatter.value"], after["aten.scatter.value"]) == (2, 0)
+    assert before["aten.topk.default"] - after["aten.topk.default"] == 2  # the indexers'; the routers' stay
+    assert after["fusion_passes.sparse_index_mask.default"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(runs["live"][0], runs["defaults"][0], strict=True))

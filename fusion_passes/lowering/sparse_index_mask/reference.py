@@ -1,0 +1,52 @@
+"""Plain-torch reference of DeepSeek V3.2's index mask: the single statement of its math.
+
+DeepSeek V3.2's indexer scores every cached position for each query token and its attention
+keeps the top k (``index_topk``, 2048) of them. transformers builds the mask from a top-k and a
+scatter:
+
+    idx  = index_scores.topk(k, dim=-1).indices
+    mask = ones(B, S, T, bool).scatter(-1, idx, False)        # True: the position is dropped
+
+Only the set of the k chosen positions matters, not their order. For scores x [..., T] and k:
+
+    key(x)   = the float's bits as a signed integer, negatives' magnitude bits flipped, so that
+               keys order as the floats do; -0.0 below +0.0, NaN above +inf (the order torch's
+               CUDA radix select ranks by)
+    selected = the first k positions by key, descending; equal keys by the lowest position
+    mask     = True outside ``selected``
+
+torch.topk leaves the order of equal scores to the implementation. Its CUDA kernels take the
+lowest positions among those equal to the k-th score, as this order does; the CPU's partial sort
+does not promise it. Where no two scores tie at the k-th place, every order selects the same set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sparse_index_mask_args(index_scores: torch.Tensor, k: int) -> None:
+    """Raise a one-line ValueError for arguments the op does not define."""
+    if index_scores.dim() < 1 or index_scores.shape[-1] < 1:
+        raise ValueError(f"sparse_index_mask: scores [..., T] with T >= 1 expected, got {tuple(index_scores.shape)}")
+    if index_scores.dtype not in SCORE_DTYPES:
+        raise ValueError(f"sparse_index_mask: scores are {index_scores.dtype}; fp32, bf16 or fp16 expected")
+    if not 1 <= k <= index_scores.shape[-1]:
+        raise ValueError(f"sparse_index_mask: k must be in [1, {index_scores.shape[-1]}], got {k}")
+
+
+def order_keys(index_scores: torch.Tensor) -> torch.Tensor:
+    """int32 keys that order as the scores (fp32), -0.0 below +0.0 and NaN above +inf."""
+    x = index_scores.float()
+    bits = x.view(torch.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return torch.where(torch.isnan(x), torch.full_like(keys, 2**31 - 1), keys)
+
+
+def sparse_index_mask_reference(index_scores: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [..., T]: True at the positions outside the top k of each row (module docstring)."""
+    order = torch.sort(order_keys(index_scores), dim=-1, descending=True, stable=True).indices
+    mask = torch.ones(index_scores.shape, dtype=torch.bool, device=index_scores.device)
+    return mask.scatter(-1, order[..., :k], False)

@@ -1,0 +1,91 @@
+"""The index-mask kernel against its plain-torch reference and against what transformers computes
+(top-k, then a scatter into a mask of ones): rows with ties at the k-th place, -inf (unfilled
+cache positions), NaN and both zeros, odd lengths, k from 1 to T, fp32 / bf16 / fp16; on CPU tensors
+through Triton's interpreter, or on CUDA tensors, compiled, where a GPU is present."""
+
+import os
+
+import torch  # torch does not import triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Chosen before triton is first imported; only without a GPU (see test_rms_norm_kernel.py).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from _hypothesis import examples  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import fusion_passes  # noqa: E402,F401  (registers torch.ops.fusion_passes)
+from fusion_passes.lowering.sparse_index_mask.reference import sparse_index_mask_reference  # noqa: E402
+from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton  # noqa: E402
+
+
+def _transformers_mask(scores, k):
+    idx = scores.topk(k, dim=-1).indices.to(torch.int32)
+    return torch.ones(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, idx.long(), False)
+
+
+@st.composite
+def _cases(draw):
+    t = draw(st.sampled_from([1, 2, 7, 16, 37, 130, 1025, 3000]))
+    return dict(
+        rows=draw(st.sampled_from([(1,), (3,), (2, 3)])),
+        t=t,
+        k=draw(st.integers(1, t)),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        ties=draw(st.booleans()),
+        unfilled=draw(st.integers(0, 5)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(case=_cases())
+def test_matches_reference(case):
+    g = torch.Generator().manual_seed(case["seed"])
+    scores = torch.randn(*case["rows"], case["t"], generator=g)
+    if case["ties"]:  # relu'd index scores: many exact zeros, and repeated values
+        scores = scores.clamp_min(0).round(decimals=1)
+    if case["unfilled"]:
+        scores[..., -case["unfilled"]:] = float("-inf")
+    scores = scores.to(DEVICE, case["dtype"])
+    mask = sparse_index_mask_triton(scores, case["k"])
+    assert mask.dtype == torch.bool and mask.shape == scores.shape
+    assert torch.equal(mask, sparse_index_mask_reference(scores, case["k"]))
+    assert bool((~mask).sum(-1).eq(case["k"]).all())
+
+
+@pytest.mark.parametrize("t,k", [(37, 5), (1040, 64), (2060, 2048)])
+def test_without_ties_equals_the_models_top_k_and_scatter(t, k):
+    g = torch.Generator().manual_seed(t)
+    scores = torch.randperm(3 * t, generator=g).float().view(3, t).to(DEVICE)  # distinct
+    scores[:, -3:] = float("-inf")  # unfilled positions, fewer than T - k: no tie at the k-th place
+    assert torch.equal(sparse_index_mask_triton(scores, k), _transformers_mask(scores, k))
+
+
+def test_nan_above_inf_and_negative_zero_below_zero():
+    scores = torch.tensor([[0.0, -0.0, float("inf"), float("nan"), 1.0, -0.0, 0.0]], device=DEVICE)
+    expected = {1: [3], 2: [2, 3], 3: [2, 3, 4], 4: [0, 2, 3, 4], 5: [0, 2, 3, 4, 6], 6: [0, 1, 2, 3, 4, 6]}
+    for k, kept in expected.items():
+        mask = sparse_index_mask_triton(scores, k)
+        assert torch.equal(mask, sparse_index_mask_reference(scores, k))
+        assert (~mask[0]).nonzero().flatten().tolist() == kept
+
+
+@pytest.mark.parametrize(
+    "scores,k,message",
+    [(torch.zeros(2, 5), 0, "k must be in"), (torch.zeros(2, 5), 6, "k must be in"),
+     (torch.zeros(2, 5, dtype=torch.int32), 2, "fp32, bf16 or fp16"), (torch.zeros(2, 0), 1, "T >= 1")],
+)  # fmt: skip
+def test_bad_arguments_get_one_line_errors(scores, k, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.fusion_passes.sparse_index_mask(scores, k)
+    with pytest.raises(ValueError, match=message):
+        sparse_index_mask_triton(scores.to(DEVICE), k)
+
+
+def test_opcheck():
+    scores = torch.randn(2, 3, 19, device=DEVICE)
+    torch.library.opcheck(torch.ops.fusion_passes.sparse_index_mask.default, (scores, 4))
