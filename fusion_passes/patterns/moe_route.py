@@ -153,8 +153,9 @@ def deepseek_v3_router_one_group_kept(router_logits, e_score_correction_bias, to
 def deepseek_v3_router_one_group_kept_int_mask(
     router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor
 ):
-    # On CUDA the one-hot mask reaches the fusions without its cast to the scores' dtype (int64
-    # straight to bool for the masked_fill): the graph a decode step on one H200 held.
+    # torch 2.11's rewrite of the scatter (Inductor's scatter_upon_const_tensor) leaves the one-hot
+    # mask in int64, without the cast to the scatter's dtype that torch 2.13's adds: int64 straight
+    # to bool for the masked_fill (the graph a decode step held on one H200 with torch 2.11).
     return _one_group_kept(router_logits, e_score_correction_bias, top_k, n_group, routed_scaling_factor, False)
 
 

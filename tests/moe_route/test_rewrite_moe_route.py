@@ -186,12 +186,12 @@ def test_group_limited_router_fuses_when_enabled(router, topk_group):
 
 
 def test_cuda_one_group_kept_int_mask_form_fuses():
-    """A DeepSeek V3.2 decode step on CUDA (one H200) held the one-kept-group router's one-hot mask
-    without its cast to the scores' dtype: where(eq, scalar_tensor(1), scalar_tensor(0)) in int64,
-    expanded, then straight to bool for the masked_fill. The CPU's compile folds those scalars into
-    constants first, so the graph is built here as the CUDA step held it (traced, not compiled)
-    and given to the passes; the int-mask spelling matches it, and the rewritten graph computes
-    the router's experts and weights."""
+    """With torch 2.11 (a DeepSeek V3.2 decode step on one H200) Inductor's rewrite of the group
+    mask's scatter leaves the one-hot mask without the cast to the scatter's dtype that torch 2.13
+    adds: where(eq, scalar_tensor(1), scalar_tensor(0)) in int64, expanded, then straight to bool
+    for the masked_fill. This torch casts, so the graph is built here as that step held it (traced,
+    not compiled) and given to the passes; the int-mask spelling matches it, and the rewritten
+    graph computes the router's experts and weights."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
