@@ -120,8 +120,14 @@ class Fusion:
     # The dtypes each example input tuple is cast to before tracing (its tensors of a dtype in
     # FLOAT_DTYPES; others, fp8 or integer, stay as they are); None: traced as given.
     dtypes: tuple[torch.dtype, ...] | None = None
+    # Example inputs read off the graph being compiled, for spellings whose traced graph depends
+    # on a size (transformers' chunked delta rule unrolls its loop once per 64 tokens): each is
+    # traced and registered the first time a graph holds it (keyed as ``examples()`` dedups), in
+    # addition to ``example_inputs``. Cast to no dtype: the graph's dtypes are the ones to trace.
+    graph_examples: Callable[[torch.fx.Graph], Iterable[Sequence[Any]]] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
+    _traced: set = field(default_factory=set, repr=False)
 
     @property
     def in_all(self) -> bool:
@@ -135,10 +141,7 @@ class Fusion:
         for example in self.example_inputs():
             for dtype in self.dtypes if self.dtypes is not None else (None,):
                 args = [_cast(a, dtype) for a in example]
-                key = tuple(
-                    ("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else ("value", repr(a))
-                    for a in args
-                )
+                key = example_key(args)
                 if key not in seen:
                     seen.add(key)
                     out.append(args)
@@ -147,7 +150,7 @@ class Fusion:
     def source_hash(self) -> str:
         """Hash of everything that decides what this fusion rewrites (for Inductor's cache key)."""
         h = hashlib.sha256(self.name.encode())
-        fns = [self.example_inputs, self.check, self.canonicalize] + [
+        fns = [self.example_inputs, self.check, self.canonicalize, self.graph_examples] + [
             f for s in self.spellings for f in (s.pattern, s.replacement, s.check)
         ]
         for fn in fns:
@@ -161,6 +164,13 @@ class Fusion:
             ).encode()
         )
         return h.hexdigest()
+
+
+def example_key(args: Sequence[Any]) -> tuple:
+    """What makes two example argument lists trace the same patterns: dtypes, shapes, values."""
+    return tuple(
+        ("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in args
+    )
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -190,18 +200,50 @@ def trace_functional(
     decompositions mutate their temporaries: F.rms_norm adds eps with ``add_``), with views as
     reshapes (Inductor turns every ``view`` into ``reshape`` before its post-grad passes), and
     without the no-op ops Inductor removes before them (a copy into a same-shaped temporary:
-    ``out[:, :, i] = x`` on a fresh tensor)."""
+    ``out[:, :, i] = x`` on a fresh tensor), nor the permutes back and forth that functionalizing
+    a write into a transposed buffer leaves (``_remove_permute_pairs``)."""
     from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
     if any(is_mutation_op(n) for n in gm.graph.nodes if n.op == "call_function"):
         gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="real")(*args)
+        _remove_permute_pairs(gm.graph)
         gm.graph.eliminate_dead_code()
     view_to_reshape(gm)
     remove_noop_ops(gm.graph)
     gm.recompile()
     return gm
+
+
+def _remove_permute_pairs(graph: torch.fx.Graph) -> int:
+    """Point every use of ``permute(permute(x, p1), p2)`` with p1 then p2 the identity at x, and
+    of a permute of a fresh buffer (``full``) at its identical sibling (same order).
+
+    The functionalized trace of writes into views of a transposed buffer (transformers' chunked
+    delta rule: ``out[:, :, i] = ...`` into ``zeros_like`` of a transposed solve's result) permutes
+    back and forth around every write, and twice from the fresh buffer; AOTAutograd's trace of
+    the same code, which the model's graph comes from, holds one permute of the buffer and no
+    pair (its functionalization replays the views from one base; Inductor's
+    ``pointless_permute_pair`` removes the rest)."""
+    permute = torch.ops.aten.permute.default
+    count, seen = 0, {}
+    for node in graph.nodes:
+        if node.target is not permute:
+            continue
+        inner, order = node.args[0], tuple(node.args[1])
+        if isinstance(inner, torch.fx.Node) and inner.target is permute:
+            if all(inner.args[1][order[i]] == i for i in range(len(order))):
+                node.replace_all_uses_with(inner.args[0])
+                count += 1
+                continue
+        if not isinstance(inner, torch.fx.Node) or inner.target is not torch.ops.aten.full.default:
+            continue  # the model's code may permute one tensor twice (k.transpose twice): kept
+        twin = seen.setdefault((inner, order), node)
+        if twin is not node:
+            node.replace_all_uses_with(twin)
+            count += 1
+    return count
 
 
 _match_handler: contextvars.ContextVar[MatchHandler | None] = contextvars.ContextVar(
@@ -249,34 +291,45 @@ def _scalars_then_on_match(fusion: Fusion, spelling: Spelling, example: list) ->
     return check
 
 
-def pattern_pass(fusion: Fusion) -> PatternMatcherPass:
-    """The fusion's PatternMatcherPass, traced on first use and kept.
+def pattern_pass(fusion: Fusion, graph: torch.fx.Graph | None = None) -> PatternMatcherPass:
+    """The fusion's PatternMatcherPass, traced on first use and kept; with ``graph``, also holding
+    the patterns of the examples ``fusion.graph_examples`` reads off it.
 
     Matches go through the handler installed by ``match_handler`` (the pass manager's), so one
     traced pass serves every backend configuration.
     """
-    if fusion._pass is not None:
-        return fusion._pass
-    matcher = PatternMatcherPass(pass_name=f"fusion_passes.{fusion.name}")
-    for spelling in fusion.spellings:
+    if fusion._pass is None:
+        matcher = PatternMatcherPass(pass_name=f"fusion_passes.{fusion.name}")
         for example in fusion.examples():
-            pretraced = {}
-            if fusion.string_args:
-                pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))
-            register_replacement(
-                spelling.pattern,
-                spelling.replacement,
-                list(example),
-                trace_functional,
-                matcher,
-                extra_check=_scalars_then_on_match(fusion, spelling, list(example)),
-                scalar_workaround=fusion.scalars,
-                skip_duplicates=True,
-                **pretraced,
-                **_pattern_name(f"{fusion.name}.{spelling.name}"),
-            )
-    fusion._pass = matcher
-    return matcher
+            _register(fusion, matcher, example)
+        fusion._pass = matcher
+    if graph is not None and fusion.graph_examples is not None:
+        with unset_fake_temporarily():  # the pass runs under the graph's fake mode
+            for example in fusion.graph_examples(graph):
+                key = example_key(example)
+                if key not in fusion._traced:
+                    fusion._traced.add(key)
+                    _register(fusion, fusion._pass, list(example))
+    return fusion._pass
+
+
+def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any]) -> None:
+    for spelling in fusion.spellings:
+        pretraced = {}
+        if fusion.string_args:
+            pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))
+        register_replacement(
+            spelling.pattern,
+            spelling.replacement,
+            list(example),
+            trace_functional,
+            matcher,
+            extra_check=_scalars_then_on_match(fusion, spelling, list(example)),
+            scalar_workaround=fusion.scalars,
+            skip_duplicates=True,
+            **pretraced,
+            **_pattern_name(f"{fusion.name}.{spelling.name}"),
+        )
 
 
 def _pattern_with_string_args(fusion: Fusion, spelling: Spelling, example: list) -> Any:

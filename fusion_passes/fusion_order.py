@@ -17,6 +17,7 @@ from fusion_passes.patterns import (
     allreduce_rms_norm,
     allreduce_rms_norm_quant_fp8,
     causal_conv1d_update,
+    chunk_gated_delta_rule,
     gated_delta_step,
     gqa_decode_attention,
     mla_rope,
@@ -43,6 +44,12 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "independent of the norms (its l2norms sum, not average, and have no weight); before the "
         "quantization fusions' common-subexpression elimination, which would merge the two "
         "unsqueezes of the normalised k that transformers' recurrent step traces apart",
+    ),
+    (
+        chunk_gated_delta_rule,
+        "independent of the others (the prefill's chunked rule, whose l2norms have no weight); "
+        "before that elimination too, which would merge the rule's two beta.unsqueeze(-1) and "
+        "two exp(cumsum) that its traced patterns hold apart",
     ),
     (
         mla_rope,

@@ -86,18 +86,24 @@ def _trace(fusion: Fusion, spelling: Spelling, dtype: torch.dtype, rank: int):
     example = next(iter(fusion.example_inputs()))
     lead_rank = max((t.dim() for t in example if isinstance(t, torch.Tensor)), default=0)
 
-    def adapt(t: Any) -> Any:
+    def adapt(t: Any, raise_rank: bool = True) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if t.dim() == lead_rank and rank > lead_rank:
+        if raise_rank and t.dim() == lead_rank and rank > lead_rank:
             t = t.reshape((1,) * (rank - lead_rank) + tuple(t.shape))
         return t.to(dtype) if t.dtype.is_floating_point else t
 
-    with unset_fake_temporarily():
-        try:
-            _TRACES[key] = trace_functional(spelling.pattern, [adapt(t) for t in example])
-        except Exception:  # a spelling that does not trace at this dtype/rank is not the closest
-            _TRACES[key] = None
+    _TRACES[key] = None  # a spelling that does not trace at this dtype / rank is not the closest
+    # Raised to the candidate's rank, else at its own: the candidate op's rank need not be the
+    # inputs' (the chunked delta rule's 5-D solve of 4-D inputs).
+    for raise_rank in (True, False):
+        args = [adapt(t, raise_rank) for t in example]
+        with unset_fake_temporarily():
+            try:
+                _TRACES[key] = trace_functional(spelling.pattern, args)
+                break
+            except Exception:
+                continue
     return _TRACES[key]
 
 

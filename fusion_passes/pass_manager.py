@@ -185,7 +185,7 @@ class FusionPassManager(CustomGraphPass):
             module._register_create_node_hook(tag)
         try:
             count = self._guarded(
-                f"fusion {fusion.name!r}", lambda: pattern_pass(fusion).apply(graph), graph
+                f"fusion {fusion.name!r}", lambda: pattern_pass(fusion, graph).apply(graph), graph
             )
         finally:
             self._tag = None

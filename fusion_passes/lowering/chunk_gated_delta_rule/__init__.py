@@ -1,0 +1,1 @@
+"""Gated DeltaNet's chunked prefill: the gated delta rule over a whole prompt."""
