@@ -124,6 +124,8 @@ class Fusion:
     # on a size (transformers' chunked delta rule unrolls its loop once per 64 tokens): each is
     # traced and registered the first time a graph holds it (keyed as ``examples()`` dedups), in
     # addition to ``example_inputs``. Cast to no dtype: the graph's dtypes are the ones to trace.
+    # They carry the graph's own sizes, so their patterns compare every literal (devices aside)
+    # and skip the matcher's re-trace per candidate (6 s a site for a 4096-token chunked rule).
     graph_examples: Callable[[torch.fx.Graph], Iterable[Sequence[Any]]] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
@@ -309,14 +311,20 @@ def pattern_pass(fusion: Fusion, graph: torch.fx.Graph | None = None) -> Pattern
                 key = example_key(example)
                 if key not in fusion._traced:
                     fusion._traced.add(key)
-                    _register(fusion, fusion._pass, list(example))
+                    _register(fusion, fusion._pass, list(example), exact=True)
     return fusion._pass
 
 
-def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any]) -> None:
+def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any], exact: bool = False) -> None:
     for spelling in fusion.spellings:
         pretraced = {}
-        if fusion.string_args:
+        if exact:
+            gm = trace_functional(spelling.pattern, list(example))
+            argnames = list(inspect.signature(spelling.pattern).parameters)
+            pretraced["search_fn_pattern"] = fx_to_pattern(
+                gm, ignore_types=(torch.device,), argnames=argnames, scalar_workaround=fusion.scalars
+            )
+        elif fusion.string_args:
             pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))
         register_replacement(
             spelling.pattern,

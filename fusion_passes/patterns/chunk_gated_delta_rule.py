@@ -139,16 +139,17 @@ def _static_size(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape)
 
 
-def _activation_dtype_and_padding(ut: torch.fx.Node) -> tuple[torch.dtype, bool]:
-    """The dtype of q / k before the rule's fp32 cast, and whether the prompt was padded to whole
-    chunks (a constant_pad_nd on the way), read off the UT system's producers: the cast of k is
-    about 10 nodes above it (mul, reshape, bmm, reshape, expand, reshape, mul, pad, mul, clone)."""
-    dtype, padded = torch.float32, False
+def _activation_dtype_and_padding(ut: torch.fx.Node) -> tuple[torch.dtype, int]:
+    """The dtype of q / k before the rule's fp32 cast, and the tokens the prompt was padded by to
+    whole chunks (a constant_pad_nd's last pad; 0: none), read off the UT system's producers: the
+    cast of k is about 10 nodes above it (mul, reshape, bmm, reshape, expand, reshape, mul, pad,
+    mul, clone)."""
+    dtype, pad = torch.float32, 0
     seen, todo = {ut}, deque([(ut, 0)])
     while todo:
         node, depth = todo.popleft()
-        if node.target is aten.constant_pad_nd.default:
-            padded = True
+        if node.target is aten.constant_pad_nd.default and isinstance(node.args[1][-1], int):
+            pad = node.args[1][-1]
         if node.target is prims.convert_element_type.default and node.args[1] == torch.float32:
             source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
             if isinstance(source, torch.Tensor) and source.dtype in (torch.bfloat16, torch.float16):
@@ -159,13 +160,14 @@ def _activation_dtype_and_padding(ut: torch.fx.Node) -> tuple[torch.dtype, bool]
                 if parent not in seen:
                     seen.add(parent)
                     todo.append((parent, depth + 1))
-    return dtype, padded
+    return dtype, pad
 
 
 def _graph_examples(graph: torch.fx.Graph):
-    """Meta-device arguments with each chunked rule's sizes in ``graph`` (one per distinct rule):
-    the pair of triangular solves of a layer shares its UT system [B, H, N, 64, 64] and gives V
-    (new values: a reshaped v * beta) and K (decayed keys: k * beta * exp(G))."""
+    """Meta-device arguments with each chunked rule's sizes in ``graph`` (its exact prompt length:
+    whole chunks less the pad): the pair of triangular solves of a layer shares its UT system
+    [B, H, N, 64, 64] and gives V (new values: a reshaped v * beta) and K (decayed keys:
+    k * beta * exp(G))."""
     solves: dict[torch.fx.Node, dict[str, int]] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not aten.linalg_solve_triangular.default:
@@ -180,8 +182,8 @@ def _graph_examples(graph: torch.fx.Graph):
         if len(dims) != 2:
             continue
         batch, heads, chunks = ut.meta["val"].shape[:3]
-        dtype, padded = _activation_dtype_and_padding(ut)
-        tokens = chunks * CHUNK - (1 if padded else 0)
+        dtype, pad = _activation_dtype_and_padding(ut)
+        tokens = chunks * CHUNK - pad
 
         def meta(*shape, dtype=dtype):
             return torch.empty(shape, dtype=dtype, device="meta")
