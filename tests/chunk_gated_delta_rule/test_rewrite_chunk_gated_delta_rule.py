@@ -138,3 +138,21 @@ def test_cuda_sites_need_the_chunk_kernel(monkeypatch):
     assert "not fp32" in chunk_op.fla_chunk_kernel_refusal(q.float(), v.float(), 1e-6)
     assert "exceed" in chunk_op.fla_chunk_kernel_refusal(torch.zeros(1, 2, 1, 512, dtype=q.dtype), v, 1e-6)
     assert "eps" in chunk_op.fla_chunk_kernel_refusal(q, v, 1e-5)
+
+
+def test_dynamic_prompt_length_is_left_to_inductor_and_reported():
+    """A prompt length torch.compile made dynamic (symbolic sizes; the chunk count stays guarded):
+    no pattern is traced for it (each tensor's size reads feed sym_size nodes, extra users no traced
+    pattern has), the rule stays Inductor's, correct, and both solves are near misses."""
+    fn = _prefill_new(RULES["qwen3_5"])
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusion_passes.backend(FUSION, report=report, strict=True),
+                             fullgraph=True, dynamic=True)  # fmt: skip
+    args = _inputs(100, torch.bfloat16)[:5]
+    with torch.no_grad():
+        out, expected = compiled(*args), fn(*args)
+    assert report.final()["chunk_gated_delta_rule"] == 0 and report.ops_after()[FUSED] == 0
+    assert [m.fusion for m in report.near_misses] == ["chunk_gated_delta_rule"] * 2
+    for a, e in zip(out, expected, strict=True):  # Inductor's own code: its summation order
+        torch.testing.assert_close(a, e)
