@@ -31,16 +31,12 @@ import torch.nn.functional as F
 from fusion_passes.fusion import Fusion, Spelling
 from fusion_passes.lowering.chunk_gated_delta_rule.op import fla_chunk_kernel_refusal
 from fusion_passes.lowering.chunk_gated_delta_rule.reference import CHUNK, check_chunk_gated_delta_rule_args
+from fusion_passes.patterns.gated_delta_step import transformers_l2norm
 
 # transformers' l2norm default, fixed in its chunked rule.
 L2NORM_EPS = 1e-6
 
 aten, prims = torch.ops.aten, torch.ops.prims
-
-
-def _transformers_l2norm(x, dim=-1, eps=1e-6):
-    inv_norm = torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
-    return x * inv_norm
 
 
 def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_final_state):
@@ -56,8 +52,8 @@ def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_f
         x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
         for x in (query, key, value, beta, decay)
     ]
-    query = _transformers_l2norm(query, dim=-1, eps=1e-6)
-    key = _transformers_l2norm(key, dim=-1, eps=1e-6)
+    query = transformers_l2norm(query, dim=-1, eps=1e-6)
+    key = transformers_l2norm(key, dim=-1, eps=1e-6)
     scaling = query.shape[-1] ** -0.5
     query = query * scaling
     pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size

@@ -34,7 +34,8 @@ from fusion_passes.lowering.gated_delta_step.reference import check_gated_delta_
 L2NORM_EPS = 1e-6
 
 
-def _transformers_l2norm(x, dim=-1, eps=1e-6):
+def transformers_l2norm(x, dim=-1, eps=1e-6):
+    # transformers' l2norm (qwen3_5 / qwen3_next), in both of its delta rules
     inv_norm = torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
     return x * inv_norm
 
@@ -49,8 +50,8 @@ def _transformers_recurrent_rule(query, key, value, g, beta, initial_state):
         x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
         for x in (query, key, value, beta, decay)
     ]
-    query = _transformers_l2norm(query, dim=-1, eps=1e-6)
-    key = _transformers_l2norm(key, dim=-1, eps=1e-6)
+    query = transformers_l2norm(query, dim=-1, eps=1e-6)
+    key = transformers_l2norm(key, dim=-1, eps=1e-6)
     query = query / (query.shape[-1] ** 0.5)
     last_recurrent_state = initial_state.to(value)
     core_attn_out = torch.zeros_like(value)
