@@ -14,7 +14,7 @@ launches (do_bench median) and in a CUDA graph; its kernels per call are counted
 final state compared with eager's, and the compile time of inductor and ours is recorded (ours
 traces its patterns per chunk count, once per process).
 
-    python -m benchmarks.bench_chunk_gated_delta_rule [--tokens 512 1024 4096]
+    python -m benchmarks.bench_chunk_gated_delta_rule [--tokens 64 512 1024 4096]
     python -m benchmarks.bench_chunk_gated_delta_rule --smoke   # tiny sizes on a CPU (the reference)
 """
 
@@ -37,7 +37,7 @@ from fusion_passes.numerics import compare  # noqa: E402
 DTYPE = torch.bfloat16
 QWEN = dict(heads=32, dk=128, dv=128)
 SMOKE = dict(heads=2, dk=16, dv=8)
-TOKENS, SMOKE_TOKENS = (512, 1024, 4096), (70,)
+TOKENS, SMOKE_TOKENS = (64, 512, 1024, 4096), (70,)  # one chunk (a short turn) to a long prompt
 
 
 def region(q, k, v, g, beta):

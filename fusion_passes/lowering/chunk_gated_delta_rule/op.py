@@ -16,6 +16,7 @@ run it (the fusion leaves those sites to Inductor).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -64,10 +65,13 @@ def _chunk_gated_delta_rule_cuda(q, k, v, g, beta, state, scale, qk_l2norm, l2no
     check_chunk_gated_delta_rule_args(q, k, v, g, beta, state)
     if fla_chunk_kernel_refusal(q, v, l2norm_eps) is not None:
         return chunk_gated_delta_rule_reference(q, k, v, g, beta, state, scale, qk_l2norm, l2norm_eps)
-    out, final_state = fla_chunk_kernel()(
-        q, k, v, g.float(), beta, scale=scale, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=qk_l2norm,
-    )  # fmt: skip
+    with warnings.catch_warnings():
+        # fla warns of a [B, H, T, ...] layout whenever T < H: a prompt shorter than the heads
+        warnings.filterwarnings("ignore", message="Input tensor shape suggests potential format mismatch")
+        out, final_state = fla_chunk_kernel()(
+            q, k, v, g.float(), beta, scale=scale, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=qk_l2norm,
+        )  # fmt: skip
     return out.contiguous(), final_state.float().contiguous()
 
 
