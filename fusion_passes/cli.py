@@ -114,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_diff.add_argument(
         "--fusions", default="all",
-        help='comma-separated fusion names (see fusion-passes list), or all (default: %(default)s)',
+        help="comma-separated fusion names (see fusion-passes list), or all; all,NAME adds an "
+        "opt-in fusion to the defaults (default: %(default)s)",
     )
     p_diff.add_argument("--verify", action="store_true", help="check each rewrite on random inputs")
     p_diff.add_argument(

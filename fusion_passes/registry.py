@@ -110,7 +110,9 @@ def list_fusions() -> list[Fusion]:
 
 
 def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
-    """Resolve ``"all"`` or a list of names to fusions, in registry (application) order."""
+    """Resolve ``"all"`` or a list of names to fusions, in registry (application) order; "all"
+    in a list stands for every fusion in "all" (``["all", "chunk_gated_delta_rule"]``: the
+    defaults and an opt-in one)."""
     _ensure_builtins()
     if names == "all":
         return [f for f in _REGISTRY.values() if f.in_all]
@@ -119,6 +121,8 @@ def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
     if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
         shown = f"{type(names).__name__} {names!r}"[:80]
         raise TypeError(f'fusions must be "all" or a list of fusion names (str), got {shown}')
+    if "all" in names:
+        names = [n for n in names if n != "all"] + [f.name for f in _REGISTRY.values() if f.in_all]
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
         raise FusionError(_unknown_fusion(unknown[0]))

@@ -204,3 +204,14 @@ def test_unknown_names_are_one_line_errors_with_close_names():
         assert "\n" not in str(error.value)
     with pytest.raises(fusion_passes.FusionError, match="unknown fusion 'zzz'; registered: add_rms_norm, "):
         get_fusions("zzz")
+
+
+def test_all_among_names_adds_the_defaults():
+    defaults = [f.name for f in get_fusions("all")]
+    both = [f.name for f in get_fusions(["all", "chunk_gated_delta_rule"])]
+    assert "chunk_gated_delta_rule" not in defaults
+    assert set(both) == set(defaults) | {"chunk_gated_delta_rule"}
+    order = [f.name for f in get_fusions([*defaults, "chunk_gated_delta_rule"])]
+    assert both == order  # registry (application) order, as for names alone
+    with pytest.raises(fusion_passes.FusionError, match="unknown fusion 'zzz'"):
+        get_fusions(["all", "zzz"])
