@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one run: the CUDA tests, then the benchmarks.
 # Usage (repository root): OUT=out benchmarks/run_gpu.sh   (logs and tables go to $OUT)
-# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, SILU=0, QK=0, MLA=0, MODELS=0;
+# Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, SILU=0, QK=0, MLA=0, MODELS=0,
+# and the decode-path and Gated DeltaNet regions: GDN=0, CHUNK=0, MOE=0, GQA=0, INDEX=0;
 # extra arguments for a benchmark go in QUANT_ARGS / SILU_ARGS / QK_ARGS / MLA_ARGS / MODELS_ARGS
 # (e.g. MODELS_ARGS="--models qwen3.5-moe", QK_ARGS="--tokens 1 64 4096").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
@@ -24,6 +25,16 @@ source "$(dirname "$0")/gpu_run_common.sh"
   --out "$OUT/bench_qk_norm_rope.md" --json "$OUT/bench_qk_norm_rope.json" ${QK_ARGS:-}
 [ "${MLA:-1}" = 1 ] && run bench_mla_rope python3 -m benchmarks.bench_mla_rope \
   --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json" ${MLA_ARGS:-}
+[ "${GDN:-1}" = 1 ] && run bench_gated_delta_step python3 -m benchmarks.bench_gated_delta_step \
+  --out "$OUT/bench_gated_delta_step.md" --json "$OUT/bench_gated_delta_step.json"
+[ "${CHUNK:-1}" = 1 ] && run bench_chunk_gated_delta_rule python3 -m benchmarks.bench_chunk_gated_delta_rule \
+  --out "$OUT/bench_chunk_gated_delta_rule.md" --json "$OUT/bench_chunk_gated_delta_rule.json"
+[ "${MOE:-1}" = 1 ] && run bench_moe_sort_by_expert python3 -m benchmarks.bench_moe_sort_by_expert \
+  --out "$OUT/bench_moe_sort_by_expert.md" --json "$OUT/bench_moe_sort_by_expert.json"
+[ "${GQA:-1}" = 1 ] && run bench_gqa_decode_attention python3 -m benchmarks.bench_gqa_decode_attention \
+  --out "$OUT/bench_gqa_decode_attention.md" --json "$OUT/bench_gqa_decode_attention.json"
+[ "${INDEX:-1}" = 1 ] && run bench_sparse_index_mask python3 -m benchmarks.bench_sparse_index_mask \
+  --out "$OUT/bench_sparse_index_mask.md" --json "$OUT/bench_sparse_index_mask.json"
 [ "${MODELS:-1}" = 1 ] && run bench_models python3 -m benchmarks.bench_models \
   --json "$OUT/bench_models.json" ${MODELS_ARGS:-}
 exit $status
