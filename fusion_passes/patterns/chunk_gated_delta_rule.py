@@ -140,11 +140,12 @@ def _activation_dtype_and_padding(ut: torch.fx.Node) -> tuple[torch.dtype, int]:
     whole chunks (a constant_pad_nd's last pad; 0: none), read off the UT system's producers: the
     cast of k is about 10 nodes above it (mul, reshape, bmm, reshape, expand, reshape, mul, pad,
     mul, clone)."""
-    dtype, pad = torch.float32, 0
+    dtype, pad = torch.float32, None
     seen, todo = {ut}, deque([(ut, 0)])
     while todo:
         node, depth = todo.popleft()
-        if node.target is aten.constant_pad_nd.default and isinstance(node.args[1][-1], int):
+        # the nearest pad (breadth first): the rule's own, not one further up (a conv state's)
+        if pad is None and node.target is aten.constant_pad_nd.default and isinstance(node.args[1][-1], int):
             pad = node.args[1][-1]
         if node.target is prims.convert_element_type.default and node.args[1] == torch.float32:
             source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
@@ -156,7 +157,7 @@ def _activation_dtype_and_padding(ut: torch.fx.Node) -> tuple[torch.dtype, int]:
                 if parent not in seen:
                     seen.add(parent)
                     todo.append((parent, depth + 1))
-    return dtype, pad
+    return dtype, pad or 0
 
 
 def _graph_examples(graph: torch.fx.Graph):
