@@ -4,14 +4,14 @@ transformers' Qwen3_5GatedDeltaNet / Qwen3NextGatedDeltaNet over a prompt (more 
 no cache) calls ``torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S or None,
 output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)``; traced, its loop over the
 64-token chunks is unrolled, so the graph of a T-token prompt holds ceil(T / 64) copies of the
-chunk step. The patterns are therefore traced per chunk count, from the graph being compiled
-(``Fusion.graph_examples``): the chunk count, batch, heads and head dims of each
-``linalg_solve_triangular`` (the UT transform, two per layer), the activations' dtype and whether
-the prompt is padded to whole chunks.
+chunk step. The patterns are therefore traced from the graph being compiled
+(``Fusion.graph_examples``), at its exact sizes: the chunk count, batch, heads and head dims of
+each ``linalg_solve_triangular`` (the UT transform, two per layer), the activations' dtype and the
+pad to whole chunks. A prompt length torch.compile made dynamic (symbolic sizes) is left alone.
 
 Unfused: with stock Inductor, per layer, the prep (casts, l2norms, pairwise decays, two batched
-         triangular solves) then per chunk ~5 kernels (three small batched GEMMs and their
-         elementwise glue) run one after the other: 64 sequential steps for 4096 tokens.
+         triangular solves) then per chunk four small batched GEMMs and their elementwise glue,
+         one chunk after the other: 64 sequential steps for 4096 tokens.
 Fused:   out, S = fusion_passes.chunk_gated_delta_rule(q, k, v, g, beta, S or zeros,
                                                       K ** -0.5, qk_l2norm=True, 1e-6)
          flash-linear-attention's chunk kernels on CUDA (the extra ``fla``); sites it cannot run
