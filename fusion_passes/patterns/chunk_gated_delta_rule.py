@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from fusion_passes.fusion import Fusion, Spelling
 from fusion_passes.lowering.chunk_gated_delta_rule.op import fla_chunk_kernel_refusal
 from fusion_passes.lowering.chunk_gated_delta_rule.reference import CHUNK, check_chunk_gated_delta_rule_args
-from fusion_passes.patterns.gated_delta_step import transformers_l2norm
+from fusion_passes.patterns.gated_delta_step import transformers_rule_inputs
 
 # transformers' l2norm default, fixed in its chunked rule.
 L2NORM_EPS = 1e-6
@@ -47,13 +47,7 @@ def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_f
     batch_size, sequence_length, _, k_head_dim = key.shape
     num_v_heads, v_head_dim = value.shape[-2:]
     padded_output_shape = (batch_size, num_v_heads, -1, v_head_dim)
-    decay = g
-    query, key, value, beta, decay = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, decay)
-    ]
-    query = transformers_l2norm(query, dim=-1, eps=1e-6)
-    key = transformers_l2norm(key, dim=-1, eps=1e-6)
+    query, key, value, beta, decay = transformers_rule_inputs(query, key, value, beta, g)
     scaling = query.shape[-1] ** -0.5
     query = query * scaling
     pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size

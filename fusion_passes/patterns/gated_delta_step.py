@@ -34,10 +34,21 @@ from fusion_passes.lowering.gated_delta_step.reference import check_gated_delta_
 L2NORM_EPS = 1e-6
 
 
-def transformers_l2norm(x, dim=-1, eps=1e-6):
-    # transformers' l2norm (qwen3_5 / qwen3_next), in both of its delta rules
+def _transformers_l2norm(x, dim=-1, eps=1e-6):
     inv_norm = torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
     return x * inv_norm
+
+
+def transformers_rule_inputs(query, key, value, beta, decay):
+    # The head of both of transformers' delta rules (recurrent and chunked, qwen3_5 / qwen3_next,
+    # use_qk_l2norm_in_kernel=True): [B, H, T, ...] in fp32, q and k l2-normalised.
+    query, key, value, beta, decay = [
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, decay)
+    ]
+    query = _transformers_l2norm(query, dim=-1, eps=1e-6)
+    key = _transformers_l2norm(key, dim=-1, eps=1e-6)
+    return query, key, value, beta, decay
 
 
 def _transformers_recurrent_rule(query, key, value, g, beta, initial_state):
@@ -45,13 +56,7 @@ def _transformers_recurrent_rule(query, key, value, g, beta, initial_state):
     # as transformers writes it (its loop runs once per token; one here).
     initial_dtype = query.dtype
     batch_size, sequence_length, _, k_head_dim = key.shape
-    decay = g
-    query, key, value, beta, decay = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, decay)
-    ]
-    query = transformers_l2norm(query, dim=-1, eps=1e-6)
-    key = transformers_l2norm(key, dim=-1, eps=1e-6)
+    query, key, value, beta, decay = transformers_rule_inputs(query, key, value, beta, g)
     query = query / (query.shape[-1] ** 0.5)
     last_recurrent_state = initial_state.to(value)
     core_attn_out = torch.zeros_like(value)
