@@ -1,11 +1,16 @@
 """The chunked prefill op's reference: the gated delta rule token by token (its math, in fp64)
-within fp32's error, bit-equal to transformers' own chunked rule in eager (the rounding it
-reproduces), the op's registration (opcheck), and a one-line error for bad arguments."""
+within fp32's error and bit-equal to transformers' own chunked rule in eager (the rounding it
+reproduces), on random shapes (hypothesis: batch, 1-200 tokens, heads, head dims, a state or
+none, every activation dtype) and on chunk boundaries; the op's registration (opcheck), and a
+one-line error for bad arguments."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _hypothesis import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 import fusion_passes  # noqa: F401  (registers torch.ops.fusion_passes)
@@ -49,6 +54,28 @@ def test_reference_is_the_delta_rule(tokens, zero_state):
     assert out.shape == v.shape and out.dtype == torch.float32 and final.dtype == torch.float32
     torch.testing.assert_close(out.double(), exp_out, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(final.double(), exp_final, rtol=1e-5, atol=2e-5)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    batch=st.integers(1, 3), tokens=st.integers(1, 200), heads=st.integers(1, 4), dk=st.sampled_from([4, 8, 16, 24]),
+    dv=st.sampled_from([4, 6, 16]), zero_state=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_reference_is_the_delta_rule_on_random_shapes(batch, tokens, heads, dk, dv, zero_state, seed):
+    q, k, v, g, beta, state = _inputs(batch, tokens, heads, dk, dv, torch.float32, seed)
+    if zero_state:
+        state = torch.zeros_like(state)
+    out, final = chunk_gated_delta_rule_reference(q, k, v, g, beta, state, dk**-0.5, True, 1e-6)
+    exp_out, exp_final = _token_by_token(q, k, v, g, beta, state, dk**-0.5)
+    torch.testing.assert_close(out.double(), exp_out, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(final.double(), exp_final, rtol=1e-5, atol=2e-5)
+    # and transformers' rounding, in every activation dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        args = [t.to(dtype) if t is not g and t is not state else t for t in (q, k, v, g, beta, state)]
+        ours = chunk_gated_delta_rule_reference(*args, dk**-0.5, True, 1e-6)
+        theirs = torch_chunk_gated_delta_rule(*args[:3], g=g, beta=args[4], initial_state=state,
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
