@@ -16,8 +16,8 @@ Fused:   out, S = fusion_passes.gated_delta_step(q, k, v, a, b, A_log, dt_bias, 
                                                 sqrt(K), divide_scale=True, qk_l2norm=True, 1e-6)
          one kernel reading and writing the state once; in place on CUDA (the copy goes).
 
-The prefill path (torch_chunk_gated_delta_rule) is not this pattern (patterns/chunk_gated_delta_rule.py); nor a step whose state is
-not fp32 or whose value heads are not a multiple of its key heads.
+The prefill path (torch_chunk_gated_delta_rule) is not this pattern but chunk_gated_delta_rule's;
+nor is a step whose state is not fp32 or whose value heads are not a multiple of its key heads.
 """
 
 from __future__ import annotations
