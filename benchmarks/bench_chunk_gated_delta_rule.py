@@ -119,7 +119,9 @@ def report_text(records, device_name) -> str:
 
 
 def main() -> int:
-    parser = common.parser(__doc__, "bench_chunk_gated_delta_rule", smoke="tiny sizes; the reference on a CPU")
+    parser = common.parser(
+        __doc__, "bench_chunk_gated_delta_rule", smoke="tiny sizes; the reference on a CPU"
+    )
     common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "prompt tokens (batch 1)")
     args = common.parse(parser)
     device = common.device(parser, args.smoke)

@@ -84,7 +84,9 @@ def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_f
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ last_recurrent_state
         inter_chunk_attn = query[:, :, i] @ last_recurrent_state
         core_attn_out[:, :, i] = inter_chunk_attn + intra_chunk_attn[:, :, i] @ v_new
-        last_recurrent_state = last_recurrent_state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+        last_recurrent_state = (
+            last_recurrent_state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+        )
     last_recurrent_state = None if not output_final_state else last_recurrent_state
     core_attn_out = core_attn_out.reshape(padded_output_shape)
     core_attn_out = core_attn_out[:, :, :sequence_length]
@@ -115,7 +117,9 @@ def _fused(query, key, value, g, beta, initial_state):
 def _check(values: dict[str, Any]) -> str | None:
     q, v = values["query"], values["value"]
     try:
-        check_chunk_gated_delta_rule_args(q, values["key"], v, values["g"], values["beta"], values["initial_state"])
+        check_chunk_gated_delta_rule_args(
+            q, values["key"], v, values["g"], values["beta"], values["initial_state"]
+        )
     except ValueError as e:
         return str(e).removeprefix("chunk_gated_delta_rule: ")
     if q.device.type == "cuda":

@@ -91,7 +91,9 @@ def test_reference_rounds_as_transformers(dtype, tokens):
 
 def test_op_registration():
     args = _inputs(1, 70, 2, 8, 4, torch.bfloat16, seed=3)
-    torch.library.opcheck(torch.ops.fusion_passes.chunk_gated_delta_rule.default, (*args, 8**-0.5, True, 1e-6))
+    torch.library.opcheck(
+        torch.ops.fusion_passes.chunk_gated_delta_rule.default, (*args, 8**-0.5, True, 1e-6)
+    )
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,15 @@ from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import compare, tolerance
 
 pytestmark = pytest.mark.gpu
-needs_fla = pytest.mark.skipif(fla_chunk_kernel() is None, reason="fla-core (the extra `fla`) is not installed")
+needs_fla = pytest.mark.skipif(
+    fla_chunk_kernel() is None, reason="fla-core (the extra `fla`) is not installed"
+)
 
 
 @needs_fla
-@pytest.mark.parametrize("tokens, heads, dk, dv", [(4096, 32, 128, 128), (1000, 4, 128, 128), (70, 3, 64, 32)])
+@pytest.mark.parametrize(
+    "tokens, heads, dk, dv", [(4096, 32, 128, 128), (1000, 4, 128, 128), (70, 3, 64, 32)]
+)
 @pytest.mark.parametrize("zero_state", [True, False])
 def test_chunk_kernel_matches_reference(tokens, heads, dk, dv, zero_state):
     g = torch.Generator(device="cuda").manual_seed(tokens)

@@ -28,7 +28,12 @@ def _step(name: str) -> DecodeStep:
 
 
 def _recurrent_states(step) -> list[int]:
-    ids = {id(t) for layer in step.cache.layers for t in getattr(layer, "recurrent_states", {}).values() if t is not None}
+    ids = {
+        id(t)
+        for layer in step.cache.layers
+        for t in getattr(layer, "recurrent_states", {}).values()
+        if t is not None
+    }
     return [i for i, t in enumerate(step.cache_tensors()) if id(t) in ids]
 
 
@@ -49,10 +54,15 @@ def test_prefill_fuses_every_gdn_layer(name):
     out, cache = _prefill(step, torch.compile(step, backend=backend, fullgraph=True, dynamic=False))
     expected, expected_cache = _prefill(step, step)
     torch._dynamo.reset()
-    stock, stock_cache = _prefill(step, torch.compile(step, backend="inductor", fullgraph=True, dynamic=False))
+    stock, stock_cache = _prefill(
+        step, torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
+    )
     assert report.final()["chunk_gated_delta_rule"] == 3 and not report.errors
     before, after = report.ops_before(), report.ops_after()
-    assert before["aten.linalg_solve_triangular.default"] == 6 and after["aten.linalg_solve_triangular.default"] == 0
+    assert (
+        before["aten.linalg_solve_triangular.default"] == 6
+        and after["aten.linalg_solve_triangular.default"] == 0
+    )
     assert after[FUSED] == 3
     states = _recurrent_states(step)
     assert len(states) == 3
@@ -69,7 +79,9 @@ def test_forward_without_cache_fuses():
     ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(0))
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    compiled = torch.compile(built.module, backend=fusion_passes.backend(["chunk_gated_delta_rule"], report=report))
+    compiled = torch.compile(
+        built.module, backend=fusion_passes.backend(["chunk_gated_delta_rule"], report=report)
+    )
     with torch.no_grad():
         out, expected = compiled(ids), built.module(ids)
     assert report.final()["chunk_gated_delta_rule"] == 3 and report.ops_after()[FUSED] == 3

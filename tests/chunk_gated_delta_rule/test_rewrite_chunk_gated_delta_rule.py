@@ -33,21 +33,41 @@ def _inputs(tokens, dtype, batch=2, heads=3, dk=16, dv=8, seed=0):
 
 def _prefill_from_state(rule):
     def prefill(q, k, v, g, beta, state):  # a chunked prefill continuing a cached sequence
-        return rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
 
     return prefill
 
 
 def _prefill_new(rule):
     def prefill(q, k, v, g, beta):  # a first prefill into a cache: no state yet
-        return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return rule(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
 
     return prefill
 
 
 def _forward_without_cache(rule):
     def forward(q, k, v, g, beta):  # use_cache=False: the final state is dropped
-        return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+        return rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+        )[0]
 
     return forward
 
@@ -55,14 +75,23 @@ def _forward_without_cache(rule):
 def _compile(fn, args, fusions=FUSION):
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report, strict=True), fullgraph=True)
+    compiled = torch.compile(
+        fn, backend=fusion_passes.backend(fusions, report=report, strict=True), fullgraph=True
+    )
     with torch.no_grad():
         out = compiled(*args)
     return (out if isinstance(out, tuple) else (out,)), report
 
 
-RULES = {"qwen3_5": modeling_qwen3_5.torch_chunk_gated_delta_rule, "qwen3_next": modeling_qwen3_next.torch_chunk_gated_delta_rule}
-FORMS = {"from_state": (_prefill_from_state, 6), "new": (_prefill_new, 5), "no_cache": (_forward_without_cache, 5)}
+RULES = {
+    "qwen3_5": modeling_qwen3_5.torch_chunk_gated_delta_rule,
+    "qwen3_next": modeling_qwen3_next.torch_chunk_gated_delta_rule,
+}
+FORMS = {
+    "from_state": (_prefill_from_state, 6),
+    "new": (_prefill_new, 5),
+    "no_cache": (_forward_without_cache, 5),
+}
 
 
 @pytest.mark.parametrize("form", list(FORMS))
