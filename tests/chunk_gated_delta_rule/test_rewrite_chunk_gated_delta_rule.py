@@ -131,7 +131,9 @@ def test_two_prompt_lengths_in_one_graph_fuse_both():
     out, report = _compile(two, args)
     with torch.no_grad():
         expected = two(*args)
-    assert report.final()["chunk_gated_delta_rule"] == 2 and report.ops_after()[FUSED] == 2
+    assert report.final()["chunk_gated_delta_rule"] == 2
+    assert (report.ops_before()[SOLVE], report.ops_after()[SOLVE]) == (4, 0)
+    assert (report.ops_before()[FUSED], report.ops_after()[FUSED]) == (0, 2)
     assert all(torch.equal(a, e) for a, e in zip(out, expected, strict=True))
 
 
@@ -151,7 +153,8 @@ def test_other_rules_are_near_misses(kwargs, why):
     args = _inputs(100, torch.bfloat16)
     out, report = _compile(prefill, args)
     assert report.final()["chunk_gated_delta_rule"] == 0, why
-    assert report.ops_after()[SOLVE] == 2 and report.ops_after()[FUSED] == 0
+    assert report.ops_after() == report.ops_before() and report.ops_after()[SOLVE] == 2
+    assert report.ops_after()[FUSED] == 0
     assert [m.fusion for m in report.near_misses] == ["chunk_gated_delta_rule"] * 2  # one per solve
     with torch.no_grad():
         stock = torch.compile(prefill, backend="inductor")(*args)
@@ -181,7 +184,9 @@ def test_dynamic_prompt_length_is_left_to_inductor_and_reported():
     args = _inputs(100, torch.bfloat16)[:5]
     with torch.no_grad():
         out, expected = compiled(*args), fn(*args)
-    assert report.final()["chunk_gated_delta_rule"] == 0 and report.ops_after()[FUSED] == 0
+    assert report.final()["chunk_gated_delta_rule"] == 0
+    assert report.ops_after() == report.ops_before() and report.ops_after()[SOLVE] == 2
+    assert report.ops_after()[FUSED] == 0
     assert [m.fusion for m in report.near_misses] == ["chunk_gated_delta_rule"] * 2
     for a, e in zip(out, expected, strict=True):  # Inductor's own code: its summation order
         torch.testing.assert_close(a, e)

@@ -112,6 +112,7 @@ def test_broadcast_masks_of_fewer_dims_and_per_head_masks():
     for m in (mask[0, 0], mask.expand(2, 8, 1, 21).clone()):  # [1, L] and one row per query head
         out, report = _compile(transformers_sdpa, (q, k, v, m))
         assert report.final()["gqa_decode_attention"] == 1
+        assert _op_changes(report) == REMOVED
         assert torch.equal(out, transformers_sdpa(q, k, v, m))
 
 
@@ -162,5 +163,6 @@ def test_a_varying_batch_reuses_one_dynamic_graph():
         for batch in (2, 3, 5):
             args = _inputs(batch, 8, 2, 1, 19, 32, torch.float32, seed=batch)
             assert torch.equal(fn(*args), transformers_sdpa(*args))
+    assert [g.ops_before.get("aten.clone.default", 0) for g in report.graphs] == [2, 2]  # k's and v's repeats
     assert [g.ops_after.get("aten.clone.default", 0) for g in report.graphs] == [0, 0]
     assert report.final()["gqa_decode_attention"] == 2  # the static graph and the batch-dynamic one
