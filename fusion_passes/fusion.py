@@ -218,7 +218,7 @@ def trace_functional(
     return gm
 
 
-def _remove_permute_pairs(graph: torch.fx.Graph) -> int:
+def _remove_permute_pairs(graph: torch.fx.Graph) -> None:
     """Point every use of ``permute(permute(x, p1), p2)`` with p1 then p2 the identity at x, and
     of a permute of a fresh buffer (``full``) at its identical sibling (same order).
 
@@ -229,7 +229,7 @@ def _remove_permute_pairs(graph: torch.fx.Graph) -> int:
     pair (its functionalization replays the views from one base; Inductor's
     ``pointless_permute_pair`` removes the rest)."""
     permute = torch.ops.aten.permute.default
-    count, seen = 0, {}
+    seen = {}
     for node in graph.nodes:
         if node.target is not permute:
             continue
@@ -237,15 +237,12 @@ def _remove_permute_pairs(graph: torch.fx.Graph) -> int:
         if isinstance(inner, torch.fx.Node) and inner.target is permute:
             if all(inner.args[1][order[i]] == i for i in range(len(order))):
                 node.replace_all_uses_with(inner.args[0])
-                count += 1
                 continue
         if not isinstance(inner, torch.fx.Node) or inner.target is not torch.ops.aten.full.default:
             continue  # the model's code may permute one tensor twice (k.transpose twice): kept
         twin = seen.setdefault((inner, order), node)
         if twin is not node:
             node.replace_all_uses_with(twin)
-            count += 1
-    return count
 
 
 _match_handler: contextvars.ContextVar[MatchHandler | None] = contextvars.ContextVar(
