@@ -7,6 +7,8 @@
 #     PREFILL_MODELS="minimax-m2" benchmarks/run_gpu_decode.sh
 #
 # PREFILL: tokens of a prefill timed too, for the models in PREFILL_MODELS (default: all).
+# ARGS_<model> (the model's name with '.' and '-' as '_', e.g. ARGS_deepseek_v3_2): arguments for
+# that model's run alone, after ARGS.
 # Writes $OUT/bench_decode.{md,json} and $OUT/bench_decode.log (every run's log, one after
 # another: the runs' own files stay in a temporary folder, so $OUT holds few files); TESTS: pytest
 # arguments run while the models compile, logged to $OUT/tests.log; CLI: a command run then too
@@ -23,8 +25,9 @@ pids=()
 for m in $models; do
   prefill=()
   if [ -n "${PREFILL:-}" ] && [[ " ${PREFILL_MODELS:-$models} " == *" $m "* ]]; then prefill=(--prefill "$PREFILL"); fi
+  own="ARGS_${m//[.-]/_}"
   # shellcheck disable=SC2086  # ARGS is a list of arguments
-  python3 -m benchmarks.bench_decode --models "$m" ${ARGS:-} "${prefill[@]}" --lock "$sync/lock" --barrier "$sync:$n" \
+  python3 -m benchmarks.bench_decode --models "$m" ${ARGS:-} ${!own:-} "${prefill[@]}" --lock "$sync/lock" --barrier "$sync:$n" \
     --json "$runs/$m.json" --out "$runs/$m.md" > "$runs/$m.log" 2>&1 &
   pids+=($!)
 done

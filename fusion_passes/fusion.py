@@ -317,6 +317,7 @@ def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any], e
         pretraced = {}
         if exact:
             gm = trace_functional(spelling.pattern, list(example))
+            _scalar_tensors_as_full(gm.graph)
             argnames = list(inspect.signature(spelling.pattern).parameters)
             pretraced["search_fn_pattern"] = fx_to_pattern(
                 gm, ignore_types=(torch.device,), argnames=argnames, scalar_workaround=fusion.scalars
@@ -335,6 +336,21 @@ def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any], e
             **pretraced,
             **_pattern_name(f"{fusion.name}.{spelling.name}"),
         )
+
+
+def _scalar_tensors_as_full(graph: torch.fx.Graph) -> None:
+    """``scalar_tensor(x)`` as ``full([], x)``: what Inductor's joint-graph constant folding leaves
+    in the graphs the passes see (``tril``'s zero, a ``masked_fill`` value). Only for the exact
+    patterns: the others are re-traced on each candidate by the matcher, which keeps
+    ``scalar_tensor`` on both sides."""
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.scalar_tensor.default)):
+        kwargs = {"dtype": node.kwargs.get("dtype"), "layout": torch.strided, "device": node.kwargs.get("device"),
+                  "pin_memory": False}  # fmt: skip
+        with graph.inserting_before(node):
+            full = graph.call_function(torch.ops.aten.full.default, ([], node.args[0]), kwargs)
+        full.meta = dict(node.meta)
+        node.replace_all_uses_with(full)
+        graph.erase_node(node)
 
 
 def _pattern_with_string_args(fusion: Fusion, spelling: Spelling, example: list) -> Any:

@@ -23,7 +23,7 @@ Opt-in: not yet timed on a GPU.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +39,11 @@ L2NORM_EPS = 1e-6
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
-def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_final_state):
+def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_final_state, solve=True):
     # torch_chunk_gated_delta_rule(..., chunk_size=64, use_qk_l2norm_in_kernel=True) as
-    # transformers 5.17 writes it (qwen3_5 / qwen3_5_moe / qwen3_next), outside export.
+    # transformers 5.17 writes it (qwen3_5 / qwen3_5_moe / qwen3_next). solve=False: its export
+    # path, the UT system inverted by forward substitution, which torch.compile also takes under
+    # torch <= 2.11 (Dynamo read torch.compiler.is_exporting() as True inside any compile).
     chunk_size = 64
     initial_dtype = query.dtype
     batch_size, sequence_length, _, k_head_dim = key.shape
@@ -72,8 +74,17 @@ def _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_f
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay
     intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
     decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    if solve:
+        new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+        k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    else:
+        ut_system = -ut_system.tril(-1)
+        for i in range(1, chunk_size):
+            row = ut_system[..., i, :i].clone()
+            sub = ut_system[..., :i, :i].clone()
+            ut_system[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+        ut_system = ut_system + torch.eye(chunk_size, dtype=ut_system.dtype, device=ut_system.device)
+        new_values, k_cumdecay = ut_system @ v_beta, ut_system @ decayed_k_beta
     # initial_state=None is torch.zeros(...): a graph input here like a cached state.
     last_recurrent_state = initial_state.to(new_values)
     core_attn_out = torch.zeros_like(new_values)
@@ -102,6 +113,14 @@ def transformers_chunk_rule_with_state(query, key, value, g, beta, initial_state
 def transformers_chunk_rule(query, key, value, g, beta, initial_state):
     # A forward without a cache: the final state is dropped (its last update is dead code).
     return _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_final_state=False)[0]
+
+
+def transformers_chunk_rule_by_substitution_with_state(query, key, value, g, beta, initial_state):
+    return _transformers_chunk_rule(query, key, value, g, beta, initial_state, True, solve=False)
+
+
+def transformers_chunk_rule_by_substitution(query, key, value, g, beta, initial_state):
+    return _transformers_chunk_rule(query, key, value, g, beta, initial_state, False, solve=False)[0]
 
 
 def _fused_with_state(query, key, value, g, beta, initial_state):
@@ -133,64 +152,101 @@ def _static_size(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape)
 
 
-def _activation_dtype_and_padding(ut: torch.fx.Node) -> tuple[torch.dtype, int]:
-    """The dtype of q / k before the rule's fp32 cast, and the tokens the prompt was padded by to
-    whole chunks (a constant_pad_nd's last pad; 0: none), read off the UT system's producers: the
-    cast of k is about 10 nodes above it (mul, reshape, bmm, reshape, expand, reshape, mul, pad,
-    mul, clone)."""
-    dtype, pad = torch.float32, None
-    seen, todo = {ut}, deque([(ut, 0)])
+def _is_chunk_cumsum(node: torch.fx.Node) -> bool:
+    """The rule's cumulative log decay within each chunk, in either spelling: a cumsum over dim 3
+    of a 4-d [B, H, N, C] tensor, two unsqueezes of which are subtracted (the pairwise decays)."""
+    if node.op != "call_function" or node.target is not aten.cumsum.default or node.args[1] not in (3, -1):
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return False
+    unsqueezes = [u for u in node.users if u.target is aten.unsqueeze.default]
+    return any(w.target is aten.sub.Tensor for u in unsqueezes for w in u.users)
+
+
+def _nearest(start: torch.fx.Node, found: Callable[[torch.fx.Node], Any], way: str, depth: int) -> Any:
+    """The first non-None ``found(node)`` breadth first from ``start``, through inputs ("up"),
+    users ("down") or both, at most ``depth`` steps away."""
+    seen, todo = {start}, deque([(start, 0)])
     while todo:
-        node, depth = todo.popleft()
-        # the nearest pad (breadth first): the rule's own, not one further up (a conv state's)
-        if pad is None and node.target is aten.constant_pad_nd.default and isinstance(node.args[1][-1], int):
-            pad = node.args[1][-1]
-        if node.target is prims.convert_element_type.default and node.args[1] == torch.float32:
-            source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-            if isinstance(source, torch.Tensor) and source.dtype in (torch.bfloat16, torch.float16):
-                dtype = source.dtype
-            continue
-        if depth < 16:
-            for parent in node.all_input_nodes:
-                if parent not in seen:
-                    seen.add(parent)
-                    todo.append((parent, depth + 1))
-    return dtype, pad or 0
+        node, d = todo.popleft()
+        hit = found(node)
+        if hit is not None:
+            return hit
+        if d < depth:
+            near = (list(node.all_input_nodes) if way != "down" else []) + (
+                list(node.users) if way != "up" else []
+            )
+            for nxt in near:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, d + 1))
+    return None
 
 
 def _graph_examples(graph: torch.fx.Graph):
-    """Meta-device arguments with each chunked rule's sizes in ``graph`` (its exact prompt length:
-    whole chunks less the pad): the pair of triangular solves of a layer shares its UT system
-    [B, H, N, 64, 64] and gives V (new values: a reshaped v * beta) and K (decayed keys:
-    k * beta * exp(G))."""
-    solves: dict[torch.fx.Node, dict[str, int]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.linalg_solve_triangular.default:
+    """Meta-device arguments with each chunked rule's sizes in ``graph``, at its exact prompt
+    length (whole chunks less the pad), read around its chunk cumsum G [B, H, N, 64]: K from the
+    first 5-d mul below it with an exp(G)[..., None] factor (q, k or k * beta scaled), V from the
+    zeros the output is written into ([B, H, N, 64, V]), the pad from the log decays' own pad right
+    above G (none: whole chunks), the activations' dtype from the cast to fp32 above the scaled
+    keys. Both spellings (triangular solve, forward substitution) hold all of these."""
+    for cumsum in graph.nodes:
+        lead = _static_size(cumsum.meta.get("val")) if _is_chunk_cumsum(cumsum) else None
+        if lead is None or lead[-1] != CHUNK:
             continue
-        ut, rhs = node.args[0], node.args[1]
-        ut_size, rhs_size = _static_size(ut.meta.get("val")), _static_size(rhs.meta.get("val"))
-        if ut_size is None or rhs_size is None or len(ut_size) != 5 or ut_size[-1] != CHUNK:
+
+        def five_d(node, last=None):
+            val = _static_size(node.meta.get("val"))
+            return val is not None and len(val) == 5 and val[:4] == lead and last in (None, val[4])
+
+        scaled = _nearest(cumsum, lambda n: n if n.target is aten.mul.Tensor and five_d(n)
+                          and any(five_d(a, 1) for a in n.all_input_nodes) else None, "down", 3)  # fmt: skip
+        zeros = _nearest(cumsum, lambda n: _output_head_dim(n, lead), "both", 24)
+        pad = _nearest(
+            cumsum, lambda n: n.args[1][-1] if n.target is aten.constant_pad_nd.default else None, "up", 3
+        )
+        if scaled is None or zeros is None or not isinstance(pad or 0, int) or not 0 <= (pad or 0) < CHUNK:
             continue
-        dims = solves.setdefault(ut, {})
-        dims["k" if rhs.target is aten.mul.Tensor else "v"] = rhs_size[-1]
-    for ut, dims in solves.items():
-        if len(dims) != 2:
-            continue
-        batch, heads, chunks = ut.meta["val"].shape[:3]
-        dtype, pad = _activation_dtype_and_padding(ut)
-        tokens = chunks * CHUNK - pad
+        k, v = scaled.meta["val"].shape[-1], zeros
+        dtype = _nearest(scaled, _cast_from_half, "up", 16) or torch.float32
+        batch, heads, chunks = lead[:3]
+        tokens = chunks * CHUNK - (pad or 0)
 
         def meta(*shape, dtype=dtype):
             return torch.empty(shape, dtype=dtype, device="meta")
 
         yield (
-            meta(batch, tokens, heads, dims["k"]),
-            meta(batch, tokens, heads, dims["k"]),
-            meta(batch, tokens, heads, dims["v"]),
+            meta(batch, tokens, heads, k),
+            meta(batch, tokens, heads, k),
+            meta(batch, tokens, heads, v),
             meta(batch, tokens, heads, dtype=torch.float32),  # g: transformers' gating is fp32
             meta(batch, tokens, heads),
-            meta(batch, heads, dims["k"], dims["v"], dtype=torch.float32),
+            meta(batch, heads, k, v, dtype=torch.float32),
         )
+
+
+def _output_head_dim(node: torch.fx.Node, lead: tuple[int, ...]) -> int | None:
+    """V, if ``node`` is the zeros the rule writes its output into: [B, H, N, 64, V], or
+    [B, H, N, V, 64] where they copy the layout of the triangular solve's (column-major) result."""
+    val = _static_size(node.meta.get("val"))
+    if node.target is not aten.full.default or node.args[1] != 0 or val is None or len(val) != 5:
+        return None
+    if val[:4] == lead:
+        return val[4]
+    return val[3] if val[:3] == lead[:3] and val[4] == lead[3] else None
+
+
+def _cast_from_half(node: torch.fx.Node) -> torch.dtype | None:
+    """The half dtype a cast to fp32 reads (the rule's upcast of q / k / v / beta), else None."""
+    if node.target is not prims.convert_element_type.default or node.args[1] != torch.float32:
+        return None
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return (
+        source.dtype
+        if isinstance(source, torch.Tensor) and source.dtype in (torch.bfloat16, torch.float16)
+        else None
+    )
 
 
 def _examples():
@@ -212,11 +268,18 @@ CHUNK_GATED_DELTA_RULE = Fusion(
     spellings=(
         Spelling("transformers_chunk_rule_with_state", transformers_chunk_rule_with_state, _fused_with_state),
         Spelling("transformers_chunk_rule", transformers_chunk_rule, _fused),
+        Spelling(
+            "transformers_chunk_rule_by_substitution_with_state",
+            transformers_chunk_rule_by_substitution_with_state,
+            _fused_with_state,
+        ),  # fmt: skip
+        Spelling("transformers_chunk_rule_by_substitution", transformers_chunk_rule_by_substitution, _fused),
     ),
     example_inputs=_examples,
     graph_examples=_graph_examples,
     check=_check,
-    candidate_ops=("aten.linalg_solve_triangular.default",),
+    candidate_ops=("aten.cumsum.default",),
+    candidate=_is_chunk_cumsum,
     opt_in="not yet timed on a GPU (flash-linear-attention's chunk kernels on CUDA)",
     builtin=True,
 )
