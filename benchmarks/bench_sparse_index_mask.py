@@ -33,7 +33,7 @@ from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_tr
 from fusion_passes.patterns.sparse_index_mask import transformers_index_mask  # noqa: E402
 
 BATCH, SMOKE_BATCH = (1, 8, 64), (2,)
-CONTEXT, SMOKE_CONTEXT = (1040, 4096, 8192, 16384), (40,)
+CONTEXT, SMOKE_CONTEXT = (4096, 8192, 16384), (40,)
 INDEX_TOPK, SMOKE_TOPK = 2048, 8
 SETS = 4
 

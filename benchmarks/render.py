@@ -199,6 +199,53 @@ def gated_delta_step(payloads):
     return what, _table(header, rows, 3)
 
 
+def chunk_gated_delta_rule(payloads):
+    (p,) = payloads
+    rows = []
+    for r in p["records"]:
+        g, plain, kernels = r["graph_us"], r.get("plain_us") or {}, r.get("kernels") or {}
+        plain_x = plain["inductor"] / plain["ours"] if plain.get("ours") and plain.get("inductor") else None
+        rows.append([
+            str(r["tokens"]), f"{kernels['inductor']} → {kernels['ours']}" if kernels else "—",
+            _us(g["eager"]), _us(g["inductor"]), _cell(g["ours"], _speedup(r, "inductor", "ours"), None),
+            _us(g.get("fla")), _x(plain_x) if plain_x else "—",
+        ])  # fmt: skip
+    what = (
+        "Gated DeltaNet's prefill, batch 1 (Qwen 3.5 widths: 32 heads of 128, bf16 activations, fp32 state; "
+        "`benchmarks/bench_chunk_gated_delta_rule.py`): transformers' chunked delta rule as torch.compile traces "
+        "it, stock Inductor vs ours (`chunk_gated_delta_rule`: flash-linear-attention's chunk kernels inside "
+        "one op). us per call inside a CUDA graph; for ours, stock Inductor's time over ours; plain launches: "
+        "the speedup alone. Eager and fla: fla-core 0.6.0's kernels:"
+    )
+    header = ["tokens", "kernels", "eager", "stock Inductor", "ours", "fla", "plain"]
+    return what, _table(header, rows, 1)
+
+
+def sparse_index_mask(payloads):
+    (p,) = payloads
+    contexts = sorted({r["context"] for r in p["records"]})
+    by_batch: dict[int, dict[int, dict]] = {}
+    for r in p["records"]:
+        by_batch.setdefault(r["batch"], {})[r["context"]] = r
+
+    def cell(r):
+        if r is None:
+            return "—"
+        g, plain = r["graph_us"], r["plain_us"]
+        return (f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}; "
+                f"plain {_x(plain['inductor'] / plain['ours'])}")  # fmt: skip
+
+    rows = [[str(b), *(cell(by.get(c)) for c in contexts)] for b, by in sorted(by_batch.items())]
+    k = sorted({r["k"] for r in p["records"]})
+    what = (
+        f"DeepSeek V3.2's index mask at decode (top-k {'/'.join(map(str, k))} of the cached tokens' fp32 scores, "
+        "one token per sequence; `benchmarks/bench_sparse_index_mask.py`): transformers' top-k + scatter into a "
+        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`, opt-in: one kernel, a bisection for the "
+        "k-th score), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
+    )
+    return what, _table(["batch", *(f"{c} cached tokens" for c in contexts)], rows, 1)
+
+
 def moe_sort_by_expert(payloads):
     (p,) = payloads
     by_tokens: dict[int, dict[str, dict]] = {}
@@ -453,6 +500,12 @@ SECTIONS = (
         ("bench_gated_delta_step",),
         gated_delta_step,
     ),
+    Section(
+        "Gated DeltaNet prefill (`chunk_gated_delta_rule`)",
+        ("bench_chunk_gated_delta_rule",),
+        chunk_gated_delta_rule,
+    ),
+    Section("DeepSeek V3.2 index mask (`sparse_index_mask_topk`)", ("bench_sparse_index_mask",), sparse_index_mask),
     Section("MoE routing and dispatch prep (`moe_route_*`, `moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
     Section("GQA attention at decode (`gqa_decode_attention`)", ("bench_gqa_decode_attention",), gqa_decode_attention),
     Section(

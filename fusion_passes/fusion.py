@@ -58,6 +58,16 @@ class NotASite(str):
 
 
 @dataclass(frozen=True)
+class GraphExample:
+    """An example ``Fusion.graph_examples`` read off a graph, with the names of the spellings the
+    graph can hold there (None: all): a graph holds one form of code the spellings cover, and at
+    real sizes each trace costs seconds (a 4096-token chunked rule: 4.5 to 7 s a spelling)."""
+
+    args: tuple[Any, ...]
+    spellings: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
 class Spelling:
     """One unfused spelling, the fused call that replaces it, and an optional extra check.
 
@@ -126,7 +136,8 @@ class Fusion:
     # addition to ``example_inputs``. Cast to no dtype: the graph's dtypes are the ones to trace.
     # They carry the graph's own sizes, so their patterns compare every literal (devices aside)
     # and skip the matcher's re-trace per candidate (6 s a site for a 4096-token chunked rule).
-    graph_examples: Callable[[torch.fx.Graph], Iterable[Sequence[Any]]] | None = None
+    # A GraphExample narrows the spellings traced for it.
+    graph_examples: Callable[[torch.fx.Graph], Iterable[Sequence[Any] | GraphExample]] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
     _traced: set = field(default_factory=set, repr=False)
@@ -305,15 +316,18 @@ def pattern_pass(fusion: Fusion, graph: torch.fx.Graph | None = None) -> Pattern
     if graph is not None and fusion.graph_examples is not None:
         with unset_fake_temporarily():  # the pass runs under the graph's fake mode
             for example in fusion.graph_examples(graph):
-                key = example_key(example)
-                if key not in fusion._traced:
-                    fusion._traced.add(key)
-                    _register(fusion, fusion._pass, list(example), exact=True)
+                args, names = (example.args, example.spellings) if isinstance(example, GraphExample) else (example, None)
+                for spelling in fusion.spellings:
+                    key = (spelling.name, example_key(args))
+                    if (names is None or spelling.name in names) and key not in fusion._traced:
+                        fusion._traced.add(key)
+                        _register(fusion, fusion._pass, list(args), exact=True, spellings=(spelling,))
     return fusion._pass
 
 
-def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any], exact: bool = False) -> None:
-    for spelling in fusion.spellings:
+def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any], exact: bool = False,
+              spellings: Sequence[Spelling] | None = None) -> None:  # fmt: skip
+    for spelling in fusion.spellings if spellings is None else spellings:
         pretraced = {}
         if exact:
             gm = trace_functional(spelling.pattern, list(example))

@@ -17,7 +17,8 @@ Fused:   out, S = fusion_passes.chunk_gated_delta_rule(q, k, v, g, beta, S or ze
          flash-linear-attention's chunk kernels on CUDA (the extra ``fla``); sites it cannot run
          (fla-core missing, fp32 activations) are left to Inductor with the reason.
 
-Opt-in: not yet timed on a GPU.
+Measured on one H200 (32 heads of 128, bf16, batch 1, inside a CUDA graph, torch 2.11): 5.7x stock
+Inductor at 64 tokens, 9.6x at 512, 11.3x at 4096 (4042 -> 357 us; 494 kernels -> 10).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.fusion import Fusion, Spelling
+from fusion_passes.fusion import Fusion, GraphExample, Spelling
 from fusion_passes.lowering.chunk_gated_delta_rule.op import fla_chunk_kernel_refusal
 from fusion_passes.lowering.chunk_gated_delta_rule.reference import CHUNK, check_chunk_gated_delta_rule_args
 from fusion_passes.patterns.gated_delta_step import transformers_rule_inputs
@@ -123,6 +124,13 @@ def transformers_chunk_rule_by_substitution(query, key, value, g, beta, initial_
     return _transformers_chunk_rule(query, key, value, g, beta, initial_state, False, solve=False)[0]
 
 
+# The spellings a graph can hold: with triangular solves (torch >= 2.12), or by forward substitution.
+SOLVE_SPELLINGS = frozenset({"transformers_chunk_rule_with_state", "transformers_chunk_rule"})
+SUBSTITUTION_SPELLINGS = frozenset(
+    {"transformers_chunk_rule_by_substitution_with_state", "transformers_chunk_rule_by_substitution"}
+)
+
+
 def _fused_with_state(query, key, value, g, beta, initial_state):
     return torch.ops.fusion_passes.chunk_gated_delta_rule(
         query, key, value, g, beta, initial_state, query.shape[-1] ** -0.5, True, L2NORM_EPS
@@ -190,7 +198,9 @@ def _graph_examples(graph: torch.fx.Graph):
     first 5-d mul below it with an exp(G)[..., None] factor (q, k or k * beta scaled), V from the
     zeros the output is written into ([B, H, N, 64, V]), the pad from the log decays' own pad right
     above G (none: whole chunks), the activations' dtype from the cast to fp32 above the scaled
-    keys. Both spellings (triangular solve, forward substitution) hold all of these."""
+    keys. Both forms (triangular solve, forward substitution) hold all of these; the graph's
+    triangular solves, if any, say which form's spellings to trace."""
+    solves = bool(graph.find_nodes(op="call_function", target=aten.linalg_solve_triangular.default))
     for cumsum in graph.nodes:
         lead = _static_size(cumsum.meta.get("val")) if _is_chunk_cumsum(cumsum) else None
         if lead is None or lead[-1] != CHUNK:
@@ -216,7 +226,7 @@ def _graph_examples(graph: torch.fx.Graph):
         def meta(*shape, dtype=dtype):
             return torch.empty(shape, dtype=dtype, device="meta")
 
-        yield (
+        args = (
             meta(batch, tokens, heads, k),
             meta(batch, tokens, heads, k),
             meta(batch, tokens, heads, v),
@@ -224,6 +234,7 @@ def _graph_examples(graph: torch.fx.Graph):
             meta(batch, tokens, heads),
             meta(batch, heads, k, v, dtype=torch.float32),
         )
+        yield GraphExample(args, SOLVE_SPELLINGS if solves else SUBSTITUTION_SPELLINGS)
 
 
 def _output_head_dim(node: torch.fx.Node, lead: tuple[int, ...]) -> int | None:
@@ -280,7 +291,6 @@ CHUNK_GATED_DELTA_RULE = Fusion(
     check=_check,
     candidate_ops=("aten.cumsum.default",),
     candidate=_is_chunk_cumsum,
-    opt_in="not yet timed on a GPU (flash-linear-attention's chunk kernels on CUDA)",
     builtin=True,
 )
 
