@@ -240,8 +240,8 @@ def sparse_index_mask(payloads):
     what = (
         f"DeepSeek V3.2's index mask at decode (top-k {'/'.join(map(str, k))} of the cached tokens' fp32 scores, "
         "one token per sequence; `benchmarks/bench_sparse_index_mask.py`): transformers' top-k + scatter into a "
-        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`, opt-in: one kernel, a bisection for the "
-        "k-th score), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
+        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`, opt-in: one kernel; these numbers are its "
+        "first, a bisection for the k-th score, 32 passes over the row), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
     )
     return what, _table(["batch", *(f"{c} cached tokens" for c in contexts)], rows, 1)
 
