@@ -94,14 +94,20 @@ FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
-    "model, tokens, dtype",
+    "model, tokens, dtype, form",
     [
-        ("qwen3_5", 100, torch.bfloat16),  # two chunks, the second padded
-        ("qwen3_5", 128, torch.bfloat16),  # whole chunks: no pad, no slice
-        ("qwen3_next", 5, torch.float16),  # one padded chunk
-        ("qwen3_5", 200, torch.float32),  # four chunks
+        *(("qwen3_5", 100, torch.bfloat16, form) for form in FORMS),  # two chunks, the second padded
+        ("qwen3_5", 128, torch.bfloat16, "new"),  # whole chunks: no pad, no slice
+        ("qwen3_next", 5, torch.float16, "from_state"),  # one padded chunk
+        ("qwen3_5", 200, torch.float32, "no_cache"),  # four chunks
+        # the other forms of the last three: the full suite
+        *(pytest.param("qwen3_5", 128, torch.bfloat16, f, marks=SLOW) for f in FORMS if f != "new"),
+        *(pytest.param("qwen3_next", 5, torch.float16, f, marks=SLOW) for f in FORMS if f != "from_state"),
+        *(pytest.param("qwen3_5", 200, torch.float32, f, marks=SLOW) for f in FORMS if f != "no_cache"),
     ],
 )
 def test_transformers_chunked_rule_fuses(model, tokens, dtype, form):
@@ -127,10 +133,16 @@ def _export_path(monkeypatch):
         monkeypatch.setattr(module, "is_torchdynamo_exporting", lambda: True)
 
 
-@pytest.mark.parametrize("form", ["from_state", "no_cache"])
 @pytest.mark.parametrize(
-    "model, tokens, dtype",
-    [("qwen3_5", 100, torch.bfloat16), ("qwen3_next", 64, torch.float16), ("qwen3_5", 130, torch.float32)],
+    "model, tokens, dtype, form",
+    [
+        ("qwen3_5", 100, torch.bfloat16, "from_state"),
+        ("qwen3_next", 64, torch.float16, "no_cache"),
+        pytest.param("qwen3_5", 130, torch.float32, "from_state", marks=SLOW),
+        pytest.param("qwen3_5", 100, torch.bfloat16, "no_cache", marks=SLOW),
+        pytest.param("qwen3_next", 64, torch.float16, "from_state", marks=SLOW),
+        pytest.param("qwen3_5", 130, torch.float32, "no_cache", marks=SLOW),
+    ],
 )
 def test_forward_substitution_rule_fuses(monkeypatch, model, tokens, dtype, form):
     make, nargs = FORMS[form]
@@ -170,7 +182,7 @@ def test_two_prompt_lengths_in_one_graph_fuse_both():
 @pytest.mark.parametrize(
     "kwargs, why",
     [
-        ({"chunk_size": 32, "use_qk_l2norm_in_kernel": True}, "another chunk size"),
+        pytest.param({"chunk_size": 32, "use_qk_l2norm_in_kernel": True}, "another chunk size", marks=SLOW),
         ({"use_qk_l2norm_in_kernel": False}, "no l2norm in the rule"),
     ],
 )
@@ -202,6 +214,7 @@ def test_cuda_sites_need_the_chunk_kernel(monkeypatch):
     assert "eps" in chunk_op.fla_chunk_kernel_refusal(q, v, 1e-5)
 
 
+@pytest.mark.slow
 def test_dynamic_prompt_length_is_left_to_inductor_and_reported():
     """A prompt length torch.compile made dynamic (symbolic sizes; the chunk count stays guarded):
     no pattern is traced for it (each tensor's size reads feed sym_size nodes, extra users no traced
