@@ -138,6 +138,10 @@ class Fusion:
     # and skip the matcher's re-trace per candidate (6 s a site for a 4096-token chunked rule).
     # A GraphExample narrows the spellings traced for it.
     graph_examples: Callable[[torch.fx.Graph], Iterable[Sequence[Any] | GraphExample]] | None = None
+    # A cheap test that a graph can hold a site (an op every spelling has); False: the pass is
+    # skipped there. For fusions whose patterns are large and anchored at common ops (the chunked
+    # rule's, at a reshape): the matcher would try each of them at every such node of every graph.
+    applies_to: Callable[[torch.fx.Graph], bool] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
     _traced: set = field(default_factory=set, repr=False)

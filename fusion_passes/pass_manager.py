@@ -171,6 +171,9 @@ class FusionPassManager(CustomGraphPass):
             return None
 
     def _apply(self, fusion: Fusion, graph: torch.fx.Graph, index: int) -> None:
+        if fusion.applies_to is not None and not fusion.applies_to(graph):
+            self.report.matches[fusion.name] += 0  # it ran: the graph holds no site of it
+            return
         self._pending, self._taken = [], []
         token = id(self._pending)
         module = graph.owning_module

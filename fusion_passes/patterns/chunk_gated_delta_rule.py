@@ -291,6 +291,9 @@ CHUNK_GATED_DELTA_RULE = Fusion(
     check=_check,
     candidate_ops=("aten.cumsum.default",),
     candidate=_is_chunk_cumsum,
+    applies_to=lambda graph: any(
+        map(_is_chunk_cumsum, graph.find_nodes(op="call_function", target=aten.cumsum.default))
+    ),
     builtin=True,
 )
 
