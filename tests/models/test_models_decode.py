@@ -216,6 +216,7 @@ def make():
 """
 
 
+@pytest.mark.slow  # two whole-model compiles; CI keeps the benchmark's smoke run and the CLI's refusal
 def test_cli_decode_on_a_users_causal_lm(tmp_path):
     """A factory's transformers *ForCausalLM: its decode step (logits) compared and reported."""
     factory = tmp_path / "user_model.py"

@@ -136,6 +136,7 @@ def test_every_position_stays_the_constant_mask_with_both_enabled():
     assert report.ops_after()["fusion_passes.sparse_index_mask.default"] == 0
 
 
+@pytest.mark.slow  # a whole-model compile for an opt-in fusion
 def test_deepseek_v32_decode_with_a_live_index_mask():
     """The tiny config's index_topk (4) keeps 4 of the cache's 10 positions: the mask is live. With
     the kernel enabled the step computes what the default fusions' step computes, bit for bit (its
