@@ -119,6 +119,18 @@ def _ours_cell(payload: dict, base: str, ours: str, show_us: bool = True) -> Cal
     return cell
 
 
+def _graph_change(r: dict) -> str:
+    """Stock Inductor's time → ours inside a CUDA graph, with the speedup."""
+    g = r["graph_us"]
+    return f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}"
+
+
+def _plain_speedup(r: dict | None) -> str:
+    """Stock Inductor's time over ours in plain launches ("—" where either is missing)."""
+    t = (r or {}).get("plain_us") or {}
+    return _x(t["inductor"] / t["ours"]) if t.get("ours") and t.get("inductor") else "—"
+
+
 def rms_norm(payloads):
     (p,) = payloads
     what = (
@@ -203,21 +215,19 @@ def chunk_gated_delta_rule(payloads):
     (p,) = payloads
     rows = []
     for r in p["records"]:
-        g, plain, kernels = r["graph_us"], r.get("plain_us") or {}, r.get("kernels") or {}
-        plain_x = plain["inductor"] / plain["ours"] if plain.get("ours") and plain.get("inductor") else None
+        g, kernels = r["graph_us"], r.get("kernels") or {}
         rows.append([
             str(r["tokens"]), f"{kernels['inductor']} → {kernels['ours']}" if kernels else "—",
-            _us(g["eager"]), _us(g["inductor"]), _cell(g["ours"], _speedup(r, "inductor", "ours"), None),
-            _us(g.get("fla")), _x(plain_x) if plain_x else "—",
+            _us(g["eager"]), _graph_change(r), _us(g.get("fla")), _plain_speedup(r),
         ])  # fmt: skip
     what = (
         "Gated DeltaNet's prefill, batch 1 (Qwen 3.5 widths: 32 heads of 128, bf16 activations, fp32 state; "
         "`benchmarks/bench_chunk_gated_delta_rule.py`): transformers' chunked delta rule as torch.compile traces "
         "it, stock Inductor vs ours (`chunk_gated_delta_rule`: flash-linear-attention's chunk kernels inside "
-        "one op). us per call inside a CUDA graph; for ours, stock Inductor's time over ours; plain launches: "
-        "the speedup alone. Eager and fla: fla-core 0.6.0's kernels:"
+        "one op): us per call inside a CUDA graph (speedup); plain launches: the "
+        "speedup alone. Eager and fla: fla-core 0.6.0's kernels:"
     )
-    header = ["tokens", "kernels", "eager", "stock Inductor", "ours", "fla", "plain"]
+    header = ["tokens", "kernels", "eager", "stock Inductor → ours", "fla", "plain"]
     return what, _table(header, rows, 1)
 
 
@@ -229,19 +239,16 @@ def sparse_index_mask(payloads):
         by_batch.setdefault(r["batch"], {})[r["context"]] = r
 
     def cell(r):
-        if r is None:
-            return "—"
-        g, plain = r["graph_us"], r["plain_us"]
-        return (f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}; "
-                f"plain {_x(plain['inductor'] / plain['ours'])}")  # fmt: skip
+        return "—" if r is None else f"{_graph_change(r)}; plain {_plain_speedup(r)}"
 
     rows = [[str(b), *(cell(by.get(c)) for c in contexts)] for b, by in sorted(by_batch.items())]
     k = sorted({r["k"] for r in p["records"]})
     what = (
         f"DeepSeek V3.2's index mask at decode (top-k {'/'.join(map(str, k))} of the cached tokens' fp32 scores, "
         "one token per sequence; `benchmarks/bench_sparse_index_mask.py`): transformers' top-k + scatter into a "
-        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`, opt-in: one kernel; these numbers are its "
-        "first, a bisection for the k-th score, 32 passes over the row), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
+        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`, opt-in: one kernel; these numbers are "
+        "its first, a bisection for the k-th score, 32 passes over the row), us per call inside a CUDA graph "
+        "(speedup); plain: the speedup in plain launches:"
     )
     return what, _table(["batch", *(f"{c} cached tokens" for c in contexts)], rows, 1)
 
@@ -255,12 +262,8 @@ def moe_sort_by_expert(payloads):
     def cells(r):
         if r is None:
             return ["—", "—", "—"]
-        g, plain = r["graph_us"], r["plain_us"]
         kernels = r.get("kernels") or {}
-        plain_x = plain["inductor"] / plain["ours"] if plain.get("ours") and plain.get("inductor") else None
-        return [f"{kernels.get('inductor')} → {kernels.get('ours')}",
-                f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}",
-                _x(plain_x) if plain_x else "—"]  # fmt: skip
+        return [f"{kernels.get('inductor')} → {kernels.get('ours')}", _graph_change(r), _plain_speedup(r)]
 
     rows = []
     for tokens in sorted(by_tokens):
@@ -291,20 +294,13 @@ def gqa_decode_attention(payloads):
     rows = []
     for (shape, heads, kv_heads, head_dim, context), by_batch in groups.items():
         def cell(r):
-            if r is None:
-                return "—"
-            g = r["graph_us"]
-            return f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)} (floor {_us(r['floor_us'])})"
-
-        def plain(r):
-            t = r["plain_us"] if r else {}
-            return _x(t["inductor"] / t["ours"]) if t.get("ours") and t.get("inductor") else "—"
+            return "—" if r is None else f"{_graph_change(r)} (floor {_us(r['floor_us'])})"
 
         any_r = next(iter(by_batch.values()))
         kernels = any_r.get("kernels") or {}
         rows.append([f"{shape} ({heads} / {kv_heads} x {head_dim})", str(context),
                      f"{kernels.get('inductor')} → {kernels.get('ours')}",
-                     *(cell(by_batch.get(b)) for b in batches), " / ".join(plain(by_batch.get(b)) for b in batches)])  # fmt: skip
+                     *(cell(by_batch.get(b)) for b in batches), " / ".join(_plain_speedup(by_batch.get(b)) for b in batches)])  # fmt: skip
     what = (
         "A decode step's attention on a StaticCache with fewer KV heads than query heads "
         "(`benchmarks/bench_gqa_decode_attention.py`): transformers' repeat_kv + SDPA (query heads / KV heads "
