@@ -5,13 +5,14 @@ no cache) calls ``torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S
 output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)``; traced, its loop over the
 64-token chunks is unrolled, so the graph of a T-token prompt holds ceil(T / 64) copies of the
 chunk step. The patterns are therefore traced from the graph being compiled
-(``Fusion.graph_examples``), at its exact sizes: the chunk count, batch, heads and head dims of
-each ``linalg_solve_triangular`` (the UT transform, two per layer), the activations' dtype and the
-pad to whole chunks. A prompt length torch.compile made dynamic (symbolic sizes) is left alone.
+(``Fusion.graph_examples``), at its exact sizes, read around each layer's chunk cumsum: the chunk
+count, batch, heads and head dims, the activations' dtype and the pad to whole chunks. A prompt
+length torch.compile made dynamic (symbolic sizes) is left alone.
 
 Unfused: with stock Inductor, per layer, the prep (casts, l2norms, pairwise decays, two batched
-         triangular solves) then per chunk four small batched GEMMs and their elementwise glue,
-         one chunk after the other: 64 sequential steps for 4096 tokens.
+         triangular solves, or under torch <= 2.11 the export form's forward substitution: 63
+         row updates) then per chunk four small batched GEMMs and their elementwise glue, one
+         chunk after the other: 64 sequential steps for 4096 tokens.
 Fused:   out, S = fusion_passes.chunk_gated_delta_rule(q, k, v, g, beta, S or zeros,
                                                       K ** -0.5, qk_l2norm=True, 1e-6)
          flash-linear-attention's chunk kernels on CUDA (the extra ``fla``); sites it cannot run
@@ -117,11 +118,11 @@ def transformers_chunk_rule(query, key, value, g, beta, initial_state):
 
 
 def transformers_chunk_rule_by_substitution_with_state(query, key, value, g, beta, initial_state):
-    return _transformers_chunk_rule(query, key, value, g, beta, initial_state, True, solve=False)
+    return _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_final_state=True, solve=False)
 
 
 def transformers_chunk_rule_by_substitution(query, key, value, g, beta, initial_state):
-    return _transformers_chunk_rule(query, key, value, g, beta, initial_state, False, solve=False)[0]
+    return _transformers_chunk_rule(query, key, value, g, beta, initial_state, output_final_state=False, solve=False)[0]
 
 
 # The spellings a graph can hold: with triangular solves (torch >= 2.12), or by forward substitution.
@@ -170,6 +171,10 @@ def _is_chunk_cumsum(node: torch.fx.Node) -> bool:
         return False
     unsqueezes = [u for u in node.users if u.target is aten.unsqueeze.default]
     return any(w.target is aten.sub.Tensor for u in unsqueezes for w in u.users)
+
+
+def _holds_a_chunk_cumsum(graph: torch.fx.Graph) -> bool:
+    return any(map(_is_chunk_cumsum, graph.find_nodes(op="call_function", target=aten.cumsum.default)))
 
 
 def _nearest(start: torch.fx.Node, found: Callable[[torch.fx.Node], Any], way: str, depth: int) -> Any:
@@ -291,9 +296,7 @@ CHUNK_GATED_DELTA_RULE = Fusion(
     check=_check,
     candidate_ops=("aten.cumsum.default",),
     candidate=_is_chunk_cumsum,
-    applies_to=lambda graph: any(
-        map(_is_chunk_cumsum, graph.find_nodes(op="call_function", target=aten.cumsum.default))
-    ),
+    applies_to=_holds_a_chunk_cumsum,
     builtin=True,
 )
 

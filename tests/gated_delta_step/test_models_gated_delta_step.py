@@ -76,6 +76,8 @@ def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule():
     before, after = report.ops_before(), report.ops_after()
     assert before["aten.convolution.default"] == after["aten.convolution.default"] == 3
     assert after["fusion_passes.causal_conv1d_update.default"] == after["fusion_passes.gated_delta_step.default"] == 0
+    chunk = "fusion_passes.chunk_gated_delta_rule.default"
+    assert (before[chunk], after[chunk]) == (0, 3)
     # the chunked rule starts from a zero state: no decode step's gating, no near miss
     assert not [m for m in report.near_misses if m.fusion in ("gated_delta_step", "causal_conv1d_update")]
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
