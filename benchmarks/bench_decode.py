@@ -14,7 +14,8 @@ Inductor and fusion_passes, each compiled with fullgraph=True and dynamic=False:
   numerics  --check-steps steps from the same prefilled cache, teacher-forced with the same tokens:
             the largest relative error (norm) of a step's output and of the cache contents after
             the steps, each variant against eager
-  prefill   (--prefill N) a prefill of N tokens at batch 1 that writes the cache, plain and graph
+  prefill   (--prefill N) a prefill of N tokens at batch 1 that writes the cache: plain, graph,
+            classes and what is left, as a step's
 
 Compiles take most of a run; --lock FILE lets several runs (one per model) share one GPU: each
 compiles on its own and holds the lock only while it times or profiles.
@@ -168,8 +169,7 @@ class Point:
 
     def time(self, lock: str | None) -> None:
         for label, fn in self.variants.items():
-            layers = None if self.prefill else self.layers
-            self.result["variants"][label] |= measure(self.step, fn, self.inputs, lock, layers)
+            self.result["variants"][label] |= measure(self.step, fn, self.inputs, lock, self.layers)
         del self.variants, self.step, self.inputs  # the GPU memory, for the next point
 
 
@@ -201,6 +201,20 @@ def merge(args) -> int:
     return 0
 
 
+def left_tables(points: list[dict], where) -> list[str]:
+    """The "what is left" table of each point's fusion_passes run (``where(point)`` names it)."""
+    lines = []
+    for p in points:
+        r = p["variants"]["fusion_passes"]
+        if not r.get("left"):
+            continue
+        lines += ["", f"What is left, {p['model']} {where(p)} (fusion_passes):", "",
+                  "| kernel | region | launches / layer | us / layer |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| `{x['kernel'][:70]}` | {x['region']} | {x['per_layer_launches']:.1f} | {x['per_layer_us']:.1f} |"
+                  for x in r["left"]]  # fmt: skip
+    return lines
+
+
 def report_text(points: list[dict], prefills: list[dict]) -> str:
     lines = ["| model | batch | context | variant | step, plain (us) | step, graph (us) | vs Inductor (graph) "
              "| kernels | other kernels / layer | other us / layer | out err | cache err |",
@@ -217,23 +231,20 @@ def report_text(points: list[dict], prefills: list[dict]) -> str:
                 f"{n['out_rel_err']:.1e}" if n else "—", f"{n['cache_rel_err']:.1e}" if n else "—",
             )  # fmt: skip
             lines.append(f"| {p['model']} | {p['batch']} | {p['context']} | {label} | " + " | ".join(map(str, cells)) + " |")
-    for p in points:
-        r = p["variants"]["fusion_passes"]
-        if not r.get("left"):
-            continue
-        lines += ["", f"What is left, {p['model']} batch {p['batch']} context {p['context']} (fusion_passes):", "",
-                  "| kernel | region | launches / layer | us / layer |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| `{x['kernel'][:70]}` | {x['region']} | {x['per_layer_launches']:.1f} | {x['per_layer_us']:.1f} |"
-                  for x in r["left"]]  # fmt: skip
+    lines += left_tables(points, lambda p: f"batch {p['batch']} context {p['context']}")
     if prefills:
-        lines += ["", "| model | prefill tokens | variant | plain (us) | graph (us) | vs Inductor (graph) |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| model | prefill tokens | variant | plain (us) | graph (us) | vs Inductor (graph) "
+                  "| kernels | other kernels / layer | other us / layer |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for p in prefills:
             base = p["variants"]["inductor"].get("graph_us")
             for label, r in p["variants"].items():
                 if "plain_us" in r:
+                    other = r.get("per_layer", {}).get("other", {})
                     lines.append(f"| {p['model']} | {p['tokens']} | {label} | {common.us(r['plain_us'], 0)} | "
-                                 f"{common.us(r['graph_us'], 0)} | {common.ratio(base, r['graph_us'])} |")  # fmt: skip
+                                 f"{common.us(r['graph_us'], 0)} | {common.ratio(base, r['graph_us'])} | "
+                                 f"{r.get('kernels', '—')} | {common.us(other.get('kernels'))} | "
+                                 f"{common.us(other.get('us'))} |")  # fmt: skip
+        lines += left_tables(prefills, lambda p: f"prefill of {p['tokens']} tokens")
     return "\n".join(lines) + "\n"
 
 
@@ -248,6 +259,7 @@ def main() -> int:
                              "for the comparison: long contexts at large batches fit)")  # fmt: skip
     parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
                         help="also time a prefill of N tokens (batch 1) that writes the cache")  # fmt: skip
+    parser.add_argument("--prefill-only", action="store_true", help="no decode points: the --prefill runs alone")
     parser.add_argument("--opt-in", nargs="+", default=[], metavar="FUSION",
                         help="opt-in fusions to enable on top of the defaults (e.g. moe_route_grouped)")  # fmt: skip
     parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")
@@ -267,7 +279,8 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
     Point.opt_in = tuple(args.opt_in)
-    decode = [Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]
+    decode = [] if args.prefill_only else [
+        Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]
     prefill = [Point(m, size, args.layers, 1, n, prefill=True) for m in args.models for n in args.prefill]
 
     def save() -> None:  # as it goes: a run cut short keeps what it measured
