@@ -46,7 +46,7 @@ def _index_mask_kernel(
     prefix = tl.full((), 0, tl.int64)  # the digits of the k-th largest key chosen so far
     remaining = k  # of the top k, those not above the prefix's keys
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # a constexpr: p is one (static_range unrolls)
         hist = tl.zeros((256,), tl.int32)
         start = 0
         # while loops: Triton's interpreter (the CPU tests) cannot bound a for loop by an argument

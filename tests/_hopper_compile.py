@@ -1,0 +1,111 @@
+"""Compile Triton launches for Hopper (sm_90) on a machine without a GPU.
+
+The CPU tests run kernels in Triton's interpreter, which accepts code that the compiler rejects
+(a constexpr assigned twice in an unrolled loop, say). ``python -m tests._hopper_compile`` runs
+each case below through its launcher with a ``wrap`` that, instead of launching, compiles the
+kernel with the launch's arguments to a cubin for sm_90: the whole pipeline down to ptxas, no GPU.
+It must run without TRITON_INTERPRET (the tests' conftest sets it), hence a process of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+_DTYPES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.bool: "i1",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+}  # fmt: skip
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+class _CompileForHopper:
+    """``wrap`` for a launcher: ``wrap(kernel)[grid](*args, **kwargs)`` compiles, launches nothing."""
+
+    compiled: list[str] = []
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return self.compile
+
+    def compile(self, *args, **kwargs):
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import ASTSource
+
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        names = [p.name for p in self.kernel.params]
+        values = dict(zip(names, args)) | kwargs
+        signature, constexprs = {}, {}
+        for p in self.kernel.params:
+            value = values.get(p.name, p.default)
+            if p.is_constexpr or value is None:
+                signature[p.name], constexprs[p.name] = "constexpr", value
+            else:
+                signature[p.name] = _arg_type(value)
+        source = ASTSource(fn=self.kernel, signature=signature, constexprs=constexprs)
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        self.compiled.append(self.kernel.__name__)
+
+
+def _cases():
+    """(name, launcher, args): one launch of each kernel checked here, with small CPU tensors."""
+    from fusion_passes.lowering.causal_conv1d.triton import causal_conv1d_triton
+    from fusion_passes.lowering.causal_conv1d_update.triton import causal_conv1d_update_triton
+    from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
+    from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
+    from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
+    from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
+    from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
+
+    bf16 = torch.bfloat16
+    x = torch.randn(2, 70, 96, dtype=bf16).transpose(1, 2)
+    weight, bias = torch.randn(96, 4, dtype=bf16), torch.randn(96, dtype=bf16)
+    yield "causal_conv1d", causal_conv1d_triton, (x, weight, bias, True)
+    yield "causal_conv1d (no bias)", causal_conv1d_triton, (x, weight, None, True)
+    state = torch.randn(2, 96, 3, dtype=bf16)
+    yield "causal_conv1d_update", causal_conv1d_update_triton, (x[:, :, :1], state, weight, None, True)
+    yield "sparse_index_mask", sparse_index_mask_triton, (torch.randn(2, 3000), 2048)
+    yield "moe_sort_by_expert", moe_sort_by_expert_triton, (torch.randint(0, 64, (64,)), 64)
+    logits = torch.randn(3, 256)
+    yield "moe_route", moe_route_triton, (logits, None, 8, True, True)
+    yield "moe_route_grouped", moe_route_grouped_triton, (logits, torch.randn(256), 8, 8, 4, True, 2.5)
+    h = torch.randn(3, 1, 2048, dtype=bf16)
+    yield "rms_norm", rms_norm_triton, (h, torch.randn(2048, dtype=bf16), 1e-6)
+    yield "add_rms_norm", rms_norm_triton, (h, torch.randn(2048, dtype=bf16), 1e-6, 0.0, False, False, h.clone())
+    q, v = torch.randn(2, 1, 4, 128, dtype=bf16), torch.randn(2, 1, 8, 128, dtype=bf16)
+    a, b, per_head = torch.randn(2, 1, 8, dtype=bf16), torch.randn(2, 1, 8, dtype=bf16), torch.randn(8)
+    step = (q, q.clone(), v, a, b, per_head, per_head.clone(), torch.randn(2, 8, 128, 128), 128**0.5, True, True, 1e-6)
+    yield "gated_delta_step", gated_delta_step_triton, step
+
+
+def main() -> int:
+    failed = []
+    for name, launcher, args in _cases():
+        try:
+            launcher(*args, wrap=_CompileForHopper)
+            print(f"ok      {name}")
+        except Exception as e:  # every case is reported, then the run fails
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            failed.append(name)
+            print(f"FAILED  {name}: {type(e).__name__}: {first}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
