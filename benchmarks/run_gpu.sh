@@ -2,7 +2,7 @@
 # Everything the GPU machine checks and measures, in one run: the CUDA tests, then the benchmarks.
 # Usage (repository root): OUT=out benchmarks/run_gpu.sh   (logs and tables go to $OUT)
 # Each part can be switched off: TESTS=0, LAUNCH=0, RMS_NORM=0, QUANT=0, SILU=0, QK=0, MLA=0, MODELS=0,
-# and the decode-path and Gated DeltaNet regions: GDN=0, CHUNK=0, MOE=0, GQA=0, INDEX=0;
+# and the decode-path and Gated DeltaNet regions: GDN=0, CONV=0, CHUNK=0, MOE=0, GQA=0, INDEX=0;
 # extra arguments for a benchmark go in QUANT_ARGS / SILU_ARGS / QK_ARGS / MLA_ARGS / MODELS_ARGS
 # (e.g. MODELS_ARGS="--models qwen3.5-moe", QK_ARGS="--tokens 1 64 4096").
 # Liger-Kernel, if wanted for the comparison, must be importable (e.g. a wheel on PYTHONPATH).
@@ -27,6 +27,8 @@ source "$(dirname "$0")/gpu_run_common.sh"
   --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json" ${MLA_ARGS:-}
 [ "${GDN:-1}" = 1 ] && run bench_gated_delta_step python3 -m benchmarks.bench_gated_delta_step \
   --out "$OUT/bench_gated_delta_step.md" --json "$OUT/bench_gated_delta_step.json"
+[ "${CONV:-1}" = 1 ] && run bench_causal_conv1d python3 -m benchmarks.bench_causal_conv1d \
+  --out "$OUT/bench_causal_conv1d.md" --json "$OUT/bench_causal_conv1d.json"
 [ "${CHUNK:-1}" = 1 ] && run bench_chunk_gated_delta_rule python3 -m benchmarks.bench_chunk_gated_delta_rule \
   --out "$OUT/bench_chunk_gated_delta_rule.md" --json "$OUT/bench_chunk_gated_delta_rule.json"
 [ "${MOE:-1}" = 1 ] && run bench_moe_sort_by_expert python3 -m benchmarks.bench_moe_sort_by_expert \

@@ -16,6 +16,7 @@ from fusion_passes.fusion import Fusion
 from fusion_passes.patterns import (
     allreduce_rms_norm,
     allreduce_rms_norm_quant_fp8,
+    causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule,
     gated_delta_step,
@@ -39,6 +40,7 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "independent of the others (a cat, a convolution and SiLU); before the quantization "
         "fusions' common-subexpression elimination, as gated_delta_step",
     ),
+    (causal_conv1d, "independent of the others (a padded depthwise convolution and SiLU), as the decode step's"),
     (
         gated_delta_step,
         "independent of the norms (its l2norms sum, not average, and have no weight); before the "

@@ -59,8 +59,8 @@ def test_qwen35_prefill_fuses_on_cuda():
 
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    out, cache = prefill(torch.compile(step, backend=fusion_passes.backend(["chunk_gated_delta_rule"], report=report),
-                                       fullgraph=True))  # fmt: skip
+    backend = fusion_passes.backend(["chunk_gated_delta_rule", "causal_conv1d"], report=report)
+    out, cache = prefill(torch.compile(step, backend=backend, fullgraph=True))
     expected, expected_cache = prefill(step)
     torch._dynamo.reset()
     stock, stock_cache = prefill(torch.compile(step, backend="inductor", fullgraph=True))
@@ -69,6 +69,9 @@ def test_qwen35_prefill_fuses_on_cuda():
     before, after = report.ops_before(), report.ops_after()
     fused = "fusion_passes.chunk_gated_delta_rule.default"
     assert (before[fused], after[fused]) == (0, 3) and "aten.linalg_solve_triangular.default" not in after
+    # the prefill's padded conv too: its Triton kernel on CUDA
+    assert report.final()["causal_conv1d"] == 3
+    assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
     error, stock_error = compare(out, expected).rel_norm, compare(stock, expected).rel_norm
     assert error <= max(tolerance(torch.bfloat16).rel_norm, 1.25 * stock_error)
     for ours, theirs, base in zip(cache, stock_cache, expected_cache, strict=True):

@@ -61,7 +61,7 @@ def test_decode_step_fuses_every_gdn_layer(name):
     assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected_outs, strict=True))
 
 
-def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule():
+def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv():
     step = _step("qwen3.5")
     report = fusion_passes.Report()
     torch._dynamo.reset()
@@ -72,9 +72,11 @@ def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule():
         step.restore()
         expected = step(step.prompt, torch.arange(step.context))
     assert report.final()["causal_conv1d_update"] == 0 and report.final()["gated_delta_step"] == 0
-    assert report.final()["chunk_gated_delta_rule"] == 3  # the defaults' prefill fusion, each GDN layer
+    # the defaults' prefill fusions, each GDN layer: the chunked rule and the padded conv
+    assert report.final()["chunk_gated_delta_rule"] == report.final()["causal_conv1d"] == 3
     before, after = report.ops_before(), report.ops_after()
-    assert before["aten.convolution.default"] == after["aten.convolution.default"] == 3
+    assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
+    assert (before["fusion_passes.causal_conv1d.default"], after["fusion_passes.causal_conv1d.default"]) == (0, 3)
     assert after["fusion_passes.causal_conv1d_update.default"] == after["fusion_passes.gated_delta_step.default"] == 0
     chunk = "fusion_passes.chunk_gated_delta_rule.default"
     assert (before[chunk], after[chunk]) == (0, 3)
