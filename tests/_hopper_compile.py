@@ -78,6 +78,8 @@ def _cases():
     weight, bias = torch.randn(96, 4, dtype=bf16), torch.randn(96, dtype=bf16)
     yield "causal_conv1d", causal_conv1d_triton, (x, weight, bias, True)
     yield "causal_conv1d (no bias)", causal_conv1d_triton, (x, weight, None, True)
+    state = torch.randn(2, 96, 4, dtype=bf16)
+    yield "causal_conv1d (initial state)", causal_conv1d_triton, (x, weight, None, True, state)
     state = torch.randn(2, 96, 3, dtype=bf16)
     yield "causal_conv1d_update", causal_conv1d_update_triton, (x[:, :, :1], state, weight, None, True)
     yield "sparse_index_mask", sparse_index_mask_triton, (torch.randn(2, 3000), 2048)

@@ -8,11 +8,18 @@ depthwise conv padded by W - 1 on the left and cut back to the prompt: transform
     out = silu(conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=W-1, groups=C)[..., :T])
     out = out.to(x.dtype)                                     x = mixed_qkv.transpose(1, 2)
 
+Where the prompt continues a cached state (transformers' StaticCache once the layer has one: a
+chunked prefill, a second turn), the cache's ``update_conv_state`` first returns
+``full = cat([conv_state, x], -1)`` and copies its last S inputs into the cache; the conv runs over
+``full`` and the prompt's T outputs are kept (``[..., -T:]``).
+
 Unfused: the transposed projection copied to [B, C, T], an extern depthwise convolution
          (at::native's conv_depthwise2d: 353 us for 4096 tokens x 8192 channels in bf16, measured
          on one H200), a slice + SiLU kernel.
-Fused:   out = fusion_passes.causal_conv1d(x, weight, bias, silu=True): one kernel reading x where
-         the projection wrote it.
+Fused:   out = fusion_passes.causal_conv1d(x, weight, bias, silu=True, initial_state=conv_state):
+         one kernel reading x where the projection wrote it (the state's inputs for the first
+         W - 1 outputs); the cache's new state is the last S inputs of cat([conv_state, x]), which
+         Inductor fuses into a kernel of S columns (the cat of all T is gone).
 
 Not fused: a conv whose padding is not W - 1 or that keeps other than the first T outputs (not
 causal), strides or dilations other than 1, a conv that is not depthwise (groups != C), x and
@@ -50,6 +57,15 @@ def transformers_causal_conv1d_fn_bias(x, weight, bias):
     return _transformers_conv_fn(x, weight, bias)
 
 
+def transformers_causal_conv1d_fn_after_state(x, conv_state, weight):
+    # transformers' StaticCache (LinearAttentionLayer.update_conv_state with a previous state):
+    # the cat, its last S inputs copied into the cache (the functional form of copy_); then
+    # causal_conv1d_fn over the cat and the prompt's outputs kept (qwen3_5's forward).
+    full = torch.cat([conv_state, x], dim=-1)
+    new_state = torch.ops.aten.copy.default(conv_state, full[..., -conv_state.shape[-1] :])
+    return _transformers_conv_fn(full, weight, None)[:, :, -x.shape[-1] :], new_state
+
+
 def conv1d_module(x, weight3):
     # nn.Conv1d(C, C, W, groups=C, padding=W - 1, bias=False) called as a module, then the
     # activation: Mamba's `act(conv1d(x)[..., :seqlen])` and earlier Qwen3-Next code.
@@ -70,6 +86,12 @@ def _fused_bias(x, weight, bias):
     return torch.ops.fusion_passes.causal_conv1d(x, weight, bias, True)
 
 
+def _fused_after_state(x, conv_state, weight):
+    out = torch.ops.fusion_passes.causal_conv1d(x, weight, None, True, conv_state)
+    state_len = conv_state.shape[-1]
+    return out, torch.ops.aten.copy.default(conv_state, torch.cat([conv_state, x], dim=-1)[..., -state_len:])
+
+
 def _fused_module(x, weight3):
     return torch.ops.fusion_passes.causal_conv1d(x, weight3.squeeze(1), None, True)
 
@@ -83,8 +105,11 @@ def _check(values: dict[str, Any]) -> str | None:
     weight = values["weight"] if "weight" in values else values["weight3"].squeeze(1)
     if x.dtype != weight.dtype:
         return f"x is {x.dtype}, the conv's weight {weight.dtype}"
+    state = values.get("conv_state")
+    if state is not None and state.dtype != x.dtype:
+        return f"the cached conv state is {state.dtype}, x {x.dtype}"
     try:
-        check_causal_conv1d_args(x, weight, values.get("bias"))
+        check_causal_conv1d_args(x, weight, values.get("bias"), state)
     except ValueError as e:
         return str(e).removeprefix("causal_conv1d: ")
     return None
@@ -105,6 +130,11 @@ def _examples(width: int = WIDTH):
     # x is the transpose of the projection's [B, T, C] output, as the model passes it.
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         yield torch.randn(2, 10, 24, dtype=dtype).transpose(1, 2), torch.randn(24, width, dtype=dtype)
+
+
+def _examples_after_state():
+    for x, weight in _examples():
+        yield x, torch.randn(x.shape[0], x.shape[1], WIDTH, dtype=x.dtype), weight
 
 
 def _graph_examples(graph: torch.fx.Graph):
@@ -150,6 +180,16 @@ def _module_form(examples):
 
 
 FUSIONS = (
+    # First: the plain spelling would take its conv too, as a zero-padded conv over the whole cat
+    # (x = the cat), leaving the cat of all T inputs; where the state is shorter than W - 1 that
+    # is the site (the conv reads zeros before the state).
+    _fusion(
+        "causal_conv1d_after_state",
+        "the same where the prompt continues a cached conv state (transformers' StaticCache)",
+        Spelling("transformers_causal_conv1d_fn_after_state", transformers_causal_conv1d_fn_after_state,
+                 _fused_after_state),  # fmt: skip
+        _examples_after_state,
+    ),
     _fusion(
         "causal_conv1d",
         "prefill causal depthwise conv + SiLU (Gated DeltaNet) -> one kernel",

@@ -28,18 +28,19 @@ TOLERANCE = {
 }
 
 
-def _inputs(bsz, channels, tokens, taps, dtype, bias, transposed, g):
+def _inputs(bsz, channels, tokens, taps, dtype, bias, transposed, g, state_len=None):
     def randn(*shape):
         return torch.randn(shape, generator=g).to(DEVICE, dtype)
 
     # transposed: the projection's [B, T, C] output seen as [B, C, T], as the models pass it
     x = randn(bsz, tokens, channels).transpose(1, 2) if transposed else randn(bsz, channels, tokens)
-    return x, randn(channels, taps), randn(channels) if bias else None
+    state = None if state_len is None else randn(bsz, channels, state_len)
+    return x, randn(channels, taps), randn(channels) if bias else None, state
 
 
-def _check(x, weight, bias, silu):
-    expected = causal_conv1d_reference(x, weight, bias, silu)
-    out = causal_conv1d_triton(x, weight, bias, silu)
+def _check(x, weight, bias, state, silu):
+    expected = causal_conv1d_reference(x, weight, bias, silu, state)
+    out = causal_conv1d_triton(x, weight, bias, silu, state)
     rtol, atol = TOLERANCE[x.dtype]
     assert out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
     torch.testing.assert_close(out.double(), expected.double(), rtol=rtol, atol=atol)
@@ -47,11 +48,14 @@ def _check(x, weight, bias, silu):
 
 @st.composite
 def _cases(draw):
+    taps = draw(st.integers(1, 5))
     return dict(
         bsz=draw(st.integers(1, 3)),
         channels=draw(st.sampled_from([1, 7, 64, 100, 130])),
         tokens=draw(st.sampled_from([1, 2, 3, 5, 63, 64, 65, 150])),
-        taps=draw(st.integers(1, 5)),
+        taps=taps,
+        # a cached state that the prompt continues: at least the W - 1 inputs the first outputs read
+        state_len=draw(st.sampled_from([None, taps - 1, taps, taps + 2])),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         bias=draw(st.booleans()),
         transposed=draw(st.booleans()),
@@ -73,18 +77,22 @@ def test_qwen_width_bf16():
     of the transposed projection: a few token tiles, the last one partial."""
     g = torch.Generator().manual_seed(0)
     _check(*_inputs(1, 8192, 130, 4, torch.bfloat16, False, True, g), True)
+    # a prompt continuing the StaticCache's 4-entry conv state
+    _check(*_inputs(1, 8192, 130, 4, torch.bfloat16, False, True, g, state_len=4), True)
 
 
-def test_fewer_tokens_than_taps():
-    """Every output reads the zeros before the prompt."""
+@pytest.mark.parametrize("state_len", [None, 4])
+def test_fewer_tokens_than_taps(state_len):
+    """Every output reads the inputs before the prompt: zeros, or the state's."""
     g = torch.Generator().manual_seed(1)
-    _check(*_inputs(2, 7, 2, 4, torch.float32, True, False, g), True)
+    _check(*_inputs(2, 7, 2, 4, torch.float32, True, False, g, state_len=state_len), True)
 
 
-def test_op_is_functional_and_checked():
+@pytest.mark.parametrize("state_len", [None, 3])
+def test_op_is_functional_and_checked(state_len):
     g = torch.Generator().manual_seed(2)
-    x, weight, bias = _inputs(2, 24, 9, 4, torch.float32, True, True, g)
-    torch.library.opcheck(torch.ops.fusion_passes.causal_conv1d.default, (x, weight, bias, True))
+    args = _inputs(2, 24, 9, 4, torch.float32, True, True, g, state_len=state_len)
+    torch.library.opcheck(torch.ops.fusion_passes.causal_conv1d.default, (*args[:3], True, args[3]))
 
 
 def test_bad_input_is_one_line_error():
@@ -95,3 +103,5 @@ def test_bad_input_is_one_line_error():
         torch.ops.fusion_passes.causal_conv1d(x[0], torch.randn(8, 4, device=DEVICE), None, True)
     with pytest.raises(ValueError, match="dtype torch.int32 is not one of"):
         causal_conv1d_triton(x.int(), torch.randn(8, 4, device=DEVICE), None, True)
+    with pytest.raises(ValueError, match=r"^causal_conv1d: initial_state holds 2 inputs, 3 needed$"):
+        causal_conv1d_triton(x, torch.randn(8, 4, device=DEVICE), None, True, torch.randn(1, 8, 2, device=DEVICE))

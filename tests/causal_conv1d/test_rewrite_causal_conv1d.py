@@ -1,7 +1,8 @@
 """A prefill's padded causal conv + SiLU as other code bases write it: causal-conv1d's reference
 (``causal_conv1d_ref``, with and without a bias) and Mamba's ``nn.Conv1d`` module call become one
-fused op, bit-equal to eager on the CPU (the op runs its reference there); convs that are not
-causal, not depthwise or of mixed dtypes do not match (transformers' ``causal_conv1d_fn`` is the
+fused op, bit-equal to eager on the CPU (the op runs its reference there), and so does a prompt
+continuing transformers' StaticCache conv state; convs that are not causal or not depthwise do
+not match (transformers' ``causal_conv1d_fn`` is the
 tiny Qwen 3.5 prefill's, in tests/gated_delta_step/test_models_gated_delta_step.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch import nn
 import fusion_passes
 from fusion_passes.numerics import compare, tolerance
 
-FUSIONS = ["causal_conv1d", "causal_conv1d_bias", "causal_conv1d_module", "causal_conv1d_module_bias"]
+FUSIONS = ["causal_conv1d_after_state", "causal_conv1d", "causal_conv1d_bias", "causal_conv1d_module",
+           "causal_conv1d_module_bias"]  # fmt: skip
 OP = "fusion_passes.causal_conv1d.default"
 CONV = "aten.convolution.default"
 
@@ -53,6 +55,18 @@ class MambaMixerConv(nn.Module):
         x, z = xz.chunk(2, dim=1)
         x = self.act(self.conv1d(x)[..., :seqlen])
         return x * F.silu(z)
+
+
+def continued_prompt_conv(mixed_qkv, conv_state, weight):
+    """A prompt continuing a cached conv state, as transformers' StaticCache and qwen3_5 write it:
+    update_conv_state's cat and in-place copy of the last inputs, then causal_conv1d_fn over the
+    cat, the prompt's outputs kept."""
+    seq_len = mixed_qkv.shape[1]
+    x = mixed_qkv.transpose(1, 2)
+    full = torch.cat([conv_state, x], dim=-1)
+    conv_state.copy_(full[..., -conv_state.shape[-1] :])
+    out = causal_conv1d_ref(full, weight, None, activation="silu")[:, :, -seq_len:]
+    return out.transpose(1, 2)
 
 
 def _compile(fn):
@@ -102,6 +116,35 @@ def test_mamba_module_conv_fuses_bit_equal(conv_bias):
     # Not bit-equal: stock Inductor keeps SiLU's output in fp32 into the gate's multiply, the op
     # rounds it to bf16 as eager does.
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+@pytest.mark.parametrize("tokens", [37, 2])
+def test_prompt_after_a_cached_state_fuses_bit_equal(tokens):
+    """The conv reads the state's inputs before the prompt; the cache's new state is the last 4
+    inputs (from the state too when the prompt is shorter)."""
+    h, weight, _ = _projected(torch.bfloat16, tokens=tokens)
+    state = torch.randn(2, 48, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    compiled, report = _compile(continued_prompt_conv)
+    ours_state, eager_state = state.clone(), state.clone()
+    with torch.no_grad():
+        out = compiled(h, ours_state, weight)
+        expected = continued_prompt_conv(h, eager_state, weight)
+    _assert_fused(report, "causal_conv1d_after_state")
+    assert torch.equal(out, expected) and torch.equal(ours_state, eager_state)
+
+
+def test_state_shorter_than_the_taps_need_fuses_as_a_conv_over_the_cat():
+    """2 cached inputs for a 4-tap conv: the conv also reads zeros before them, which an initial
+    state does not model; the padded conv over the cat is the plain fusion's site instead."""
+    h, weight, _ = _projected(torch.bfloat16)
+    state = torch.randn(2, 48, 2).to(torch.bfloat16)
+    compiled, report = _compile(continued_prompt_conv)
+    ours_state, eager_state = state.clone(), state.clone()
+    with torch.no_grad():
+        out = compiled(h, ours_state, weight)
+        expected = continued_prompt_conv(h, eager_state, weight)
+    _assert_fused(report, "causal_conv1d")
+    assert torch.equal(out, expected) and torch.equal(ours_state, eager_state)
 
 
 def test_fp32_input_with_bf16_weights_fuses_the_bf16_conv():

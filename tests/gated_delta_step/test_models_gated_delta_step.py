@@ -69,11 +69,14 @@ def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv():
     step.restore()
     with torch.no_grad():
         out = compiled(step.prompt, torch.arange(step.context))
+        cache = [t.clone() for t in step.cache_tensors()]
         step.restore()
         expected = step(step.prompt, torch.arange(step.context))
+        expected_cache = step.cache_tensors()
     assert report.final()["causal_conv1d_update"] == 0 and report.final()["gated_delta_step"] == 0
-    # the defaults' prefill fusions, each GDN layer: the chunked rule and the padded conv
-    assert report.final()["chunk_gated_delta_rule"] == report.final()["causal_conv1d"] == 3
+    # the defaults' prefill fusions, each GDN layer: the chunked rule and the padded conv (after
+    # the cache's conv state: the step's cache was prefilled before)
+    assert report.final()["chunk_gated_delta_rule"] == report.final()["causal_conv1d_after_state"] == 3
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
     assert (before["fusion_passes.causal_conv1d.default"], after["fusion_passes.causal_conv1d.default"]) == (0, 3)
@@ -83,3 +86,8 @@ def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv():
     # the chunked rule starts from a zero state: no decode step's gating, no near miss
     assert not [m for m in report.near_misses if m.fusion in ("gated_delta_step", "causal_conv1d_update")]
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
+    # the conv states written into the cache are the prompt's last projected inputs: the first
+    # layer's exactly eager's (its inputs are), the later ones within rounding of their inputs
+    conv_states = [i for i, t in enumerate(expected_cache) if t.dim() == 3 and t.shape[-1] == 4]
+    assert len(conv_states) == 3 and torch.equal(cache[conv_states[0]], expected_cache[conv_states[0]])
+    assert all(compare(cache[i], expected_cache[i]).rel_norm <= tolerance(torch.bfloat16).rel_norm for i in conv_states)
