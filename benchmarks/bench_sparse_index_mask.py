@@ -8,7 +8,7 @@ The region is the indexer's tail and the attention's mask as transformers writes
     mask = idx.new_ones((B, S, T), dtype=torch.bool).scatter(-1, idx.long(), False)
 
 with S = 1 (one decode token) and the positions beyond the filled cache at -inf. Implementations:
-eager; inductor (torch.compile); ours (torch.compile with the opt-in sparse_index_mask_topk);
+eager; inductor (torch.compile); ours (torch.compile with sparse_index_mask_topk);
 ours_kernel (the launcher called directly). Each is timed as plain launches (do_bench median) and
 in a CUDA graph of calls on 4 distinct score sets; the masks are checked equal to eager's (the
 scores are drawn without ties).

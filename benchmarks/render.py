@@ -231,6 +231,27 @@ def chunk_gated_delta_rule(payloads):
     return what, _table(header, rows, 1)
 
 
+def causal_conv1d(payloads):
+    (p,) = payloads
+    rows = []
+    for r in p["records"]:
+        g, kernels = r["graph_us"], r.get("kernels") or {}
+        rows.append([
+            str(r["tokens"]), f"{kernels['inductor']} → {kernels['ours']}" if kernels else "—",
+            _us(g["eager"]), _graph_change(r), _plain_speedup(r),
+            f"{r['floor_bytes'] / g['ours'] / 1e3:.0f}" if r.get("floor_bytes") and g.get("ours") else "—",
+        ])  # fmt: skip
+    what = (
+        f"Gated DeltaNet's prefill conv, batch 1 (Qwen 3.5 widths: {p['records'][0]['channels']} channels, 4 taps, "
+        "bf16; `benchmarks/bench_causal_conv1d.py`): transformers' causal_conv1d_fn on the transposed projection "
+        "with SiLU, stock Inductor vs ours (`causal_conv1d`: one kernel), us per call inside a CUDA graph "
+        "(speedup); plain launches: the speedup alone; GB/s: one read of the input and one write of the "
+        "output over ours' CUDA-graph time:"
+    )
+    header = ["tokens", "kernels", "eager", "stock Inductor → ours", "plain", "ours, GB/s"]
+    return what, _table(header, rows, 1)
+
+
 def sparse_index_mask(payloads):
     (p,) = payloads
     contexts = sorted({r["context"] for r in p["records"]})
@@ -246,9 +267,8 @@ def sparse_index_mask(payloads):
     what = (
         f"DeepSeek V3.2's index mask at decode (top-k {'/'.join(map(str, k))} of the cached tokens' fp32 scores, "
         "one token per sequence; `benchmarks/bench_sparse_index_mask.py`): transformers' top-k + scatter into a "
-        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`, opt-in: one kernel; these numbers are "
-        "its first, a bisection for the k-th score, 32 passes over the row), us per call inside a CUDA graph "
-        "(speedup); plain: the speedup in plain launches:"
+        "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`: one kernel, a radix select of the k-th "
+        "score, 8 bits a pass), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
     )
     return what, _table(["batch", *(f"{c} cached tokens" for c in contexts)], rows, 1)
 
@@ -501,6 +521,7 @@ SECTIONS = (
         ("bench_chunk_gated_delta_rule",),
         chunk_gated_delta_rule,
     ),
+    Section("Gated DeltaNet prefill conv (`causal_conv1d`)", ("bench_causal_conv1d",), causal_conv1d),
     Section("DeepSeek V3.2 index mask (`sparse_index_mask_topk`)", ("bench_sparse_index_mask",), sparse_index_mask),
     Section("MoE routing and dispatch prep (`moe_route_*`, `moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
     Section("GQA attention at decode (`gqa_decode_attention`)", ("bench_gqa_decode_attention",), gqa_decode_attention),

@@ -147,7 +147,7 @@ def _graph_examples(graph: torch.fx.Graph):
             yield GraphExample(args, frozenset({"transformers_causal_conv1d_fn"}))
 
 
-def _fusion(name, summary, spelling, examples, graph_examples=None, near_misses=False) -> Fusion:
+def _fusion(name, summary, spelling, examples, graph_examples=None, near_misses=False, opt_in="") -> Fusion:
     return Fusion(
         name=name,
         summary=summary,
@@ -159,6 +159,7 @@ def _fusion(name, summary, spelling, examples, graph_examples=None, near_misses=
         candidate_ops=("aten.convolution.default",) if near_misses else (),
         candidate=_is_prefill_conv if near_misses else None,
         graph_examples=graph_examples,
+        opt_in=opt_in,
         builtin=True,
     )
 
@@ -189,6 +190,8 @@ FUSIONS = (
         Spelling("transformers_causal_conv1d_fn_after_state", transformers_causal_conv1d_fn_after_state,
                  _fused_after_state),  # fmt: skip
         _examples_after_state,
+        opt_in="its initial-state path is checked under Triton's interpreter and compiled for sm_90, not yet "
+        "run on a GPU; in the defaults the plain fusion takes such a conv over the whole cat",
     ),
     _fusion(
         "causal_conv1d",

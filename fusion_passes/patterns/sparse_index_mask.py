@@ -20,7 +20,7 @@ Exact (bit-equal masks for every input, NaN scores included: the indices are dis
 match where k < T (a longer cache: the mask is live), nor a scatter along another dim than the
 top-k's, nor a scatter into a tensor wider than the indices.
 
-Where k < T (opt-in ``sparse_index_mask_topk``: a cache longer than index_topk, the mask live):
+Where k < T (``sparse_index_mask_topk``: a cache longer than index_topk, the mask live):
 
     Unfused: topk over T scores (a radix sort of each row) and the scatter of its indices
     Fused:   mask = fusion_passes.sparse_index_mask(index_scores, k): one kernel, no sort and no
@@ -102,8 +102,6 @@ SPARSE_INDEX_MASK_TOPK = Fusion(
     example_inputs=_examples,
     scalars={"k": K_SENTINEL},
     check=_check_live,
-    opt_in="its radix-select kernel is not timed yet; the bisection before it ran slower than torch's top-k "
-    "beyond 4096 cached tokens on an H200 inside a CUDA graph (0.58-0.80x at 8192-16384)",
     builtin=True,
 )
 

@@ -61,11 +61,17 @@ def test_decode_step_fuses_every_gdn_layer(name):
     assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected_outs, strict=True))
 
 
-def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv():
+@pytest.mark.parametrize(
+    "conv", ["causal_conv1d", pytest.param("causal_conv1d_after_state", marks=pytest.mark.slow)]
+)
+def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv(conv):
+    """The defaults take the conv over the cache's cat of state and prompt as a padded conv; the
+    opt-in causal_conv1d_after_state takes the cat and the cache write too."""
     step = _step("qwen3.5")
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    compiled = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False)
+    fusions = "all" if conv == "causal_conv1d" else ["all", conv]
+    compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False)
     step.restore()
     with torch.no_grad():
         out = compiled(step.prompt, torch.arange(step.context))
@@ -74,9 +80,9 @@ def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv():
         expected = step(step.prompt, torch.arange(step.context))
         expected_cache = step.cache_tensors()
     assert report.final()["causal_conv1d_update"] == 0 and report.final()["gated_delta_step"] == 0
-    # the defaults' prefill fusions, each GDN layer: the chunked rule and the padded conv (after
-    # the cache's conv state: the step's cache was prefilled before)
-    assert report.final()["chunk_gated_delta_rule"] == report.final()["causal_conv1d_after_state"] == 3
+    # the prefill fusions, each GDN layer: the chunked rule and the padded conv (after the cache's
+    # conv state: the step's cache was prefilled before)
+    assert report.final()["chunk_gated_delta_rule"] == report.final()[conv] == 3
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
     assert (before["fusion_passes.causal_conv1d.default"], after["fusion_passes.causal_conv1d.default"]) == (0, 3)
