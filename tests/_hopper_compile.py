@@ -68,8 +68,10 @@ def _cases():
     from fusion_passes.lowering.causal_conv1d.triton import causal_conv1d_triton
     from fusion_passes.lowering.causal_conv1d_update.triton import causal_conv1d_update_triton
     from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
+    from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
     from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
+    from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
 
@@ -94,14 +96,33 @@ def _cases():
     a, b, per_head = torch.randn(2, 1, 8, dtype=bf16), torch.randn(2, 1, 8, dtype=bf16), torch.randn(8)
     step = (q, q.clone(), v, a, b, per_head, per_head.clone(), torch.randn(2, 8, 128, 128), 128**0.5, True, True, 1e-6)
     yield "gated_delta_step", gated_delta_step_triton, step
+    # Qwen3-style per-head QK-norm + full RoPE, and MiniMax-M2's whole-row norm + partial RoPE
+    q, k, head_w = torch.randn(2, 3, 4, 64, dtype=bf16), torch.randn(2, 3, 2, 64, dtype=bf16), torch.randn(64, dtype=bf16)
+    cos, sin = torch.randn(1, 3, 64, dtype=bf16), torch.randn(1, 3, 64, dtype=bf16)
+    yield "qk_norm_rope", qk_norm_rope_triton, (q, k, head_w, head_w, cos, sin, 1e-6)
+    row_q, row_k = torch.randn(256, dtype=bf16), torch.randn(128, dtype=bf16)
+    partial = (q, k, row_q, row_k, cos[..., :32], sin[..., :32], 1e-6, 0.0, True, False)
+    yield "qk_norm_rope (whole row, partial)", qk_norm_rope_triton, partial
+    # DeepSeek V3 MLA: 512 latent + 64 RoPE dims, 4 heads of 128 + 64; the V3.2 indexer's keys
+    mq, kv = torch.randn(2, 3, 4, 192, dtype=bf16), torch.randn(2, 3, 576, dtype=bf16)
+    latent_w, c32, s32 = torch.randn(512, dtype=bf16), torch.randn(2, 3, 32, dtype=bf16), torch.randn(2, 3, 32, dtype=bf16)
+    yield "mla_kv_norm_rope", mla.mla_kv_norm_rope_triton, (kv, latent_w, c32, s32, 1e-6)
+    yield "mla_q_rope", mla.mla_q_rope_triton, (mq, c32, s32)
+    yield "mla_q_kv_rope", mla.mla_q_kv_rope_triton, (mq, kv, latent_w, c32, s32, 1e-6)
+    ik, iw = torch.randn(2, 3, 128, dtype=bf16), torch.randn(128, dtype=bf16)
+    c64, s64 = torch.randn(2, 3, 64, dtype=bf16), torch.randn(2, 3, 64, dtype=bf16)
+    yield "mla_indexer_k_norm_rope", mla.mla_indexer_k_norm_rope_triton, (ik, iw, iw.clone(), c64, s64, 1e-6)
 
 
 def main() -> int:
     failed = []
     for name, launcher, args in _cases():
         try:
+            before = len(_CompileForHopper.compiled)
             launcher(*args, wrap=_CompileForHopper)
-            print(f"ok      {name}")
+            if len(_CompileForHopper.compiled) == before:
+                raise RuntimeError("the launcher compiled no kernel")
+            print(f"ok      {name}: {', '.join(_CompileForHopper.compiled[before:])}")
         except Exception as e:  # every case is reported, then the run fails
             first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
             failed.append(name)
