@@ -26,6 +26,14 @@ def _run(step, fn):
         return [fn(*step.inputs(i)) for i in range(STEPS)]
 
 
+
+def _defaults_but_the_index_mask() -> list[str]:
+    """The defaults without DeepSeek V3.2's live index mask kernel: this tiny model's indexer
+    scores tie at the k-th place in some steps (6 cached tokens, top 4), where the kernel keeps
+    the lowest positions as CUDA's top-k does and the CPU's top-k keeps others, so the steps
+    attend to other tokens than eager's on the CPU. These tests are the routers'."""
+    return [f.name for f in fusion_passes.registry.get_fusions("all") if f.name != "sparse_index_mask_topk"]
+
 @pytest.mark.parametrize("name", ["qwen3-moe", pytest.param("minimax-m2", marks=pytest.mark.slow),
                                   pytest.param("qwen3.5-moe", marks=pytest.mark.slow),
                                   pytest.param("deepseek-v3.2", marks=pytest.mark.slow)])  # fmt: skip
@@ -35,7 +43,8 @@ def test_decode_step_routes_every_moe_layer(name):
     moe_layers = sum(1 for m in built.module.modules() if type(m).__name__.endswith("Experts"))
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    compiled = torch.compile(step, backend=fusion_passes.backend(report=report), fullgraph=True, dynamic=False)
+    backend = fusion_passes.backend(_defaults_but_the_index_mask(), report=report)
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     outs = _run(step, compiled)
     expected = _run(step, step)
     final = report.final()
@@ -61,7 +70,7 @@ def test_deepseek_decode_step_with_group_limited_routing():
     step = DecodeStep(built.module, batch=2, context=6, steps=STEPS)
     moe_layers = sum(1 for m in built.module.modules() if type(m).__name__.endswith("Experts"))
     report = fusion_passes.Report()
-    fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + ["moe_route_grouped"]
+    fusions = _defaults_but_the_index_mask() + ["moe_route_grouped"]
     torch._dynamo.reset()
     compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False)
     outs = _run(step, compiled)
