@@ -206,3 +206,17 @@ def test_other_convs_do_not_match(fn, near_miss):
     misses = [m for m in report.near_misses if m.fusion == "causal_conv1d"]
     assert len(misses) == (1 if near_miss else 0)
     torch.testing.assert_close(out, fn(x, weight), rtol=0, atol=0)
+
+
+def test_prompt_lengths_under_automatic_dynamic_shapes_fuse():
+    """A second prompt length recompiles with T symbolic (torch.compile's automatic dynamic
+    shapes): that graph fuses too, each length bit-equal to eager."""
+    _, weight, _ = _projected(torch.bfloat16)
+    fn = lambda h, w: causal_conv1d_ref(h.transpose(1, 2), w, activation="silu")  # noqa: E731
+    compiled, report = _compile(fn)
+    with torch.no_grad():
+        for tokens in (37, 50, 9):
+            h = _projected(torch.bfloat16, tokens=tokens)[0]
+            assert torch.equal(compiled(h, weight), fn(h, weight))
+    assert report.final()["causal_conv1d"] == 2 and sum(report.final().values()) == 2  # static, then symbolic T
+    assert report.ops_after()[CONV] == 0 and report.ops_after()[OP] == 2

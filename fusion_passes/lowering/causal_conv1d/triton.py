@@ -80,8 +80,9 @@ def causal_conv1d_triton(
     bsz, c, t = x.shape
     out = torch.empty((bsz, c, t), dtype=x.dtype, device=x.device)
     # 64 tokens x 64 channels a program at 4 warps (32 outputs a thread): 8192 programs for a
-    # 4096-token prompt of 8192 channels; shorter prompts take fewer tokens a program.
-    block_t = min(64, max(16, triton.next_power_of_2(t)))
+    # 4096-token prompt of 8192 channels; shorter prompts take fewer tokens a program (a symbolic
+    # prompt length, under dynamic shapes, takes 64).
+    block_t = min(64, max(16, triton.next_power_of_2(t))) if isinstance(t, int) else 64
     block_c = min(64, triton.next_power_of_2(c))
     state = initial_state if initial_state is not None else x  # unread without one
     kernel = wrap(_causal_conv1d_kernel) if wrap is not None else _causal_conv1d_kernel
