@@ -125,6 +125,12 @@ def _graph_change(r: dict) -> str:
     return f"{_us(g['inductor'])} → {_cell(g['ours'], _speedup(r, 'inductor', 'ours'), None)}"
 
 
+def _kernel_change(r: dict) -> str:
+    """Stock Inductor's kernels per call → ours ("—" where none were counted)."""
+    kernels = r.get("kernels") or {}
+    return f"{kernels.get('inductor')} → {kernels.get('ours')}" if kernels else "—"
+
+
 def _plain_speedup(r: dict | None) -> str:
     """Stock Inductor's time over ours in plain launches ("—" where either is missing)."""
     t = (r or {}).get("plain_us") or {}
@@ -193,9 +199,8 @@ def gated_delta_step(payloads):
         g = r["graph_us"]
         floor = 2 * r["state_bytes"] / copy / 1e3 if copy and r["region"] == "recurrent" else None
         pct = lambda impl: round(100 * floor / g[impl]) if floor and g.get(impl) else None  # noqa: E731
-        kernels = r.get("kernels") or {}
         rows.append([
-            r["region"], str(r["batch"]), f"{kernels.get('inductor')} → {kernels.get('ours')}",
+            r["region"], str(r["batch"]), _kernel_change(r),
             _us(g["inductor"]), _cell(g["ours"], _speedup(r, "inductor", "ours"), pct("ours")),
             _cell(g["fla"], None, pct("fla")) if g.get("fla") else "—",
         ])  # fmt: skip
@@ -215,9 +220,9 @@ def chunk_gated_delta_rule(payloads):
     (p,) = payloads
     rows = []
     for r in p["records"]:
-        g, kernels = r["graph_us"], r.get("kernels") or {}
+        g = r["graph_us"]
         rows.append([
-            str(r["tokens"]), f"{kernels['inductor']} → {kernels['ours']}" if kernels else "—",
+            str(r["tokens"]), _kernel_change(r),
             _us(g["eager"]), _graph_change(r), _us(g.get("fla")), _plain_speedup(r),
         ])  # fmt: skip
     what = (
@@ -235,9 +240,9 @@ def causal_conv1d(payloads):
     (p,) = payloads
     rows = []
     for r in p["records"]:
-        g, kernels = r["graph_us"], r.get("kernels") or {}
+        g = r["graph_us"]
         rows.append([
-            str(r["tokens"]), f"{kernels['inductor']} → {kernels['ours']}" if kernels else "—",
+            str(r["tokens"]), _kernel_change(r),
             _us(g["eager"]), _graph_change(r), _plain_speedup(r),
             f"{r['floor_bytes'] / g['ours'] / 1e3:.0f}" if r.get("floor_bytes") and g.get("ours") else "—",
         ])  # fmt: skip
@@ -282,8 +287,7 @@ def moe_sort_by_expert(payloads):
     def cells(r):
         if r is None:
             return ["—", "—", "—"]
-        kernels = r.get("kernels") or {}
-        return [f"{kernels.get('inductor')} → {kernels.get('ours')}", _graph_change(r), _plain_speedup(r)]
+        return [_kernel_change(r), _graph_change(r), _plain_speedup(r)]
 
     rows = []
     for tokens in sorted(by_tokens):
@@ -317,9 +321,8 @@ def gqa_decode_attention(payloads):
             return "—" if r is None else f"{_graph_change(r)} (floor {_us(r['floor_us'])})"
 
         any_r = next(iter(by_batch.values()))
-        kernels = any_r.get("kernels") or {}
         rows.append([f"{shape} ({heads} / {kv_heads} x {head_dim})", str(context),
-                     f"{kernels.get('inductor')} → {kernels.get('ours')}",
+                     _kernel_change(any_r),
                      *(cell(by_batch.get(b)) for b in batches), " / ".join(_plain_speedup(by_batch.get(b)) for b in batches)])  # fmt: skip
     what = (
         "A decode step's attention on a StaticCache with fewer KV heads than query heads "
