@@ -118,32 +118,27 @@ def test_mamba_module_conv_fuses_bit_equal(conv_bias):
     assert compare(out, expected).rel_norm <= tolerance(torch.bfloat16).rel_norm
 
 
-@pytest.mark.parametrize("tokens", [37, 2])
-def test_prompt_after_a_cached_state_fuses_bit_equal(tokens):
-    """The conv reads the state's inputs before the prompt; the cache's new state is the last 4
-    inputs (from the state too when the prompt is shorter)."""
+@pytest.mark.parametrize(
+    ("tokens", "state_len", "fusion"),
+    [
+        # the conv reads the state's inputs before the prompt; the cache's new state is the last 4
+        # inputs (from the state too when the prompt is shorter)
+        (37, 4, "causal_conv1d_after_state"),
+        (2, 4, "causal_conv1d_after_state"),
+        # 2 cached inputs for a 4-tap conv: the conv also reads zeros before them, which an initial
+        # state does not model; the padded conv over the cat is the plain fusion's site instead
+        (37, 2, "causal_conv1d"),
+    ],
+)
+def test_prompt_after_a_cached_state_fuses_bit_equal(tokens, state_len, fusion):
     h, weight, _ = _projected(torch.bfloat16, tokens=tokens)
-    state = torch.randn(2, 48, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    state = torch.randn(2, 48, state_len, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     compiled, report = _compile(continued_prompt_conv)
     ours_state, eager_state = state.clone(), state.clone()
     with torch.no_grad():
         out = compiled(h, ours_state, weight)
         expected = continued_prompt_conv(h, eager_state, weight)
-    _assert_fused(report, "causal_conv1d_after_state")
-    assert torch.equal(out, expected) and torch.equal(ours_state, eager_state)
-
-
-def test_state_shorter_than_the_taps_need_fuses_as_a_conv_over_the_cat():
-    """2 cached inputs for a 4-tap conv: the conv also reads zeros before them, which an initial
-    state does not model; the padded conv over the cat is the plain fusion's site instead."""
-    h, weight, _ = _projected(torch.bfloat16)
-    state = torch.randn(2, 48, 2).to(torch.bfloat16)
-    compiled, report = _compile(continued_prompt_conv)
-    ours_state, eager_state = state.clone(), state.clone()
-    with torch.no_grad():
-        out = compiled(h, ours_state, weight)
-        expected = continued_prompt_conv(h, eager_state, weight)
-    _assert_fused(report, "causal_conv1d")
+    _assert_fused(report, fusion)
     assert torch.equal(out, expected) and torch.equal(ours_state, eager_state)
 
 
