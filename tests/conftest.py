@@ -25,11 +25,14 @@ load_profile(cuda=torch.cuda.is_available())
 
 # Tests that share state a worker builds once, kept on one pytest-xdist worker under
 # --dist loadgroup: the whole-model compiles of tests/_compiled_models.py (one group for the three
-# files that read them), and each module whose tests read one spawned process group.
+# files that read them), the decode steps of tests/models/test_models_decode.py, and each module whose
+# tests read one spawned process group.
 XDIST_GROUPS = {
     "models/test_models_fusion.py": "compiled_models",
     "qk_norm_rope/test_models_qk_norm_rope.py": "compiled_models",
     "mla_rope/test_models_mla_rope.py": "compiled_models",
+    # its tests share one cached DecodeStep per model and its compiled steps (functools.cache)
+    "models/test_models_decode.py": "decode_steps",
     "allreduce_rms_norm/test_allreduce_rms_norm.py": "gloo_allreduce_rms_norm",
     "allreduce_rms_norm_quant_fp8/test_allreduce_rms_norm_quant_fp8.py": "gloo_allreduce_rms_norm_quant_fp8",
     "models/test_models_tensor_parallel.py": "gloo_models_tensor_parallel",
