@@ -140,6 +140,10 @@ def test_prompt_after_a_cached_state_fuses_bit_equal(tokens, state_len, fusion):
         expected = continued_prompt_conv(h, eager_state, weight)
     _assert_fused(report, fusion)
     assert torch.equal(out, expected) and torch.equal(ours_state, eager_state)
+    # the cache's new state is written without the cat of state and prompt where the prompt holds
+    # all of it (Inductor would write the whole cat, 4 + T columns, to slice it)
+    cats = (report.ops_before()["aten.cat.default"], report.ops_after()["aten.cat.default"])
+    assert cats == ((1, 0) if fusion == "causal_conv1d_after_state" and tokens >= state_len else (1, 1))
 
 
 def test_fp32_input_with_bf16_weights_fuses_the_bf16_conv():

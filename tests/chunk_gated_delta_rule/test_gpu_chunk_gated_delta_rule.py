@@ -46,7 +46,11 @@ def test_chunk_kernel_matches_reference(tokens, heads, dk, dv, zero_state):
 
 
 @needs_fla
-def test_qwen35_prefill_fuses_on_cuda():
+@pytest.mark.parametrize("conv", ["causal_conv1d", "causal_conv1d_after_state"])
+def test_qwen35_prefill_fuses_on_cuda(conv):
+    """The prefill continues the cache's conv state (the step's cache was prefilled before): the
+    plain conv fusion takes the conv over the cache's cat, causal_conv1d_after_state the cat and
+    the cache write too (the op reads the state)."""
     built = build_model("qwen3.5", size="tiny", dtype=torch.bfloat16, layers=4, device="cuda")
     step = DecodeStep(built.module, batch=2, context=200, steps=1)
     positions = torch.arange(step.context, device="cuda")
@@ -59,7 +63,7 @@ def test_qwen35_prefill_fuses_on_cuda():
 
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    backend = fusion_passes.backend(["chunk_gated_delta_rule", "causal_conv1d"], report=report)
+    backend = fusion_passes.backend(["chunk_gated_delta_rule", conv], report=report)
     out, cache = prefill(torch.compile(step, backend=backend, fullgraph=True))
     expected, expected_cache = prefill(step)
     torch._dynamo.reset()
@@ -70,7 +74,7 @@ def test_qwen35_prefill_fuses_on_cuda():
     fused = "fusion_passes.chunk_gated_delta_rule.default"
     assert (before[fused], after[fused]) == (0, 3) and "aten.linalg_solve_triangular.default" not in after
     # the prefill's padded conv too: its Triton kernel on CUDA
-    assert report.final()["causal_conv1d"] == 3
+    assert report.final()[conv] == 3
     assert (before["aten.convolution.default"], after["aten.convolution.default"]) == (3, 0)
     error, stock_error = compare(out, expected).rel_norm, compare(stock, expected).rel_norm
     assert error <= max(tolerance(torch.bfloat16).rel_norm, 1.25 * stock_error)

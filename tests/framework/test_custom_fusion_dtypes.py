@@ -208,10 +208,10 @@ def test_unknown_names_are_one_line_errors_with_close_names():
 
 def test_all_among_names_adds_the_defaults():
     defaults = [f.name for f in get_fusions("all")]
-    both = [f.name for f in get_fusions(["all", "causal_conv1d_after_state"])]
-    assert "causal_conv1d_after_state" not in defaults
-    assert set(both) == set(defaults) | {"causal_conv1d_after_state"}
-    order = [f.name for f in get_fusions([*defaults, "causal_conv1d_after_state"])]
+    both = [f.name for f in get_fusions(["all", "allreduce_add_rms_norm"])]
+    assert "allreduce_add_rms_norm" not in defaults
+    assert set(both) == set(defaults) | {"allreduce_add_rms_norm"}
+    order = [f.name for f in get_fusions([*defaults, "allreduce_add_rms_norm"])]
     assert both == order  # registry (application) order, as for names alone
     with pytest.raises(fusion_passes.FusionError, match="unknown fusion 'zzz'"):
         get_fusions(["all", "zzz"])

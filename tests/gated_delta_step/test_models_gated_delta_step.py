@@ -15,6 +15,7 @@ import fusion_passes
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import compare, tolerance
+from fusion_passes.registry import get_fusions
 
 STEPS = 3
 
@@ -62,15 +63,16 @@ def test_decode_step_fuses_every_gdn_layer(name):
 
 
 @pytest.mark.parametrize(
-    "conv", ["causal_conv1d", pytest.param("causal_conv1d_after_state", marks=pytest.mark.slow)]
+    "conv", ["causal_conv1d_after_state", pytest.param("causal_conv1d", marks=pytest.mark.slow)]
 )
 def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv(conv):
-    """The defaults take the conv over the cache's cat of state and prompt as a padded conv; the
-    opt-in causal_conv1d_after_state takes the cat and the cache write too."""
+    """The defaults' causal_conv1d_after_state takes the cache's cat of state and prompt, its cache
+    write and the conv over it; without it the plain fusion takes the conv over the cat."""
     step = _step("qwen3.5")
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    fusions = "all" if conv == "causal_conv1d" else ["all", conv]
+    defaults = [f.name for f in get_fusions("all")]
+    fusions = "all" if conv == "causal_conv1d_after_state" else [f for f in defaults if f != "causal_conv1d_after_state"]
     compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False)
     step.restore()
     with torch.no_grad():
