@@ -242,18 +242,19 @@ def causal_conv1d(payloads):
     for r in p["records"]:
         g = r["graph_us"]
         rows.append([
-            str(r["tokens"]), _kernel_change(r),
+            "after the cached state" if r.get("after_state") else "first", str(r["tokens"]), _kernel_change(r),
             _us(g["eager"]), _graph_change(r), _plain_speedup(r),
             f"{r['floor_bytes'] / g['ours'] / 1e3:.0f}" if r.get("floor_bytes") and g.get("ours") else "—",
         ])  # fmt: skip
     what = (
         f"Gated DeltaNet's prefill conv, batch 1 (Qwen 3.5 widths: {p['records'][0]['channels']} channels, 4 taps, "
         "bf16; `benchmarks/bench_causal_conv1d.py`): transformers' causal_conv1d_fn on the transposed projection "
-        "with SiLU, stock Inductor vs ours (`causal_conv1d`: one kernel), us per call inside a CUDA graph "
-        "(speedup); plain launches: the speedup alone; GB/s: one read of the input and one write of the "
-        "output over ours' CUDA-graph time:"
+        "with SiLU, a first prompt or one after the StaticCache's conv state (`--after-state`: the cache's cat "
+        "and write too), stock Inductor vs ours (`causal_conv1d`, `causal_conv1d_after_state`: one kernel and "
+        "the state's copy), us per call inside a CUDA graph (speedup); plain launches: the speedup alone; GB/s: "
+        "one read of the input and one write of the output over ours' CUDA-graph time:"
     )
-    header = ["tokens", "kernels", "eager", "stock Inductor → ours", "plain", "ours, GB/s"]
+    header = ["prompt", "tokens", "kernels", "eager", "stock Inductor → ours", "plain", "ours, GB/s"]
     return what, _table(header, rows, 1)
 
 
@@ -273,7 +274,7 @@ def sparse_index_mask(payloads):
         f"DeepSeek V3.2's index mask at decode (top-k {'/'.join(map(str, k))} of the cached tokens' fp32 scores, "
         "one token per sequence; `benchmarks/bench_sparse_index_mask.py`): transformers' top-k + scatter into a "
         "mask of ones, stock Inductor → ours (`sparse_index_mask_topk`: one kernel, a radix select of the k-th "
-        "score, 8 bits a pass), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
+        "score, 5 bits a pass), us per call inside a CUDA graph (speedup); plain: the speedup in plain launches:"
     )
     return what, _table(["batch", *(f"{c} cached tokens" for c in contexts)], rows, 1)
 
