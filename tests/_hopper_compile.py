@@ -20,6 +20,9 @@ _DTYPES = {
 }  # fmt: skip
 
 
+_CUDA_CONSTEXPRS = ("HW_FP8_CONVERT", "HW_CONVERT", "AMAX_TIMES_RECIPROCAL")
+
+
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
@@ -49,6 +52,10 @@ class _CompileForHopper:
         from triton.compiler.compiler import ASTSource
 
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        # The launchers pick these from the tensors' device (CPU tensors here: False); compiled for
+        # the GPU, the kernels take the forms a CUDA tensor gets (the hardware FP8 conversion, a
+        # multiply by the reciprocal).
+        kwargs |= {k: True for k in _CUDA_CONSTEXPRS if k in kwargs}
         names = [p.name for p in self.kernel.params]
         values = dict(zip(names, args)) | kwargs
         signature, constexprs = {}, {}
@@ -67,12 +74,16 @@ def _cases():
     """(name, launcher, args): one launch of each kernel checked here, with small CPU tensors."""
     from fusion_passes.lowering.causal_conv1d.triton import causal_conv1d_triton
     from fusion_passes.lowering.causal_conv1d_update.triton import causal_conv1d_update_triton
+    from fusion_passes.lowering.common.fp8 import QuantFP8
+    from fusion_passes.lowering.rms_norm.reference import RMSNormForm
     from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
     from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
     from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
+    from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
+    from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
 
     bf16 = torch.bfloat16
@@ -112,6 +123,19 @@ def _cases():
     ik, iw = torch.randn(2, 3, 128, dtype=bf16), torch.randn(128, dtype=bf16)
     c64, s64 = torch.randn(2, 3, 64, dtype=bf16), torch.randn(2, 3, 64, dtype=bf16)
     yield "mla_indexer_k_norm_rope", mla.mla_indexer_k_norm_rope_triton, (ik, iw, iw.clone(), c64, s64, 1e-6)
+    # FP8: per-token, DeepSeek's 128-column groups with power-of-two (UE8M0) scales, a static scale
+    norm = RMSNormForm(1e-6, 0.0, False)
+    schemes = {"per_token": QuantFP8("per_token"), "per_group": QuantFP8("per_group", None, 128, True),
+               "static": QuantFP8("static", torch.tensor(0.05))}  # fmt: skip
+    for name, quant in schemes.items():
+        yield f"rms_norm_quant_fp8 ({name})", rms_norm_quant_fp8_triton, (h, torch.randn(2048, dtype=bf16), norm, quant)
+    add = (h, torch.randn(2048, dtype=bf16), norm, schemes["per_group"], h.clone())
+    yield "add_rms_norm_quant_fp8 (per_group)", rms_norm_quant_fp8_triton, add
+    gate_up = torch.randn(3, 2 * 1536, dtype=bf16)
+    for name, quant in schemes.items():
+        yield f"silu_mul_quant_fp8 ({name})", silu_mul_quant_fp8_triton, (gate_up[:, :1536], gate_up[:, 1536:], quant)
+    mufu = (gate_up[:, :1536], gate_up[:, 1536:], schemes["per_group"])
+    yield "silu_mul_quant_fp8 (bf16 MUFU silu)", lambda *a, wrap: silu_mul_quant_fp8_triton(*a, wrap=wrap, form="bf16_mufu"), mufu
 
 
 def main() -> int:

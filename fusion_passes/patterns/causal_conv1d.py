@@ -155,7 +155,7 @@ def _graph_examples(graph: torch.fx.Graph):
             yield GraphExample(args, frozenset({"transformers_causal_conv1d_fn"}))
 
 
-def _fusion(name, summary, spelling, examples, graph_examples=None, near_misses=False, opt_in="") -> Fusion:
+def _fusion(name, summary, spelling, examples, graph_examples=None, near_misses=False) -> Fusion:
     return Fusion(
         name=name,
         summary=summary,
@@ -167,7 +167,6 @@ def _fusion(name, summary, spelling, examples, graph_examples=None, near_misses=
         candidate_ops=("aten.convolution.default",) if near_misses else (),
         candidate=_is_prefill_conv if near_misses else None,
         graph_examples=graph_examples,
-        opt_in=opt_in,
         builtin=True,
     )
 
