@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Match, stable_topological_sort
 
 import fusion_passes
+from fusion_passes.fake_values import refresh_fake_values
 from fusion_passes.lower_back import lower_back
 from fusion_passes.lowering.common.direct_launch import inline_triton_launches
 from fusion_passes.lowering.common.ops import LOWER_BACK
@@ -140,6 +141,8 @@ class FusionPassManager(CustomGraphPass):
                 self._set_fates([(i, "lowered back") for i in standalone if isinstance(i, int)])
         # The report shows the canonical ops; how they launch is the lowering's business.
         after = op_counts(graph)
+        # Before the launches are inlined (traced on these values) and Inductor reads the strides.
+        self._guarded("fake value refresh", lambda: refresh_fake_values(graph), graph)
         if self.launch == "direct":
             self._guarded("direct Triton launch", lambda: inline_triton_launches(graph), graph)
         fusions = tuple(f.name for f in self.fusions)
