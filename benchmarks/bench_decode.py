@@ -145,6 +145,10 @@ class Point:
 
     def prepare(self, device: str, check_steps: int) -> None:
         built = build_model(self.name, size=self.size, dtype=torch.bfloat16, layers=self.layers, device=device)
+        # which kinds the layers are: a hybrid model keeps both (Qwen 3.5 with 1 layer: full attention)
+        self.result["layer_types"] = list(getattr(built.config, "layer_types", None) or [])
+        if self.result["layer_types"]:
+            print(f"{self.name}: layers {', '.join(self.result['layer_types'])}", flush=True)
         steps = 1 if self.prefill else max(check_steps, 1)
         self.step = DecodeStep(built.module, batch=self.batch, context=self.context, steps=steps)
         check = not self.prefill and check_steps > 0
@@ -253,7 +257,9 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     common.add_sizes(parser, "--batch", [1, 8, 64], [2], what="batch sizes")
     common.add_sizes(parser, "--context", [1024], [8], what="prefilled tokens before the step")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2,
+                        help="decoder layers; hybrid models keep both kinds (Qwen3-Next / 3.5: 3 linear-attention "
+                             "layers then 1 full-attention layer, the last one full below 4)")  # fmt: skip
     parser.add_argument("--check-steps", type=int, default=16,
                         help="decode steps compared against eager (0: none, and no copies of the cache "
                              "for the comparison: long contexts at large batches fit)")  # fmt: skip
