@@ -8,9 +8,14 @@ state-traffic floor at batch 128 (one read and one write of the 64 KiB fp32 stat
 sequence and value head; measured on one H200).
 Fused: each program owns one (sequence b, value head h) and BLOCK_V of the V columns of its state
 [K, V]; it loads q and k of key head h // (HV / Hk) (no repeat), normalises them, computes
-beta and the decay from b, a, A_log and dt_bias, and with the state block in registers:
-    S = S * exp(g);  delta = (v - sum_k S * k) * beta;  S += k delta^T;  out = sum_k S * q
-then stores S over itself and out. All in fp32; sigmoid(b) rounded to b.dtype as the model does.
+beta and the decay from b, a, A_log and dt_bias, and with the state block in registers reduces
+the old state against k and q at once (the reference's decayed, updated state is linear in it):
+    sk = sum_k S * k;  sq = sum_k S * q;  d = exp(g);  delta = (v - d * sk) * beta
+    S' = d * S + k delta^T;  out = d * sq + delta * (k . q)
+then stores S' over S and out. All in fp32; sigmoid(b) rounded to b.dtype as the model does. The
+two reductions do not wait on each other: 2.4-3.4% faster at batch 8-128 than reducing the
+updated state for the output (40.8 vs 41.8 us at batch 32, 143.3 vs 148.3 at 128; 3 runs each,
+a spread of 0.1 us; measured on one H200). Rounding differs from the reference's order in fp32 ulps.
 """
 
 from __future__ import annotations
@@ -80,11 +85,14 @@ def _gated_delta_step_kernel(
     # the decay exp(g) is 1 to fp32's precision either way).
     x = tl.load(a_ptr + b * stride_ab + h * stride_ah).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
-    s = s * tl.exp(g)
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    out = tl.sum(s * q[:, None], axis=0)
+    decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+    sk = tl.sum(s * k[:, None], axis=0)
+    sq = tl.sum(s * q[:, None], axis=0)
+    delta = (v - sk * decay) * beta
+    s = s * decay + k[:, None] * delta[None, :]
+    out = sq * decay + delta * tl.sum(k * q, axis=0)
+    # The state stored after the output's math, not as soon as it is known: 2.6-3.7% faster at
+    # batch 32-128, 1.6% slower at 8 (measured on one H200).
     tl.store(s_ptrs, s, mask=smask)
     tl.store(out_ptr + (b * HV + h) * V + vs, out.to(out_ptr.dtype.element_ty), mask=vm)
 
