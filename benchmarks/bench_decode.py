@@ -45,7 +45,7 @@ from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import tolerance
 
 DEFAULT_MODELS = ["deepseek-v3.2", "minimax-m2", "qwen3.5-moe", "qwen3-moe"]
-LEFT_ROWS = 12  # "what is left" rows kept per point in the JSON and the report
+LEFT_ROWS = 12  # "what is left" rows kept per point in the JSON and the report (--left-rows)
 
 
 @contextlib.contextmanager
@@ -109,7 +109,7 @@ def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int |
             "gpu_us": sum(us for _, us in kernels),
             "classes": classes,
             "per_layer": {c: {k: v / layers for k, v in classes[c].items()} for c in KERNEL_CLASSES},
-            "left": what_is_left(kernels, layers)[:LEFT_ROWS],
+            "left": what_is_left(kernels, layers)[: Point.left_rows],
         }
     return result
 
@@ -136,6 +136,7 @@ class Point:
     compile at once and take turns on the GPU)."""
 
     opt_in: tuple[str, ...] = ()  # opt-in fusions enabled on top of the defaults (main sets it)
+    left_rows: int = LEFT_ROWS  # "what is left" rows kept (main sets it)
 
     def __init__(self, name: str, size: str, layers: int, batch: int, context: int, prefill: bool = False):
         self.name, self.size, self.layers, self.batch, self.context = name, size, layers, batch, context
@@ -268,6 +269,8 @@ def main() -> int:
     parser.add_argument("--prefill-only", action="store_true", help="no decode points: the --prefill runs alone")
     parser.add_argument("--opt-in", nargs="+", default=[], metavar="FUSION",
                         help="opt-in fusions to enable on top of the defaults (e.g. moe_route_grouped)")  # fmt: skip
+    parser.add_argument("--left-rows", type=int, default=LEFT_ROWS, metavar="N",
+                        help="kernels kept in each point's 'what is left' table, the slowest first")  # fmt: skip
     parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")
     parser.add_argument("--barrier", metavar="DIR:N", help="wait until N runs sharing DIR have compiled before timing")
     parser.add_argument("--barrier-timeout", type=float, default=420, help="seconds --barrier waits at most")
@@ -285,6 +288,7 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
     Point.opt_in = tuple(args.opt_in)
+    Point.left_rows = args.left_rows
     decode = [] if args.prefill_only else [
         Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]
     prefill = [Point(m, size, args.layers, 1, n, prefill=True) for m in args.models for n in args.prefill]
