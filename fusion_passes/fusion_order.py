@@ -31,6 +31,7 @@ from fusion_passes.patterns import (
     rope,
     silu_mul_quant_fp8,
     sparse_index_mask,
+    sparse_index_scores,
 )
 
 FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
@@ -87,6 +88,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "canonical op)",
     ),
     (sparse_index_mask, "independent of the others (a top-k and a scatter into a mask, no canonical op)"),
+    (
+        sparse_index_scores,
+        "after sparse_index_mask: where that drops the top-k (every position kept) the scores are "
+        "dead code, which no kernel of this one should keep alive",
+    ),
     (
         gqa_decode_attention,
         "independent of the others (copies of the keys and values and the SDPA call reading them, "

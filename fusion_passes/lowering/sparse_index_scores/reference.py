@@ -1,0 +1,50 @@
+"""Plain-torch reference of DeepSeek V3.2's indexer scores: the single statement of their math.
+
+The indexer (transformers' DeepseekV32Indexer) scores every cached position t for each query
+token s with H heads of dimension D, in fp32:
+
+    dots[b, s, h, t]    = sum_d f32(q[b, s, h, d]) * f32(k[b, t, d])            (q: [B, S, H, D]; k: [B, T, D])
+    index_scores[b,s,t] = sum_h weights[b, s, h] * relu(dots[b, s, h, t] * scale)
+
+``weights`` [B, S, H] are the per-head weights the model computes (already scaled by H^-1/2 in
+transformers) and ``scale`` the softmax scale (D^-1/2). The causal mask and the top-k come after.
+
+transformers writes it as two matmuls (the keys transposed and upcast first):
+
+    scores = relu(q.float() @ k.transpose(-1, -2).float().unsqueeze(1) * scale)      # [B, S, H, T]
+    index_scores = (weights.unsqueeze(-2) @ scores).squeeze(-2)                     # [B, S, T]
+
+q and k of bf16 or fp16 are exact in fp32, and so are their products: sums in another order
+differ from these in fp32 rounding only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sparse_index_scores_args(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> None:
+    """Raise a one-line ValueError for arguments the op does not define."""
+    if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
+        raise ValueError(
+            f"sparse_index_scores: q [B, S, H, D], k [B, T, D] and weights [B, S, H] expected, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(weights.shape)}"
+        )
+    bsz, s, h, d = q.shape
+    if k.shape[0] != bsz or k.shape[2] != d or k.shape[1] < 1:
+        raise ValueError(f"sparse_index_scores: k {tuple(k.shape)} must be [{bsz}, T >= 1, {d}] for q {tuple(q.shape)}")
+    if tuple(weights.shape) != (bsz, s, h):
+        raise ValueError(f"sparse_index_scores: weights {tuple(weights.shape)} must be [{bsz}, {s}, {h}]")
+    if q.dtype not in INPUT_DTYPES or k.dtype not in INPUT_DTYPES:
+        raise ValueError(f"sparse_index_scores: q {q.dtype} and k {k.dtype} must be fp32, bf16 or fp16")
+    if weights.dtype != torch.float32:
+        raise ValueError(f"sparse_index_scores: weights are {weights.dtype}; float32 expected")
+
+
+def sparse_index_scores_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 [B, S, T]: the index scores of every cached position (module docstring)."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)

@@ -1,0 +1,89 @@
+"""DeepSeek V3.2's indexer scores at decode: both matmuls, the scale and the relu in one kernel.
+
+transformers' DeepseekV32Indexer scores each cached position for each query token (q [B, S, H, D]
+from wq_b and RoPE, k [B, T, D] the indexer's key cache, weights [B, S, H] fp32 from
+weights_proj, times H^-1/2):
+
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * softmax_scale
+    scores = F.relu(scores)
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+(DeepSeek's own inference code and vLLM score in FP8 kernels of their own, which no graph traces
+into: transformers' is the spelling torch.compile meets.)
+
+Unfused: with stock Inductor the key cache transposed and upcast into an fp32 copy every layer
+         (8.8 us per layer at 8192 cached tokens, batch 1, on one H200), an fp32 GEMM of the
+         query heads against it, scale and relu, and a second GEMM over the heads
+Fused:   index_scores = fusion_passes.sparse_index_scores(q, k, weights, softmax_scale)
+         one kernel reading the cache as it is (lowering/sparse_index_scores)
+
+The products of bf16 q and k are exact in fp32 either way: the scores differ from the unfused
+ones in the order of fp32 sums (an ulp or so), which can move a top-k's choice where two scores
+tie to the last bits. Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: its scores
+are GEMM-sized work, left to cuBLAS). Not matched: a dim other than the heads' summed, or weights
+that are not fp32 (transformers' are; the op's reference rounds nowhere else).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fusion_passes.fusion import Fusion, NotASite, Spelling
+from fusion_passes.lowering.sparse_index_scores.reference import check_sparse_index_scores_args
+
+# Query tokens per sequence up to which the kernel takes the scores: decode steps (and a few
+# speculative tokens). Each program reads its keys for one token: a prefill's 4096 tokens would
+# read the cache 4096 times, where a GEMM reads it once per tile.
+MAX_QUERY_TOKENS = 16
+
+# softmax_scale is traced as this sentinel, so the pattern takes every scale.
+SCALE_SENTINEL = 2.0**-19
+
+
+def transformers_index_scores(q, k, weights, softmax_scale):
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * softmax_scale
+    scores = F.relu(scores)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def _fused(q, k, weights, softmax_scale):
+    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale)
+
+
+def _check(values: dict[str, Any]) -> str | None:
+    q, k, weights = values["q"], values["k"], values["weights"]
+    try:
+        check_sparse_index_scores_args(q, k, weights)
+    except ValueError as e:
+        return str(e).removeprefix("sparse_index_scores: ")
+    if q.shape[1] > MAX_QUERY_TOKENS:
+        return NotASite(f"{q.shape[1]} query tokens: a prefill's scores (GEMM-sized) are left to cuBLAS")
+    return None
+
+
+def _examples():
+    # A decode step (1 token) and a few tokens: matmul's broadcast traces apart for S = 1.
+    # Heads, dims and positions of distinct sizes; bf16 q and k (a bf16 model's) and fp32.
+    for s in (1, 3):
+        for dtype in (torch.bfloat16, torch.float32):
+            yield (torch.randn(2, s, 4, 16, dtype=dtype), torch.randn(2, 24, 16, dtype=dtype),
+                   torch.randn(2, s, 4), SCALE_SENTINEL)  # fmt: skip
+
+
+SPARSE_INDEX_SCORES = Fusion(
+    name="sparse_index_scores",
+    summary="DeepSeek V3.2 indexer scores (two matmuls, scale, relu) at decode -> one kernel, no copy of the key cache",
+    doc=__doc__.split("\n\n", 1)[1],
+    spellings=(
+        Spelling("transformers_index_scores", transformers_index_scores, _fused),
+    ),
+    example_inputs=_examples,
+    scalars={"softmax_scale": SCALE_SENTINEL},
+    check=_check,
+    builtin=True,
+)
+
+FUSIONS = (SPARSE_INDEX_SCORES,)

@@ -1,0 +1,119 @@
+"""DeepSeek V3.2's indexer scores rewritten to one op: transformers' two matmuls, scale and relu
+at decode (one and a few query tokens, bf16 and fp32), outputs as eager's within fp32 sum order;
+left alone for a prefill's tokens (not a site), weights summed over another dim (not the pattern)
+and keys shared across the batch (rejected, with the reason). On the tiny DeepseekV32 decode step with a
+live index mask: the scores of both layers fused, the step's output as stock Inductor's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion_passes
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import compare, tolerance
+
+FUSION = ["sparse_index_scores"]
+OP = "fusion_passes.sparse_index_scores.default"
+
+
+def transformers_indexer_tail(q, k, weights, softmax_scale, attention_mask):
+    """DeepseekV32Indexer.forward from its scores to the masked index scores, as it writes them."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * softmax_scale
+    scores = F.relu(scores)
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    return index_scores.masked_fill(~attention_mask, float("-inf"))
+
+
+def weights_over_positions(q, k, weights, softmax_scale, attention_mask):
+    """The same matmuls, but the weights summed over the positions, not the heads: not the pattern."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * softmax_scale)
+    return torch.matmul(scores, weights.unsqueeze(-1)).squeeze(-1)
+
+
+def _compile(fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(FUSION, report=report), fullgraph=True)(*args)
+    return out, report
+
+
+def _inputs(s, dtype=torch.bfloat16, wdtype=torch.float32, t=45):
+    g = torch.Generator().manual_seed(s)
+    q = torch.randn(2, s, 6, 32, generator=g).to(dtype)
+    k = torch.randn(2, t, 32, generator=g).to(dtype)
+    w = (torch.randn(2, s, 6, generator=g) * 6**-0.5).to(wdtype)
+    mask = torch.rand(2, s, t, generator=g) > 0.2
+    return q, k, w, 32**-0.5, mask
+
+
+@pytest.mark.parametrize("s,dtype", [(1, torch.bfloat16), (3, torch.bfloat16), (1, torch.float32)])
+def test_indexer_scores_become_one_op(s, dtype):
+    args = _inputs(s, dtype)
+    out, report = _compile(transformers_indexer_tail, *args)
+    expected = transformers_indexer_tail(*args)
+    finite = expected.isfinite()
+    assert torch.equal(finite, out.isfinite())
+    torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert report.final()["sparse_index_scores"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.bmm.default"], after["aten.bmm.default"]) == (2, 0)
+    assert (before["aten.relu.default"], after["aten.relu.default"]) == (1, 0)
+    assert (before[OP], after[OP]) == (0, 1)
+
+
+def test_a_prefill_is_not_a_site():
+    args = _inputs(20)  # 20 query tokens > MAX_QUERY_TOKENS
+    out, report = _compile(transformers_indexer_tail, *args)
+    torch.testing.assert_close(out, transformers_indexer_tail(*args), rtol=1e-5, atol=1e-5)
+    assert report.final()["sparse_index_scores"] == 0 and not report.rejected
+    assert report.ops_after() == report.ops_before()
+
+
+def test_weights_over_another_dim_are_not_the_pattern():
+    q, k, _, scale, mask = _inputs(1)
+    w = torch.randn(2, 1, 6, 45)  # [B, S, H, T] @ [B, S, T, 1]: summed over the positions
+    out, report = _compile(weights_over_positions, q, k, w, scale, mask)
+    torch.testing.assert_close(out, weights_over_positions(q, k, w, scale, mask), rtol=1e-5, atol=1e-5)
+    assert report.matches["sparse_index_scores"] == 0
+    assert report.ops_after() == report.ops_before() and report.ops_after()["aten.bmm.default"] == 2
+
+
+def test_keys_shared_across_the_batch_are_rejected_with_the_reason():
+    """One key row set broadcast to every sequence (k [1, T, D]): matmul broadcasts it, the op
+    takes one cache per sequence; rejected, the reason in the report."""
+    q, k, w, scale, mask = _inputs(1)
+    out, report = _compile(transformers_indexer_tail, q, k[:1], w, scale, mask)
+    torch.testing.assert_close(out, transformers_indexer_tail(q, k[:1], w, scale, mask), rtol=1e-5, atol=1e-5)
+    assert report.final()["sparse_index_scores"] == 0
+    assert any("must be [2, T >= 1, 32]" in r for r in map(str, report.rejected))
+    assert report.ops_after()[OP] == 0
+
+
+def test_deepseek_v32_decode_with_a_live_index_mask_fuses_both_layers():
+    """The tiny config keeps 4 of the cache's 10 positions (index_topk 4): the scores feed a live
+    top-k. The fused step's output equals stock Inductor's within bf16 tolerance (its scores differ
+    in fp32 sum order: its random inputs tie nowhere near the 4th place)."""
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
+    step = DecodeStep(built.module, batch=2, context=8, steps=1)
+    outs = {}
+    for name, fusions in (("fused", FUSION), ("stock", [])):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
+        with torch.no_grad():
+            step.restore()
+            outs[name] = (compiled(*step.inputs(0)).clone(), report)
+    with torch.no_grad():
+        step.restore()
+        eager = step(*step.inputs(0))
+    report = outs["fused"][1]
+    assert report.final()["sparse_index_scores"] == 2
+    before, after = report.ops_before(), report.ops_after()
+    assert (before[OP], after[OP]) == (0, 2)
+    assert before["aten.relu.default"] - after["aten.relu.default"] == 2
+    assert compare(outs["fused"][0], outs["stock"][0]).rel_norm <= tolerance(torch.bfloat16).rel_norm
+    assert compare(outs["fused"][0], eager).rel_norm <= compare(outs["stock"][0], eager).rel_norm + tolerance(torch.bfloat16).rel_norm
