@@ -37,6 +37,8 @@ source "$(dirname "$0")/gpu_run_common.sh"
   --out "$OUT/bench_gqa_decode_attention.md" --json "$OUT/bench_gqa_decode_attention.json"
 [ "${INDEX:-1}" = 1 ] && run bench_sparse_index_mask python3 -m benchmarks.bench_sparse_index_mask \
   --out "$OUT/bench_sparse_index_mask.md" --json "$OUT/bench_sparse_index_mask.json"
+[ "${INDEX:-1}" = 1 ] && run bench_sparse_index_scores python3 -m benchmarks.bench_sparse_index_scores \
+  --out "$OUT/bench_sparse_index_scores.md" --json "$OUT/bench_sparse_index_scores.json"
 [ "${MODELS:-1}" = 1 ] && run bench_models python3 -m benchmarks.bench_models \
   --json "$OUT/bench_models.json" ${MODELS_ARGS:-}
 exit $status

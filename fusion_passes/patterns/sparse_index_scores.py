@@ -20,7 +20,10 @@ Fused:   index_scores = fusion_passes.sparse_index_scores(q, k, weights, softmax
 The products of bf16 q and k are exact in fp32 either way: the scores differ from the unfused
 ones in the order of fp32 sums (an ulp or so), which can move a top-k's choice where two scores
 tie to the last bits. Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: its scores
-are GEMM-sized work, left to cuBLAS). Not matched: a dim other than the heads' summed, or weights
+are GEMM-sized work, left to cuBLAS). On a GPU, Inductor's joint-graph pass has turned a
+batch-1 bmm (one decode token of one sequence) into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)
+before the post-grad passes; ``undo_batch_one_mm`` turns the two around the relu back into the bmm
+the spelling traces to, so the single-sequence decode step matches as a batch does. Not matched: a dim other than the heads' summed, or weights
 that are not fp32 (transformers' are; the op's reference rounds nowhere else).
 """
 
@@ -47,6 +50,67 @@ def transformers_index_scores(q, k, weights, softmax_scale):
     scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * softmax_scale
     scores = F.relu(scores)
     return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+_aten = torch.ops.aten
+_VIEWS = (_aten.reshape.default, _aten.view.default, _aten.expand.default, _aten.unsqueeze.default, _aten.squeeze.dim)
+
+
+def _batch_one_bmm(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(mm, a, b) where ``node`` is unsqueeze(mm(squeeze(a, 0), squeeze(b, 0)), 0): bmm(a, b) of
+    batch 1 as Inductor's joint-graph pass (bmm_to_mm) leaves it on a GPU."""
+    if node.op != "call_function" or node.target is not _aten.unsqueeze.default or node.args[1] != 0:
+        return None
+    mm = node.args[0]
+    if not isinstance(mm, torch.fx.Node) or mm.target is not _aten.mm.default:
+        return None
+    operands = []
+    for x in mm.args[:2]:
+        if not isinstance(x, torch.fx.Node) or x.target is not _aten.squeeze.dim or x.args[1] != 0:
+            return None
+        operands.append(x.args[0])
+    return mm, operands[0], operands[1]
+
+
+def _relu_within(node: torch.fx.Node, hops: int, down: bool) -> bool:
+    """A relu within ``hops`` views (and multiplications, the scale) below (``down``) or above node."""
+    for _ in range(hops):
+        if node.target is _aten.relu.default:
+            return True
+        if down:
+            if len(node.users) != 1:
+                return False
+            node = next(iter(node.users))
+        else:
+            if node.target not in _VIEWS or not isinstance(node.args[0], torch.fx.Node):
+                return False
+            node = node.args[0]
+        if node.target not in (*_VIEWS, _aten.mul.Tensor, _aten.relu.default):
+            return False
+    return node.target is _aten.relu.default
+
+
+def undo_batch_one_mm(graph: torch.fx.Graph) -> int:
+    """Turn the indexer's batch-1 mm forms (the one into the relu, the one reading it) back into
+    bmm: the same math and the same extern GEMM, in the form the spelling traces to. Returns how
+    many it turned."""
+    count = 0
+    for node in list(graph.nodes):
+        found = _batch_one_bmm(node)
+        if found is None:
+            continue
+        mm, a, b = found
+        if not (_relu_within(node, 4, down=True) or _relu_within(b, 4, down=False)):
+            continue
+        with graph.inserting_before(node):
+            bmm = graph.call_function(_aten.bmm.default, (a, b))
+        bmm.meta = dict(node.meta)  # [1, M, N] contiguous, as the unsqueeze of mm's output
+        node.replace_all_uses_with(bmm)
+        for dead in (node, mm, *mm.args[:2]):
+            if not dead.users:
+                graph.erase_node(dead)
+        count += 1
+    return count
 
 
 def _fused(q, k, weights, softmax_scale):
@@ -83,6 +147,7 @@ SPARSE_INDEX_SCORES = Fusion(
     example_inputs=_examples,
     scalars={"softmax_scale": SCALE_SENTINEL},
     check=_check,
+    canonicalize=undo_batch_one_mm,
     builtin=True,
 )
 

@@ -6,8 +6,11 @@ live index mask: the scores of both layers fused, the step's output as stock Ind
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+import torch._inductor.fx_passes.joint_graph as joint_graph
 import torch.nn.functional as F
 
 import fusion_passes
@@ -63,6 +66,41 @@ def test_indexer_scores_become_one_op(s, dtype):
     assert (before["aten.bmm.default"], after["aten.bmm.default"]) == (2, 0)
     assert (before["aten.relu.default"], after["aten.relu.default"]) == (1, 0)
     assert (before[OP], after[OP]) == (0, 1)
+
+
+def _as_on_a_gpu():
+    """Inductor's joint-graph pass turns a batch-1 bmm into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)
+    on GPUs only (bmm_to_mm checks the device): the graph a single-sequence decode step has there."""
+    return mock.patch.object(joint_graph, "check_device", lambda a, b, device=None: True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_sequence_matches_in_the_form_a_gpu_graph_holds(dtype):
+    q, k, w, scale, mask = _inputs(1, dtype)
+    args = (q[:1], k[:1], w[:1], scale, mask[:1])
+    with _as_on_a_gpu():
+        out, report = _compile(transformers_indexer_tail, *args)
+    expected = transformers_indexer_tail(*args)
+    finite = expected.isfinite()
+    torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert report.final()["sparse_index_scores"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.mm.default"], after["aten.mm.default"]) == (2, 0)  # bmm_to_mm's, both undone
+    assert after["aten.bmm.default"] == 0 and after[OP] == 1
+
+
+def test_other_batch_one_matmuls_keep_the_gpu_form():
+    """A batch-1 bmm that is not the indexer's (no relu between the two) is left as mm."""
+    def two_matmuls(a, b, c):
+        return torch.bmm(torch.bmm(a, b) * 2, c)
+
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(1, 6, 6, generator=g) for _ in range(3))
+    with _as_on_a_gpu():
+        out, report = _compile(two_matmuls, a, b, c)
+    torch.testing.assert_close(out, two_matmuls(a, b, c))
+    assert report.final()["sparse_index_scores"] == 0
+    assert report.ops_after()["aten.mm.default"] == 2 and report.ops_after()["aten.bmm.default"] == 0
 
 
 def test_a_prefill_is_not_a_site():

@@ -1,0 +1,56 @@
+"""CUDA: the indexer-scores kernel at DeepSeek V3.2's sizes (64 heads of 128, up to 16k cached
+positions, bf16 q and cache) against the reference and transformers' fp32 matmuls; and a tiny
+DeepSeek V3.2 decode step with a live index mask: the kernel launched per layer, the step's output
+as the step's without the fusion within bf16 tolerance, at batch 1 too (where Inductor has turned
+the batch-1 bmms into mm). Skipped without a GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from _gpu_decode import compile_step
+
+import fusion_passes
+from fusion_passes.lowering.sparse_index_scores.reference import sparse_index_scores_reference
+from fusion_passes.lowering.sparse_index_scores.triton import sparse_index_scores_triton
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import compare, tolerance
+from fusion_passes.patterns.sparse_index_scores import transformers_index_scores
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("batch,s,t", [(1, 1, 1040), (8, 1, 8200), (2, 3, 16400), (64, 1, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_real_sizes_against_reference_and_transformers(batch, s, t, dtype):
+    g = torch.Generator(device="cuda").manual_seed(batch * t)
+    q = torch.randn(batch, s, 64, 128, device="cuda", generator=g).to(dtype)
+    k = torch.randn(batch, t, 128, device="cuda", generator=g).to(dtype)
+    w = torch.randn(batch, s, 64, device="cuda", generator=g) * 64**-0.5
+    out = sparse_index_scores_triton(q, k, w, 128**-0.5)
+    for expected in (sparse_index_scores_reference(q, k, w, 128**-0.5), transformers_index_scores(q, k, w, 128**-0.5)):
+        assert ((out - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # batch 1: the bmm_to_mm form a GPU graph holds
+def test_decode_step_with_the_scores_fused(batch):
+    torch._dynamo.reset()
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
+    step = DecodeStep(built.module, batch=batch, context=8, steps=2)
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    report = fusion_passes.Report()
+    fused, codes = compile_step(step, fusion_passes.backend(defaults, report=report))
+    base, _ = compile_step(step, fusion_passes.backend([n for n in defaults if n != "sparse_index_scores"]))
+    assert report.final()["sparse_index_scores"] == 2
+    (code,) = codes
+    assert len(re.findall(r"_index_scores_kernel_\d+\.run\(", code)) == 2
+    step.restore()
+    with torch.no_grad():
+        got = [fused(*step.inputs(i)).clone() for i in range(2)]
+        step.restore()
+        want = [base(*step.inputs(i)).clone() for i in range(2)]
+    for a, b in zip(got, want, strict=True):
+        assert compare(a, b).rel_norm <= tolerance(torch.bfloat16).rel_norm
