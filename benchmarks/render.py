@@ -279,6 +279,25 @@ def sparse_index_mask(payloads):
     return what, _table(["batch", *(f"{c} cached tokens" for c in contexts)], rows, 1)
 
 
+def sparse_index_scores(payloads):
+    (p,) = payloads
+
+    def kernel_cell(r):
+        g = r["graph_us"]
+        return _cell(g.get("ours_kernel"), _speedup(r, "inductor", "ours_kernel"), None)
+
+    rows = [[str(r["batch"]), str(r["context"]), _kernel_change(r), _us(r["graph_us"]["eager"]), _graph_change(r),
+             kernel_cell(r), _plain_speedup(r)] for r in p["records"]]  # fmt: skip
+    what = (
+        "DeepSeek V3.2's indexer scores at decode (64 heads of 128, bf16 q and key cache, one token per sequence; "
+        "`benchmarks/bench_sparse_index_scores.py`): transformers' two fp32 matmuls, scale and relu, stock "
+        "Inductor → ours (`sparse_index_scores`, compiled), and the kernel launched directly; us per call "
+        "inside a CUDA graph (speedup over stock Inductor); plain: ours' speedup in plain launches:"
+    )
+    header = ["batch", "cached tokens", "kernels", "eager", "stock Inductor → ours", "kernel alone", "plain"]
+    return what, _table(header, rows, 2)
+
+
 def moe_sort_by_expert(payloads):
     (p,) = payloads
     by_tokens: dict[int, dict[str, dict]] = {}
@@ -527,6 +546,7 @@ SECTIONS = (
     ),
     Section("Gated DeltaNet prefill conv (`causal_conv1d`)", ("bench_causal_conv1d",), causal_conv1d),
     Section("DeepSeek V3.2 index mask (`sparse_index_mask_topk`)", ("bench_sparse_index_mask",), sparse_index_mask),
+    Section("DeepSeek V3.2 indexer scores (`sparse_index_scores`)", ("bench_sparse_index_scores",), sparse_index_scores),
     Section("MoE routing and dispatch prep (`moe_route_*`, `moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
     Section("GQA attention at decode (`gqa_decode_attention`)", ("bench_gqa_decode_attention",), gqa_decode_attention),
     Section(
