@@ -59,7 +59,11 @@ def _transformers_recurrent_rule(query, key, value, g, beta, initial_state):
     query, key, value, beta, decay = transformers_rule_inputs(query, key, value, beta, g)
     query = query / (query.shape[-1] ** 0.5)
     last_recurrent_state = initial_state.to(value)
-    core_attn_out = torch.zeros_like(value)
+    # transformers writes torch.zeros_like(value). The graph holds a contiguous fill either way: in
+    # bf16 / fp16 value is a new fp32 tensor; in fp32 it is a view whose size-1 token dim the
+    # model's tensors stride contiguously, where the site's fake values, re-traced by the matcher,
+    # may not (zeros_like would trace a permuted fill there, and no fp32 step matched).
+    core_attn_out = value.new_zeros(value.shape)
     for i in range(sequence_length):
         q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
         decay_t = decay[:, :, i].exp()[..., None, None]
@@ -123,14 +127,13 @@ def _is_step_gating(node) -> bool:
 def _examples():
     # (Hk, HV): grouped value heads (repeated by transformers) and one value head per key head.
     for hk, hv in ((2, 4), (4, 4)):
-        # No fp32 graphs: there transformers' zeros_like(value) keeps the strides of q / k / v's
-        # views, which the matcher's re-check traces differently from the model's graph (a
-        # permuted buffer), so an fp32 pattern never matched; its output, a bare permute, was
-        # only tried against every permute of every graph.
+        # fp32 graphs too (see the fill in _transformers_recurrent_rule): their pattern ends in a
+        # bare permute, tried only in graphs that hold a softplus (applies_to).
         for dtype, param_dtype in (
             (torch.bfloat16, torch.bfloat16),
             (torch.float16, torch.float16),
             (torch.bfloat16, torch.float32),  # A_log / dt_bias kept in fp32
+            (torch.float32, torch.float32),
         ):
             yield (
                 torch.randn(2, 1, hk, 16, dtype=dtype),
@@ -153,6 +156,7 @@ GATED_DELTA_STEP = Fusion(
     check=_check,
     candidate_ops=("aten.log1p.default",),
     candidate=_is_step_gating,
+    applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.aten.log1p.default)),
     builtin=True,
 )
 

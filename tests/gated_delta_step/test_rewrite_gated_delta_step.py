@@ -176,20 +176,7 @@ def test_step_without_qk_l2norm_does_not_match():
     assert miss.spelling == "transformers_gated_delta_step"
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        pytest.param(
-            torch.float32,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="fp32 graphs are not matched: there zeros_like(value) keeps the strides of the "
-                "views, which the matcher's re-check traces as a permuted buffer the model's graph lacks",
-            ),
-        ),
-        torch.float16,
-    ],
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_other_dtypes_fuse_states_bit_equal(dtype):
     (outs, states), (expected, expected_states), report = _compile_and_run(GatedDeltaNetDecode(dtype=dtype))
     assert report.final()["causal_conv1d_update"] == 1 and report.final()["gated_delta_step"] == 1
