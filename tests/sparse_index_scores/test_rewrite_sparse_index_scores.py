@@ -131,6 +131,7 @@ def test_keys_shared_across_the_batch_are_rejected_with_the_reason():
     assert report.ops_after()[OP] == 0
 
 
+@pytest.mark.slow  # a whole-model decode step compiled twice (about 30 s on 2 cores)
 def test_deepseek_v32_decode_with_a_live_index_mask_fuses_both_layers():
     """The tiny config keeps 4 of the cache's 10 positions (index_topk 4): the scores feed a live
     top-k. The fused step's output equals stock Inductor's within bf16 tolerance (its scores differ
