@@ -19,12 +19,15 @@ Fused:   index_scores = fusion_passes.sparse_index_scores(q, k, weights, softmax
 
 The products of bf16 q and k are exact in fp32 either way: the scores differ from the unfused
 ones in the order of fp32 sums (an ulp or so), which can move a top-k's choice where two scores
-tie to the last bits. Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: its scores
-are GEMM-sized work, left to cuBLAS). On a GPU, Inductor's joint-graph pass has turned a
-batch-1 bmm (one decode token of one sequence) into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)
-before the post-grad passes; ``undo_batch_one_mm`` turns the two around the relu back into the bmm
-the spelling traces to, so the single-sequence decode step matches as a batch does. Not matched: a dim other than the heads' summed, or weights
-that are not fp32 (transformers' are; the op's reference rounds nowhere else).
+tie to the last bits.
+
+Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: its scores are GEMM-sized work,
+left to cuBLAS). Rejected with the reason: keys shared across the batch (k [1, T, D] broadcast),
+or arguments the op does not define. Not matched: weights summed over another dim than the heads.
+On a GPU, Inductor's joint-graph pass has turned a batch-1 bmm (one decode token of one sequence)
+into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0) before the post-grad passes;
+``undo_batch_one_mm`` turns the two around the relu back into the bmm the spelling traces to, so
+a single-sequence decode step matches as a batch does.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def undo_batch_one_mm(graph: torch.fx.Graph) -> int:
             bmm = graph.call_function(_aten.bmm.default, (a, b))
         bmm.meta = dict(node.meta)  # [1, M, N] contiguous, as the unsqueeze of mm's output
         node.replace_all_uses_with(bmm)
-        for dead in (node, mm, *mm.args[:2]):
+        for dead in dict.fromkeys((node, mm, *mm.args[:2])):  # a squeeze may feed both operands
             if not dead.users:
                 graph.erase_node(dead)
         count += 1

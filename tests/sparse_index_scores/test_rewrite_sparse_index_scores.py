@@ -100,6 +100,7 @@ def test_other_batch_one_matmuls_keep_the_gpu_form():
         out, report = _compile(two_matmuls, a, b, c)
     torch.testing.assert_close(out, two_matmuls(a, b, c))
     assert report.final()["sparse_index_scores"] == 0
+    assert report.ops_after() == report.ops_before()
     assert report.ops_after()["aten.mm.default"] == 2 and report.ops_after()["aten.bmm.default"] == 0
 
 
@@ -128,7 +129,7 @@ def test_keys_shared_across_the_batch_are_rejected_with_the_reason():
     torch.testing.assert_close(out, transformers_indexer_tail(q, k[:1], w, scale, mask), rtol=1e-5, atol=1e-5)
     assert report.final()["sparse_index_scores"] == 0
     assert any("must be [2, T >= 1, 32]" in r for r in map(str, report.rejected))
-    assert report.ops_after()[OP] == 0
+    assert report.ops_after() == report.ops_before() and report.ops_after()[OP] == 0
 
 
 @pytest.mark.slow  # a whole-model decode step compiled twice (about 30 s on 2 cores)
