@@ -11,9 +11,10 @@ with S = 1 (one decode token) and the positions beyond the filled cache at -inf.
 eager; inductor (torch.compile); ours (torch.compile with sparse_index_mask_topk);
 ours_kernel (the launcher called directly). Each is timed as plain launches (do_bench median) and
 in a CUDA graph of calls on 4 distinct score sets; the masks are checked equal to eager's (the
-scores are drawn without ties).
+scores are drawn without ties). --sweep times ours_kernel at each split (programs a row) and
+warp count, each mask checked too.
 
-    python -m benchmarks.bench_sparse_index_mask [--batch 1 8 64] [--context 4096 8192 16384]
+    python -m benchmarks.bench_sparse_index_mask [--batch 1 8 64] [--context 4096 8192 16384] [--sweep]
     python -m benchmarks.bench_sparse_index_mask --smoke   # tiny sizes; on a CPU via Triton's interpreter
 """
 
@@ -36,6 +37,7 @@ BATCH, SMOKE_BATCH = (1, 8, 64), (2,)
 CONTEXT, SMOKE_CONTEXT = (4096, 8192, 16384), (40,)
 INDEX_TOPK, SMOKE_TOPK = 2048, 8
 SETS = 4
+SWEEP = [(split, w) for split in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8)]
 
 
 def region(index_scores, ones, k):
@@ -50,7 +52,7 @@ def scores_set(batch, context, device, g):
     return scores.to(device)
 
 
-def bench(batch, context, top_k, device, g) -> dict:
+def bench(batch, context, top_k, device, g, sweep=False) -> dict:
     sets = [scores_set(batch, context, device, g) for _ in range(SETS if device == "cuda" else 1)]
     ones = torch.ones(sets[0].shape, dtype=torch.bool, device=device)
     k = min(top_k, sets[0].shape[-1])
@@ -70,6 +72,15 @@ def bench(batch, context, top_k, device, g) -> dict:
         record["kernels"][name] = kernels_per_call(calls[0])
         record["plain_us"][name] = time_plain_us(calls[0]) if device == "cuda" else None
         record["graph_us"][name] = time_graph_us(calls)
+    if sweep and device == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        record["sweep_graph_us"], record["sweep_correct"] = {}, {}
+        for split, w in SWEEP:
+            if batch * split > sms:  # a row's programs must all fit at once
+                continue
+            calls = [lambda s=s, sp=split, w=w: sparse_index_mask_triton(s, k, split=sp, num_warps=w) for s in sets]
+            record["sweep_correct"][f"{split}x{w}"] = bool(torch.equal(calls[0](), expected))
+            record["sweep_graph_us"][f"{split}x{w}"] = time_graph_us(calls)
     return record
 
 
@@ -86,6 +97,13 @@ def report_text(records, device_name) -> str:
                          + " | " + common.ratio(t["inductor"], t["ours"]) + " | "
                          + "/".join(str(r["kernels"][i]) for i in impls) + " |")  # fmt: skip
         lines.append("")
+    for r in records:
+        if r.get("sweep_graph_us"):
+            best = min((v, k) for k, v in r["sweep_graph_us"].items() if v)
+            wrong = [k for k, ok in r["sweep_correct"].items() if not ok]
+            lines.append(f"sweep (split x warps) batch {r['batch']} context {r['context']}: best {best[1]} "
+                         f"{best[0]:.1f} us; " + ", ".join(f"{k} {common.us(v)}" for k, v in r["sweep_graph_us"].items())
+                         + (f"; WRONG masks: {wrong}" if wrong else ""))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -94,6 +112,7 @@ def main() -> int:
     common.add_sizes(parser, "--batch", BATCH, SMOKE_BATCH, "batch sizes (one decode token each)")
     common.add_sizes(parser, "--context", CONTEXT, SMOKE_CONTEXT, "cached tokens")
     parser.add_argument("--top-k", type=int, default=None, help=f"index_topk (default {INDEX_TOPK})")
+    parser.add_argument("--sweep", action="store_true", help="time ours_kernel at each split and warp count")
     args = common.parse(parser)
     device = common.device(parser, args.smoke)
     top_k = args.top_k or (SMOKE_TOPK if args.smoke else INDEX_TOPK)
@@ -102,14 +121,15 @@ def main() -> int:
     with torch.no_grad():
         for context, batch in [(c, b) for c in args.context for b in args.batch]:
             torch._dynamo.reset()
-            records.append(bench(batch, context, top_k, device, g))
+            records.append(bench(batch, context, top_k, device, g, args.sweep))
             r = records[-1]
             print(f"batch {batch} context {context}: " + ", ".join(f"{i} {common.us(r['graph_us'][i])}"
                                                                     for i in r["graph_us"])
                   + f"; correct {r['correct']}", flush=True)  # fmt: skip
     common.finish(args, report_text(records, common.device_name(device)),
                   {"device": common.device_name(device), "records": records})  # fmt: skip
-    bad = [(r["batch"], r["context"]) for r in records if r["fused_sites"] != 1 or not all(r["correct"].values())]
+    bad = [(r["batch"], r["context"]) for r in records
+           if r["fused_sites"] != 1 or not all(r["correct"].values()) or not all(r.get("sweep_correct", {}).values())]
     if bad:
         print(f"FAILURE (not fused, or a wrong mask) at {bad}")
     return 1 if bad else 0

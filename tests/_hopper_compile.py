@@ -9,6 +9,7 @@ It must run without TRITON_INTERPRET (the tests' conftest sets it), hence a proc
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -96,6 +97,8 @@ def _cases():
     state = torch.randn(2, 96, 3, dtype=bf16)
     yield "causal_conv1d_update", causal_conv1d_update_triton, (x[:, :, :1], state, weight, None, True)
     yield "sparse_index_mask", sparse_index_mask_triton, (torch.randn(2, 3000), 2048)
+    split = functools.partial(sparse_index_mask_triton, split=6)  # a row's programs summing histograms
+    yield "sparse_index_mask (split rows)", split, (torch.randn(2, 3000), 2048)
     yield "moe_sort_by_expert", moe_sort_by_expert_triton, (torch.randint(0, 64, (64,)), 64)
     logits = torch.randn(3, 256)
     yield "moe_route", moe_route_triton, (logits, None, 8, True, True)

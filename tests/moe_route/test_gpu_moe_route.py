@@ -49,8 +49,10 @@ def test_decode_step_routes_in_one_kernel(model, route, router_topks, launch):
     stock, stock_codes = compile_step(step, "inductor")
     assert report.final()[route] == moe_layers and report.final()["moe_sort_by_expert"] == moe_layers
     before, after = report.ops_before(), report.ops_after()
-    # the router's top-ks gone (and DeepSeek V3.2's indexer top-k where sparse_index_mask_all takes it)
-    routed = router_topks * moe_layers + report.final().get("sparse_index_mask_all", 0)
+    # the router's top-ks gone, and DeepSeek V3.2's indexer top-ks (which sparse_index_mask_all or
+    # sparse_index_mask_topk take)
+    indexer = sum(report.final().get(f"sparse_index_mask_{form}", 0) for form in ("all", "topk"))
+    routed = router_topks * moe_layers + indexer
     assert before["aten.topk.default"] - after["aten.topk.default"] == routed
     op = "moe_route_grouped" if route.startswith("moe_route_grouped") else "moe_route"
     assert after[f"fusion_passes.{op}.default"] == moe_layers

@@ -1,6 +1,7 @@
 """CUDA: the index-mask kernel at DeepSeek V3.2's sizes (index_topk 2048 of up to 16k cached
 positions) against the reference and against torch's CUDA top-k + scatter, ties included (the
-reference's claim: torch's CUDA top-k keeps the lowest positions among scores equal to the k-th);
+reference's claim: torch's CUDA top-k keeps the lowest positions among scores equal to the k-th),
+with a row in one program or split over several that sum their histograms;
 and a tiny DeepSeek V3.2 decode step with the opt-in fusion: the kernel launched per layer, the
 output bit-equal to the default fusions' step. Skipped without a GPU (run on the GPU machine)."""
 
@@ -26,16 +27,19 @@ def _topk_scatter(scores, k):
     return torch.ones(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, idx, False)
 
 
-@pytest.mark.parametrize("rows,t", [(1, 1040), (8, 4100), (64, 8200), (2, 16400)])
+@pytest.mark.parametrize("rows,t", [(1, 1040), (8, 4100), (64, 8200), (2, 16400), (1, 8208)])
 @pytest.mark.parametrize("ties", [False, True])
-def test_real_sizes_against_reference_and_torch_top_k(rows, t, ties):
+@pytest.mark.parametrize("split", [None, 1, 3, 16])  # None: the launcher's choice
+def test_real_sizes_against_reference_and_torch_top_k(rows, t, ties, split):
     g = torch.Generator(device="cuda").manual_seed(rows * t)
     scores = torch.randn(rows, 1, t, device="cuda", generator=g)
     if ties:  # relu'd, coarse scores: the k-th place is a tie
         scores = scores.clamp_min(0).round(decimals=1)
     scores[..., -5:] = float("-inf")
     k = min(2048, t - 5)
-    mask = sparse_index_mask_triton(scores, k)
+    if split is not None and rows * split > torch.cuda.get_device_properties(0).multi_processor_count:
+        pytest.skip("a row's programs must all fit on the GPU at once")
+    mask = sparse_index_mask_triton(scores, k, split=split)
     assert torch.equal(mask, sparse_index_mask_reference(scores, k))
     assert torch.equal(mask, _topk_scatter(scores, k))
 

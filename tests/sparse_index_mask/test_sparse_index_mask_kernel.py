@@ -86,6 +86,11 @@ def test_bad_arguments_get_one_line_errors(scores, k, message):
         sparse_index_mask_triton(scores.to(DEVICE), k)
 
 
+def test_a_split_below_one_program_a_row_is_refused():
+    with pytest.raises(ValueError, match="split must be >= 1, got 0"):
+        sparse_index_mask_triton(torch.zeros(2, 5, device=DEVICE), 2, split=0)
+
+
 def test_opcheck():
     scores = torch.randn(2, 3, 19, device=DEVICE)
     torch.library.opcheck(torch.ops.fusion_passes.sparse_index_mask.default, (scores, 4))

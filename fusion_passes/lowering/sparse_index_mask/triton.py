@@ -3,15 +3,20 @@
 Unfused (stock Inductor on transformers' indexer): torch's top-k over the cached positions (a
 radix sort of the whole row: 46 / 65 / 98 us at 4096 / 8192 / 16384 cached tokens, batch 1, on one
 H200 inside a CUDA graph) and the scatter of its indices into a mask of ones.
-Fused: one program per row selects the k-th largest order key (reference.order_keys, as unsigned
-32-bit) by radix select, RADIX (5) bits at a time from the top: per digit, one pass over the row
-counts the candidates' digits (the keys that share the digits chosen so far) in a 32-bin histogram
-and keeps the digit at which the count from the top reaches the k still to place. 7 passes (the
-first takes the 2 bits left over), then one more writes the mask: the keys above the k-th, and of
-those equal to it the lowest positions through a running count where they tie across the k-th
-place (the last histogram counts them; without a tie the mask is one compare a position). No
-sort, no indices. (A bisection over the keys, 32 passes, ran at 0.63x stock Inductor at 16384
-cached tokens: each pass is a loop over the row in one program.)
+Fused: the k-th largest order key (reference.order_keys, as unsigned 32-bit) by radix select,
+RADIX (5) bits at a time from the top: per digit, one pass over the row counts the candidates'
+digits (the keys that share the digits chosen so far) in a 32-bin histogram and keeps the digit at
+which the count from the top reaches the k still to place. 7 passes (the first takes the 2 bits
+left over), then one more writes the mask: the keys above the k-th, and of those equal to it the
+lowest positions through a running count where they tie across the k-th place (the last histogram
+counts them; without a tie the mask is one compare a position). No sort, no indices.
+A row is one program, or SPLIT programs over parts of it where the GPU has the SMs to spare (a
+decode step's few rows): each pass, every part adds its histogram to the row's in a zeroed work
+buffer and waits until all have (an arrival count); where the k-th place ties, each part also
+counts its equal keys, so that a part knows how many lie before it. At batch 1 and 8192 cached
+tokens, 33 programs a row take 15 us against one program's 33.
+(A bisection over the keys, 32 passes, ran at 0.63x stock Inductor at 16384 cached tokens: each
+pass is a loop over the row in one program.)
 """
 
 from __future__ import annotations
@@ -35,17 +40,42 @@ def _unsigned_key(x):
 
 
 @triton.jit
+def _split_barrier(count_ptr, SPLIT: tl.constexpr):
+    # Every program of a row arrives (the count's add releases this program's earlier atomics to
+    # the others), then waits until all SPLIT have: the row's programs run at once (the launcher
+    # keeps rows * SPLIT within the GPU's SMs), so the wait ends.
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release")
+    while tl.atomic_add(count_ptr, 0, sem="acquire") < SPLIT:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
 def _index_mask_kernel(
     scores_ptr,  # *fp32/bf16/fp16 [rows, T], rows contiguous
     mask_ptr,  # *bool [rows, T]
+    work_ptr,  # *int32 [rows, WORK], zeroed: the row's histograms and counts (SPLIT > 1 only)
     T,  # positions per row
     k,  # positions kept per row, 1 <= k <= T
+    CHUNK,  # positions a program takes: [part * CHUNK, (part + 1) * CHUNK)
+    WORK,  # int32s of work_ptr per row
     BLOCK: tl.constexpr,
     RADIX: tl.constexpr,  # bits a pass
     PASSES: tl.constexpr,  # RADIX * PASSES >= 32; the first pass takes the bits left over
+    SPLIT: tl.constexpr,  # programs a row
+    PARTS: tl.constexpr,  # SPLIT rounded up to a power of two
 ):
-    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    row = (pid // SPLIT).to(tl.int64)
+    part = pid % SPLIT
+    lo = part * CHUNK
+    hi = tl.minimum(T, lo + CHUNK)
     row_ptr = scores_ptr + row * T
+    # the row's work: PASSES histograms, then PASSES + 1 arrival counts, then SPLIT tie counts
+    hist_ptr = work_ptr + row * WORK
+    count_ptr = hist_ptr + PASSES * (1 << RADIX)
+    ties_ptr = count_ptr + PASSES + 1
     bins = tl.arange(0, 1 << RADIX)
     prefix = tl.full((), 0, tl.int64)  # the digits of the k-th largest key chosen so far
     remaining = k  # of the top k, those not above the prefix's keys
@@ -54,15 +84,19 @@ def _index_mask_kernel(
         # the digit below the prefix: bits [shift, shift + RADIX) of the key (a constexpr)
         shift = RADIX * (PASSES - 1 - p)
         hist = tl.zeros((1 << RADIX,), tl.int32)
-        start = 0
+        start = lo
         # while loops: Triton's interpreter (the CPU tests) cannot bound a for loop by an argument
-        while start < T:
+        while start < hi:
             offs = start + tl.arange(0, BLOCK)
-            inside = offs < T
+            inside = offs < hi
             key = _unsigned_key(tl.load(row_ptr + offs, mask=inside, other=0.0).to(tl.float32))
             candidate = inside & ((key >> (shift + RADIX)) == prefix)
             hist += tl.histogram(((key >> shift) & ((1 << RADIX) - 1)).to(tl.int32), 1 << RADIX, mask=candidate)
             start += BLOCK
+        if SPLIT > 1:  # the row's histogram: every part's summed
+            tl.atomic_add(hist_ptr + p * (1 << RADIX) + bins, hist, sem="relaxed")
+            _split_barrier(count_ptr + p, SPLIT)
+            hist = tl.atomic_add(hist_ptr + p * (1 << RADIX) + bins, 0, sem="relaxed")
         # at_or_above[d]: candidates whose digit is >= d; the k-th is at the largest d where it
         # reaches the remaining count, after the candidates above d
         at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
@@ -72,20 +106,33 @@ def _index_mask_kernel(
         prefix = (prefix << RADIX) | digit.to(tl.int64)
     # Keys above the k-th are kept, and `remaining` of those equal to it. Where all of those are
     # kept (no tie across the k-th place, the usual case), the mask is one compare a position;
-    # otherwise the lowest positions fill the rest, through a running count.
-    start = 0
+    # otherwise the lowest positions fill the rest, through a running count (from the row's
+    # earlier parts' counts of keys equal to the k-th).
+    start = lo
     if equal == remaining:
-        while start < T:
+        while start < hi:
             offs = start + tl.arange(0, BLOCK)
-            inside = offs < T
+            inside = offs < hi
             key = _unsigned_key(tl.load(row_ptr + offs, mask=inside, other=0.0).to(tl.float32))
             tl.store(mask_ptr + row * T + offs, key < prefix, mask=inside)
             start += BLOCK
     else:
         equal_before = 0
-        while start < T:
+        if SPLIT > 1:
+            while start < hi:
+                offs = start + tl.arange(0, BLOCK)
+                key = _unsigned_key(tl.load(row_ptr + offs, mask=offs < hi, other=0.0).to(tl.float32))
+                equal_before += tl.sum(((key == prefix) & (offs < hi)).to(tl.int32), axis=0)
+                start += BLOCK
+            tl.atomic_add(ties_ptr + part, equal_before, sem="relaxed")
+            _split_barrier(count_ptr + PASSES, SPLIT)
+            parts = tl.arange(0, PARTS)
+            before = tl.atomic_add(ties_ptr + parts, 0, mask=parts < part, sem="relaxed")
+            equal_before = tl.sum(tl.where(parts < part, before, 0), axis=0)
+            start = lo
+        while start < hi:
             offs = start + tl.arange(0, BLOCK)
-            inside = offs < T
+            inside = offs < hi
             key = _unsigned_key(tl.load(row_ptr + offs, mask=inside, other=0.0).to(tl.float32))
             is_equal = (key == prefix) & inside
             rank = equal_before + tl.cumsum(is_equal.to(tl.int32), axis=0) - is_equal.to(tl.int32)
@@ -95,20 +142,59 @@ def _index_mask_kernel(
             start += BLOCK
 
 
-def sparse_index_mask_triton(index_scores: torch.Tensor, k: int, *, wrap: Callable | None = None) -> torch.Tensor:
-    """bool [..., T] as ``sparse_index_mask_reference``."""
+# Positions a program takes where a row is split. On one H200 inside a CUDA graph, batch 1, by
+# programs a row (8 warps): 8192 cached tokens 1 / 4 / 16 / 32 / 64: 32.8 / 24.1 / 16.2 / 15.7 /
+# 15.5 us; 16384: 56.7 / 32.6 / 19.3 / 17.2 / 15.9 us. Smaller parts gain < 1 us more.
+SPLIT_POSITIONS = 256
+
+
+def _split(rows: int, t, device: torch.device) -> int:
+    """Programs a row: enough that each takes about SPLIT_POSITIONS positions, while every program
+    of the launch fits on the GPU at once (a row's programs wait for each other)."""
+    if device.type != "cuda" or not isinstance(t, int) or t <= SPLIT_POSITIONS:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-t // SPLIT_POSITIONS), sms // rows))
+
+
+def sparse_index_mask_triton(
+    index_scores: torch.Tensor,
+    k: int,
+    *,
+    split: int | None = None,
+    num_warps: int | None = None,
+    wrap: Callable | None = None,
+) -> torch.Tensor:
+    """bool [..., T] as ``sparse_index_mask_reference``. ``split``: programs a row (default: from
+    the rows, T and the GPU's SMs; more than one only where all of the launch's programs fit on the
+    GPU at once); ``num_warps``: default from the positions a loop step takes."""
     check_sparse_index_mask_args(index_scores, k)
     scores = index_scores.contiguous()
     t = scores.shape[-1]
     rows = scores.numel() // t
     mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
-    # 2048 positions a loop step at 8 warps, 5-bit digits (7 passes; the first takes 2 bits):
-    # Triton's histogram costs each lane a share of the bins per position (256 bins: 8), so
+    split = _split(rows, t, scores.device) if split is None else split
+    if split < 1:
+        raise ValueError(f"sparse_index_mask: split must be >= 1, got {split}")
+    radix, passes = 5, 7
+    # Unsplit: 2048 positions a loop step at 8 warps, 5-bit digits (7 passes; the first takes 2
+    # bits): Triton's histogram costs each lane a share of the bins per position (256 bins: 8), so
     # fewer bins, more passes measured faster. On one H200 at batch 1, 8192 cached tokens, with
     # the running count in every mask pass: 8-bit digits at 1024 x 4 warps 47.3 us, at 2048 x 8
     # 40.6; 2 / 3 / 4 / 5 / 6-bit digits at 2048 x 8: 50.2 / 41.0 / 38.1 / 35.0 / 36.7.
-    # Shorter rows take one step.
-    block = min(2048, max(16, triton.next_power_of_2(t))) if isinstance(t, int) else 2048
+    # Shorter rows take one step. Split, a row's programs sum their histograms in a zeroed work
+    # buffer (a pass ends when every program has added its own) and take one step each, at 8
+    # warps: at batch 8 with 16 programs a row, 16.0 / 17.2 / 19.8 us at 4096 / 8192 / 16384
+    # cached tokens against 16.1 / 18.2 / 23.2 at 4 warps (batch 1: within 0.6 us either way).
+    chunk = -(-t // split)
+    if split > 1:
+        chunk = -(-chunk // 16) * 16
+    block = min(2048, max(16, triton.next_power_of_2(chunk))) if isinstance(chunk, int) else 2048
+    work_size = passes * (1 << radix) + passes + 1 + split
+    work = (torch.zeros((rows, work_size), dtype=torch.int32, device=scores.device) if split > 1
+            else torch.empty((1,), dtype=torch.int32, device=scores.device))  # fmt: skip
+    num_warps = num_warps or (8 if block >= 2048 or split > 1 else 4)
     kernel = wrap(_index_mask_kernel) if wrap is not None else _index_mask_kernel
-    kernel[(rows,)](scores, mask, t, k, BLOCK=block, RADIX=5, PASSES=7, num_warps=8 if block >= 2048 else 4)
+    kernel[(rows * split,)](scores, mask, work, t, k, chunk, work_size, BLOCK=block, RADIX=radix, PASSES=passes,
+                            SPLIT=split, PARTS=triton.next_power_of_2(split), num_warps=num_warps)  # fmt: skip
     return mask
