@@ -5,6 +5,9 @@ ours, at decode and prefill token counts.
            expert ids, histc + cumsum (the grouped GEMM's offsets) and the inverse permutation
     route: the Qwen 3.5-MoE router after its gate GEMM (softmax, sorted top-k, renormalisation,
            the cast to bf16) on bf16 logits
+    route_grouped: DeepSeek V3 / V3.2's group-limited router after its fp32 gate GEMM (sigmoid +
+           correction bias, each group's top-2 sum, the kept groups, top-k, gather, renormalise,
+           routed scaling): 8 groups, 4 kept, scale 2.5
 
 256 experts, top-8 (Qwen 3.5-MoE, MiniMax-M2, DeepSeek V3.x) by default; the ids of each token
 are distinct, as top-k returns them. Each implementation is timed as plain launches (do_bench
@@ -16,7 +19,7 @@ Implementations: eager; inductor (torch.compile); ours (torch.compile with the f
 backend: the fused kernel launched by Inductor, no launch-table limit); ours_kernel (our launcher
 called directly).
 
-    python -m benchmarks.bench_moe_sort_by_expert [--regions route sort] [--tokens 1 64 4096] [--experts 256]
+    python -m benchmarks.bench_moe_sort_by_expert [--regions route route_grouped sort] [--tokens 1 64 4096] [--experts 256]
     python -m benchmarks.bench_moe_sort_by_expert --smoke   # tiny sizes; on a CPU via Triton's interpreter
 """
 
@@ -34,14 +37,15 @@ common.interpret_smoke_run()  # before triton is imported
 import fusion_passes  # noqa: E402
 from benchmarks.timing import kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 from fusion_passes.lowering import launch_tables  # noqa: E402
-from fusion_passes.lowering.moe_route.triton import moe_route_triton  # noqa: E402
+from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton  # noqa: E402
 from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton  # noqa: E402
-from fusion_passes.patterns.moe_route import qwen_router  # noqa: E402
+from fusion_passes.patterns.moe_route import deepseek_v3_router, qwen_router  # noqa: E402
 from fusion_passes.patterns.moe_sort_by_expert import transformers_grouped_mm_dispatch  # noqa: E402
 
 TOKENS = (1, 8, 64, 128, 256, 512, 1024, 4096)
 SMOKE_TOKENS = (1, 5)
 SETS = 16
+N_GROUP, TOPK_GROUP, ROUTED_SCALING = 8, 4, 2.5  # DeepSeek V3 / V3.2
 
 
 def region(top_k_index, num_experts):
@@ -120,10 +124,49 @@ def bench_route(tokens, experts, top_k, device, g) -> dict:
     return record
 
 
+def bench_route_grouped(tokens, experts, top_k, device, g) -> dict:
+    n_sets = SETS if device == "cuda" else 1
+    sets = [(torch.randn(tokens, experts, generator=g).to(device), (torch.rand(experts, generator=g) * 0.1).to(device))
+            for _ in range(n_sets)]  # fmt: skip
+
+    def router(logits, bias):
+        return deepseek_v3_router(logits, bias, top_k, N_GROUP, TOPK_GROUP, ROUTED_SCALING)
+
+    report = fusion_passes.Report()
+    backend = fusion_passes.backend(["moe_route_grouped"], report=report)
+    ours = torch.compile(router, backend=backend, fullgraph=True)
+    ours(*sets[0])
+    impls = {
+        "eager": router,
+        "inductor": torch.compile(router, fullgraph=True),
+        "ours": ours,
+        "ours_kernel": lambda x, b: moe_route_grouped_triton(x, b, top_k, N_GROUP, TOPK_GROUP, True, ROUTED_SCALING),
+    }
+    record = {"region": "route_grouped", "tokens": tokens, "pairs": tokens * top_k, "experts": experts,
+              "top_k": top_k, "fused_sites": report.matches.get("moe_route_grouped", 0), "correct": {},
+              "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
+    want_w, want_ids = router(*sets[0])
+    for name, fn in impls.items():
+        calls = [lambda s=s, fn=fn: fn(*s) for s in sets]
+        w, ids = calls[0]()
+        # the selected experts and their fp32 weights, in either order (torch's top-k is unsorted)
+        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+        record["correct"][name] = bool(torch.equal(ids.gather(-1, order), want_ids.gather(-1, want_order))
+                                       and torch.allclose(w.gather(-1, order), want_w.gather(-1, want_order),
+                                                          rtol=1e-5, atol=1e-6))  # fmt: skip
+        record["kernels"][name] = kernels_per_call(calls[0])
+        record["plain_us"][name] = time_plain_us(calls[0])
+        record["graph_us"][name] = time_graph_us(calls)
+    return record
+
+
+BENCHES = {"route": bench_route, "route_grouped": bench_route_grouped, "sort": bench_sort}
+
+
 def report_text(records, device_name) -> str:
     lines = [f"# MoE routing and dispatch prep, {device_name}", ""]
     impls = list(records[0]["graph_us"])
-    for region, mode in [(r, m) for r in ("route", "sort") for m in ("graph_us", "plain_us")]:
+    for region, mode in [(r, m) for r in BENCHES for m in ("graph_us", "plain_us")]:
         rows = [r for r in records if r.get("region", "sort") == region]
         if not rows:
             continue
@@ -145,7 +188,7 @@ def main() -> int:
     common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "tokens (each routed to top-k experts)")
     parser.add_argument("--experts", type=int, nargs="+", default=[256])
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--regions", nargs="+", default=["route", "sort"], choices=["route", "sort"])
+    parser.add_argument("--regions", nargs="+", default=list(BENCHES), choices=list(BENCHES))
     args = common.parse(parser)
     device = common.device(parser, args.smoke)
     device_name = common.device_name(device)
@@ -154,7 +197,7 @@ def main() -> int:
     with torch.no_grad():
         for region, experts, tokens in [(r, e, t) for r in args.regions for e in args.experts for t in args.tokens]:
             torch._dynamo.reset()
-            records.append((bench_route if region == "route" else bench_sort)(tokens, experts, args.top_k, device, g))
+            records.append(BENCHES[region](tokens, experts, args.top_k, device, g))
             r = records[-1]
             print(f"{region} experts={experts} tokens={tokens}: " + ", ".join(
                 f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"]) + f"; correct {r['correct']}", flush=True)

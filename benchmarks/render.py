@@ -314,17 +314,20 @@ def moe_sort_by_expert(payloads):
         regions = by_tokens[tokens]
         any_r = next(iter(regions.values()))
         rows.append([f"{tokens} x {any_r['top_k']} ({any_r['pairs']})", *cells(regions.get("route")),
-                     *cells(regions.get("sort"))])  # fmt: skip
+                     *cells(regions.get("route_grouped")), *cells(regions.get("sort"))])  # fmt: skip
     experts = sorted({r["experts"] for r in p["records"]})
     what = (
         f"A MoE layer's routing and dispatch prep, {'/'.join(map(str, experts))} experts "
         "(`benchmarks/bench_moe_sort_by_expert.py`). Route: the Qwen 3.5-MoE router after its gate GEMM "
-        "(softmax, sorted top-k, renormalisation). Sort: transformers' grouped_mm experts before the grouped "
+        "(softmax, sorted top-k, renormalisation). Grouped route: DeepSeek V3 / V3.2's group-limited router after "
+        "its fp32 gate GEMM (sigmoid + correction bias, group top-2 sums, 4 of 8 groups kept, top-k, gather, "
+        "renormalisation, routed scaling). Sort: transformers' grouped_mm experts before the grouped "
         "GEMMs (the sort of the flat top-k expert ids, histc + cumsum offsets, the inverse permutation); the "
         "launch table leaves it to Inductor from the first pair count where ours is slower. us per call inside "
         "a CUDA graph, stock Inductor → ours (speedup); plain launches: the speedup alone:"
     )
     header = ["tokens x top-k (pairs)", "route kernels", "route, CUDA graph", "route, plain",
+              "grouped route kernels", "grouped route, CUDA graph", "grouped route, plain",
               "sort kernels", "sort, CUDA graph", "sort, plain"]  # fmt: skip
     return what, _table(header, rows, 1)
 

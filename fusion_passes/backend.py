@@ -32,7 +32,7 @@ def backend(
     """Build a torch.compile backend.
 
     fusions:  "all" or the names of the fusions to apply (``fusion_passes.list_fusions()``); "all"
-              among the names adds the defaults (``["all", "moe_route_grouped"]``).
+              among the names adds the defaults (``["all", "allreduce_rms_norm"]``).
     report:   a ``Report`` to fill with the sites rewritten in every graph this backend compiles.
     verify:   check each rewrite on fresh random inputs of the recorded shapes; a rewrite whose
               outputs differ beyond the per-dtype tolerance is rejected (the report says which).

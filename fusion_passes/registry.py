@@ -111,7 +111,7 @@ def list_fusions() -> list[Fusion]:
 
 def get_fusions(names: str | Sequence[str] = "all") -> list[Fusion]:
     """Resolve ``"all"`` or a list of names to fusions, in registry (application) order; "all"
-    in a list stands for every fusion in "all" (``["all", "moe_route_grouped"]``: the
+    in a list stands for every fusion in "all" (``["all", "allreduce_rms_norm"]``: the
     defaults and an opt-in one)."""
     _ensure_builtins()
     if names == "all":

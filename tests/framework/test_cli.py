@@ -271,9 +271,9 @@ def test_console_script_and_debug_traceback(factory_file):
 
 def test_built_in_model_report_validates_and_counts_sites(tmp_path):
     """DeepSeek V3.2 (tiny, 2 layers): every RMSNorm fused, and in each attention layer the MLA kv
-    path, the q RoPE, and the indexer's q RoPE and key LayerNorm + RoPE; the MoE layer's dispatch
-    fused; no candidate left over but its group-limited router's three top-ks (group scores, groups,
-    experts), which no routing fusion takes: near misses."""
+    path, the q RoPE, and the indexer's q RoPE and key LayerNorm + RoPE; the MoE layer's
+    group-limited router (the tiny config keeps one group: the one-hot mask's form) and its dispatch
+    fused; no candidate left over (no near misses)."""
     path = tmp_path / "v32.json"
     assert main(["diff", "deepseek-v3.2", "--dtype", "bf16", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
@@ -282,10 +282,8 @@ def test_built_in_model_report_validates_and_counts_sites(tmp_path):
     assert matches["rms_norm"] + matches["add_rms_norm"] == data["expected_rms_norm_sites"] == 9
     for fusion in ("mla_kv_norm_rope", "mla_q_rope", "mla_indexer_q_rope", "mla_indexer_k_norm_rope"):
         assert matches[fusion] == 2, (fusion, matches)
-    assert matches["moe_sort_by_expert"] == 1
-    assert [(m["fusion"], m["location"].split(":")[0]) for m in data["near_misses"]] == [
-        ("moe_route_softmax", "modeling_deepseek_v32.py")
-    ] * 3
+    assert matches["moe_sort_by_expert"] == matches["moe_route_grouped_one_group"] == 1
+    assert data["near_misses"] == []
     assert data["errors"] == []
 
 

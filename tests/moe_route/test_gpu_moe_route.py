@@ -33,7 +33,7 @@ def _error(step, fn, expected) -> float:
 @pytest.mark.parametrize(
     ("model", "route", "router_topks"),
     [("qwen3-moe", "moe_route_softmax", 1), ("minimax-m2", "moe_route_sigmoid_bias", 1),
-     # opt-in; the tiny config keeps one group of two: the one-hot group mask's form
+     # the tiny config keeps one group of two: the one-hot group mask's form
      ("deepseek-v3.2", "moe_route_grouped_one_group", 3)],
 )  # fmt: skip
 @pytest.mark.parametrize("launch", ["direct", "dispatch"])

@@ -64,7 +64,7 @@ def test_decode_step_routes_every_moe_layer(name):
 @pytest.mark.slow
 def test_deepseek_decode_step_with_group_limited_routing():
     """DeepSeek V3.2 (tiny: 2 groups of 2 experts, 1 kept: the one-hot group mask's form) with the
-    opt-in moe_route_grouped on top of the defaults: every MoE layer's router one op, outputs
+    default moe_route_grouped (named too): every MoE layer's router one op, outputs
     within bf16's tolerance of eager's."""
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=6, steps=STEPS)

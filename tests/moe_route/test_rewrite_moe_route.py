@@ -145,7 +145,7 @@ def test_cuda_graphs_online_softmax_form_fuses():
     ("router", "topk_group"), [("deepseek-v3", 2), ("deepseek-v3.2", 2), ("glm4-moe", 2), ("deepseek-v3.2", 1)]
 )
 def test_group_limited_router_fuses_when_enabled(router, topk_group):
-    """DeepSeek V3 / V3.2's router and GLM4-MoE's copy of it, with moe_route_grouped (opt-in):
+    """DeepSeek V3 / V3.2's router and GLM4-MoE's copy of it, with moe_route_grouped:
     one op for the sigmoid, the group top-2 sums, both top-ks, the renormalisation and the
     routed scaling; the experts and weights equal eager's (fp32 router, tie-free). Keeping one
     group, Inductor writes the group mask as a one-hot comparison: moe_route_grouped_one_group,
