@@ -21,6 +21,7 @@ from fusion_passes.patterns import (
     chunk_gated_delta_rule,
     gated_delta_step,
     gqa_decode_attention,
+    masked_prefill_attention,
     mla_rope,
     moe_route,
     moe_sort_by_expert,
@@ -97,6 +98,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         gqa_decode_attention,
         "independent of the others (copies of the keys and values and the SDPA call reading them, "
         "no canonical op); after the RoPE and cache-write regions that produce its query and keys",
+    ),
+    (
+        masked_prefill_attention,
+        "the same copies and SDPA call at several query tokens (gqa_decode_attention's sites are "
+        "one token: the two never share a site); after the same regions",
     ),
     (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
     (

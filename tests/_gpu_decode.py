@@ -9,8 +9,9 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 
-def compile_step(step, backend):
-    """(compiled step, Inductor's generated code per graph), compiled on the first step's inputs."""
+def compile_step(step, backend, inputs=None):
+    """(compiled step, Inductor's generated code per graph), compiled on ``inputs`` (default: the
+    first decode step's; a prompt and its positions compile the prefill)."""
     import torch._inductor.config as inductor_config
 
     codes: list[str] = []
@@ -18,7 +19,7 @@ def compile_step(step, backend):
     step.restore()
     with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
             mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
-        compiled(*step.inputs(0))
+        compiled(*(step.inputs(0) if inputs is None else inputs))
     return compiled, codes
 
 

@@ -78,6 +78,7 @@ def _cases():
     from fusion_passes.lowering.common.fp8 import QuantFP8
     from fusion_passes.lowering.rms_norm.reference import RMSNormForm
     from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
+    from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
     from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
@@ -110,6 +111,12 @@ def _cases():
     a, b, per_head = torch.randn(2, 1, 8, dtype=bf16), torch.randn(2, 1, 8, dtype=bf16), torch.randn(8)
     step = (q, q.clone(), v, a, b, per_head, per_head.clone(), torch.randn(2, 8, 128, 128), 128**0.5, True, True, 1e-6)
     yield "gated_delta_step", gated_delta_step_triton, step
+    # a prefill's grouped attention through a causal mask: 8 / 2 heads of 128, and of 256
+    for d in (128, 256):
+        q, kv = torch.randn(1, 8, 300, d, dtype=bf16), torch.randn(1, 2, 316, d, dtype=bf16)
+        keep = (torch.arange(316)[None, :] <= torch.arange(300)[:, None])[None, None]
+        causal = torch.zeros(keep.shape, dtype=bf16).masked_fill(~keep, float("-inf"))
+        yield f"masked_attention (head dim {d})", masked_attention_triton, (q, kv, kv.clone(), causal, d**-0.5)
     # Qwen3-style per-head QK-norm + full RoPE, and MiniMax-M2's whole-row norm + partial RoPE
     q, k, head_w = torch.randn(2, 3, 4, 64, dtype=bf16), torch.randn(2, 3, 2, 64, dtype=bf16), torch.randn(64, dtype=bf16)
     cos, sin = torch.randn(1, 3, 64, dtype=bf16), torch.randn(1, 3, 64, dtype=bf16)

@@ -1,0 +1,1 @@
+"""Masked grouped-query attention (a prefill on a static cache)."""

@@ -1,0 +1,39 @@
+"""The canonical op ``fusion_passes::masked_attention``: grouped-query attention through a boolean
+mask, each query head reading its KV head from the cache as it is.
+
+Unfused (transformers on a StaticCache prefill, traced): repeat_kv's copies of keys and values,
+g times wider, then SDPA with the mask over the whole cache (cuDNN on an H200: every key block of
+every query block, the masked ones too).
+Fused:
+    out = masked_attention(query, key, value, mask, scale)     # [B, Hq, S, Dv]
+a flash-attention kernel that skips the key blocks the mask closes (after a small kernel that
+summarizes the mask's blocks). The math lives in ``reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_passes.lowering.common.direct_launch import register_launcher
+from fusion_passes.lowering.common.ops import op_from_reference
+from fusion_passes.lowering.masked_attention.reference import check_masked_attention_args, masked_attention_reference
+
+masked_attention = op_from_reference(
+    "masked_attention", masked_attention_reference, check=check_masked_attention_args, contiguous=False
+)
+
+
+@masked_attention.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.masked_attention.default)
+def _masked_attention_cuda(query, key, value, mask, scale, wrap=None):
+    from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
+
+    return masked_attention_triton(query, key, value, mask, scale, wrap=wrap)
+
+
+@masked_attention.register_fake
+def _masked_attention_fake(query, key, value, mask, scale):
+    check_masked_attention_args(query, key, value, mask)
+    bsz, heads, s, _ = query.shape
+    out = torch.empty((bsz, s, heads, value.shape[3]), dtype=query.dtype, device=query.device)
+    return out.transpose(1, 2)

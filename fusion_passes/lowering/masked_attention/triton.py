@@ -1,0 +1,214 @@
+"""Triton kernels for masked grouped-query attention (``reference``): a flash-attention forward
+that skips the key blocks the mask hides and reads the mask only where it is mixed.
+
+Unfused (stock Inductor on a StaticCache prefill): SDPA with a boolean mask over the whole cache
+(cuDNN on an H200), every query against every cached key, after repeat_kv's copies of the cache:
+at MiniMax-M2's width (48 / 8 heads of 128) and a 4096-token prompt, 2164 us per layer, about
+two thirds of the layer.
+Fused: two kernels.
+  1. _mask_blocks: per BLOCK_M x BLOCK_N tile of the additive mask, 0 (all -inf: closed),
+     1 (mixed) or 2 (all 0: open).
+  2. _masked_attention_kernel: per BLOCK_M query tokens of one query head, the online softmax over
+     the key blocks from the first to the last one the mask does not close (a causal prompt: the
+     blocks up to the diagonal, half of them), the mask tile read and added only in mixed blocks; query head h reads
+     KV head h // g from the cache as it is (no repeat). fp32 scores and accumulators.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_passes.lowering.masked_attention.reference import check_masked_attention_args
+
+
+@triton.jit
+def _mask_blocks(
+    mask_ptr,  # *fp32/bf16/fp16 [MB, 1, S, L] (strides below): additive
+    blocks_ptr,  # *int8 [MB, cdiv(S, BLOCK_M), cdiv(L, BLOCK_N)]
+    S,
+    L,
+    stride_mb,
+    stride_ms,
+    stride_ml,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_bm = tl.program_id(0)  # mask batch x query block
+    kb = tl.program_id(1)
+    n_qb = tl.cdiv(S, BLOCK_M)
+    b = pid_bm // n_qb
+    qb = pid_bm % n_qb
+    rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (rows[:, None] < S) & (cols[None, :] < L)
+    ptrs = mask_ptr + b.to(tl.int64) * stride_mb + rows[:, None].to(tl.int64) * stride_ms + cols[None, :] * stride_ml
+    tile = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+    # positions outside the mask (a partial edge block) count as neither
+    closed = tl.sum(tl.sum((inside & (tile == float("-inf"))).to(tl.int32), axis=1), axis=0)
+    zero = tl.sum(tl.sum((inside & (tile == 0.0)).to(tl.int32), axis=1), axis=0)
+    cells = tl.sum(tl.sum(inside.to(tl.int32), axis=1), axis=0)
+    state = tl.where(closed == cells, 0, tl.where(zero == cells, 2, 1))
+    tl.store(blocks_ptr + pid_bm.to(tl.int64) * tl.cdiv(L, BLOCK_N) + kb, state.to(tl.int8))
+
+
+@triton.jit
+def _attend_block(
+    q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale_log2,
+    stride_kl, stride_vl, stride_ml,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One key block of the online softmax: (m, l, acc) updated. UPCAST: the dots' operands in fp32
+    (the interpreter's bf16 dots are wrong; fp32 products of bf16 / fp16 values are exact, as the
+    GPU's tensor cores take them)."""
+    cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    k = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kl + d[:, None],
+                mask=(cols[None, :] < L) & (d[:, None] < D), other=0.0)  # fmt: skip
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale_log2
+    elif IEEE:
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, k) * scale_log2
+    if tl.load(blocks_row + kb) != 2:  # a mixed block (or a closed one between open ones): add the tile
+        bias = tl.load(m_base + cols[None, :] * stride_ml, mask=(rows[:, None] < S) & (cols[None, :] < L),
+                       other=float("-inf"))  # fmt: skip
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    else:
+        s = tl.where(cols[None, :] < L, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row without an open key so far keeps m = -inf: subtract 0 there (exp2(-inf) = 0, no NaN)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vl + dv[None, :],
+                mask=(cols[:, None] < L) & (dv[None, :] < DV), other=0.0)  # fmt: skip
+    if UPCAST:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+    elif IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _masked_attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, blocks_ptr, out_ptr,
+    S, L, HQ, GROUPS, MASK_BATCHES, scale_log2,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl,
+    stride_mb, stride_ms, stride_ml,
+    stride_ob, stride_oh, stride_os,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_KB: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,  # Triton's CPU interpreter (the tests): see below
+):  # fmt: skip
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    kvh = h // GROUPS
+    mb = tl.where(MASK_BATCHES == 1, 0, b)
+    n_kb = tl.cdiv(L, BLOCK_N)
+    # the key blocks this query block's mask opens: [first, last]
+    kbs = tl.arange(0, N_KB)
+    blocks_row = blocks_ptr + (mb * tl.cdiv(S, BLOCK_M) + qb).to(tl.int64) * n_kb
+    states = tl.load(blocks_row + kbs, mask=kbs < n_kb, other=0)
+    opened = states != 0
+    first = tl.min(tl.where(opened, kbs, N_KB), axis=0)
+    last = tl.max(tl.where(opened, kbs, -1), axis=0)
+
+    rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None].to(tl.int64) * stride_qs
+                + d[None, :], mask=(rows[:, None] < S) & (d[None, :] < D), other=0.0)  # fmt: skip
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    m_base = mask_ptr + mb.to(tl.int64) * stride_mb + rows[:, None].to(tl.int64) * stride_ms
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    if not INTERPRET:  # software-pipelined on the GPU
+        for kb in range(first, last + 1):
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale_log2,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False,
+            )  # fmt: skip
+    else:  # the interpreter cannot bound a for loop by a loaded value
+        kb = first
+        while kb <= last:
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale_log2,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True,
+            )  # fmt: skip
+            kb += 1
+    # a row the mask closes entirely: zeros (SDPA's math)
+    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    o_ptrs = (out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None].to(tl.int64) * stride_os
+              + dv[None, :])  # fmt: skip
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dv[None, :] < DV))
+
+
+def masked_attention_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    wrap: Callable | None = None,
+) -> torch.Tensor:
+    """[B, Hq, S, Dv] laid out [B, S, Hq, Dv], as ``masked_attention_reference``."""
+    check_masked_attention_args(query, key, value, mask)
+    bsz, heads, s, d = query.shape
+    kv_heads, length, dv = key.shape[1], key.shape[2], value.shape[3]
+    # the head dim contiguous (the kernels' loads); a no-op for the cache and the projections' views
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.empty((bsz, s, heads, dv), dtype=query.dtype, device=query.device).transpose(1, 2)
+    fp32 = query.dtype == torch.float32
+    # bf16 / fp16 on an H200: 128 query tokens x 64 keys a step, 8 warps, 3 stages; where a tile
+    # row is wider (fp32, or a head dim above 128) half the query tokens and 2 stages, so that the
+    # stages' key and value tiles fit the 227 KiB of shared memory
+    wide = fp32 or max(d, dv) > 128
+    block_m = block_m or min(64 if wide else 128, max(16, triton.next_power_of_2(s)))
+    block_n = block_n or (32 if fp32 else 64)
+    num_stages = num_stages or (2 if wide else 3)
+    n_qb, n_kb = triton.cdiv(s, block_m), triton.cdiv(length, block_n)
+    mask_batches = mask.shape[0]
+    blocks = torch.empty((mask_batches, n_qb, n_kb), dtype=torch.int8, device=query.device)
+    summarize = wrap(_mask_blocks) if wrap is not None else _mask_blocks
+    summarize[(mask_batches * n_qb, n_kb)](mask, blocks, s, length, mask.stride(0), mask.stride(2), mask.stride(3),
+                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)  # fmt: skip
+    attend = wrap(_masked_attention_kernel) if wrap is not None else _masked_attention_kernel
+    attend[(n_qb, bsz * heads)](
+        query, key, value, mask, blocks, out,
+        s, length, heads, heads // kv_heads, mask_batches, scale * 1.4426950408889634,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        mask.stride(0), mask.stride(2), mask.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_M=block_m, BLOCK_N=block_n, N_KB=triton.next_power_of_2(n_kb), IEEE=fp32,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
+    )  # fmt: skip
+    return out

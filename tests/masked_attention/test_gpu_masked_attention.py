@@ -1,0 +1,64 @@
+"""CUDA: the masked attention kernels at real widths (MiniMax-M2's 48 / 8 heads of 128, Qwen 3.5's
+16 / 2 of 256) against the fp32 reference and SDPA on repeat_kv's copies; and a tiny MiniMax-M2 /
+Qwen3-MoE prefill on a StaticCache with masked_prefill_attention: the kernel launched per layer,
+the output within bf16 tolerance of the prefill without it. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _gpu_decode import compile_step
+
+import fusion_passes
+from fusion_passes.lowering.masked_attention.reference import masked_attention_reference
+from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
+from fusion_passes.models import build_model
+from fusion_passes.models.decode import DecodeStep
+from fusion_passes.numerics import compare, tolerance
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,batch,s,offset", [(48, 8, 128, 1, 1000, 0), (16, 2, 256, 2, 700, 37),
+                                                               (64, 4, 128, 1, 4096, 0)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_widths_against_reference_and_sdpa(heads, kv_heads, dim, batch, s, offset, dtype):
+    g = torch.Generator(device="cuda").manual_seed(s)
+    length = offset + s + 16
+    q = torch.randn(batch, heads, s, dim, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, length, dim, device="cuda", generator=g).to(dtype) for _ in range(2))
+    keep = (torch.arange(length, device="cuda")[None, :] <= torch.arange(s, device="cuda")[:, None] + offset)
+    keep = keep[None, None].expand(batch, 1, s, length)
+    bias = torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, float("-inf"))
+    out = masked_attention_triton(q, k, v, bias, dim**-0.5)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out.float(), masked_attention_reference(q, k, v, bias, dim**-0.5).float(),
+                               rtol=tol.rtol, atol=tol.atol)  # fmt: skip
+    g_ = heads // kv_heads
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(g_, 1), v.repeat_interleave(g_, 1), attn_mask=keep)
+    torch.testing.assert_close(out.float(), sdpa.float(), rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("model", ["minimax-m2", "qwen3-moe"])
+def test_prefill_with_the_attention_fused(model):
+    torch._dynamo.reset()
+    built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
+    step = DecodeStep(built.module, batch=1, context=40, steps=1)
+    prompt = (step.prompt, torch.arange(40, device="cuda"))
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    report = fusion_passes.Report()
+    fused, codes = compile_step(step, fusion_passes.backend([*defaults, "masked_prefill_attention"], report=report),
+                                inputs=prompt)  # fmt: skip
+    base, _ = compile_step(step, fusion_passes.backend(defaults), inputs=prompt)
+    assert report.final()["masked_prefill_attention"] == 2
+    (code,) = codes
+    assert len(re.findall(r"_masked_attention_kernel_\d+\.run\(", code)) == 2
+    with torch.no_grad():
+        step.restore()
+        got = fused(*prompt).clone()
+        step.restore()
+        want = base(*prompt).clone()
+    assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
