@@ -358,6 +358,31 @@ def gqa_decode_attention(payloads):
     return what, _table(header, rows, 1)
 
 
+def masked_attention(payloads):
+    (p,) = payloads
+    tokens = sorted({r["tokens"] for r in p["records"]})
+    by_model: dict[tuple, dict[int, dict]] = {}
+    for r in p["records"]:
+        by_model.setdefault((r["model"], r["heads"], r["kv_heads"], r["dim"]), {})[r["tokens"]] = r
+
+    def cell(r):
+        if r is None:
+            return "—"
+        t = r["graph_us"]
+        return (f"{_us(t['inductor'])} → {_us(t['ours_kernel'])} ({_x(_speedup(r, 'inductor', 'ours_kernel'))}); "
+                f"compiled {_x(_speedup(r, 'inductor', 'ours'))}")  # fmt: skip
+
+    rows = [[f"{m} ({h} / {kv} x {d})", *(cell(by.get(t)) for t in tokens)] for (m, h, kv, d), by in by_model.items()]
+    what = (
+        "A prefill's attention on a StaticCache, batch 1, bf16 (`benchmarks/bench_masked_attention.py`): "
+        "transformers' repeat_kv + SDPA through the prompt's mask over the cache (16 slots longer), stock "
+        "Inductor → the masked_attention kernels launched directly, us inside a CUDA graph (speedup); "
+        "compiled: torch.compile with the (opt-in) fusion, the speedup (see the notes):"
+    )
+    header = ["model (query heads / KV heads x head dim)", *(f"{t} tokens" for t in tokens)]
+    return what, _table(header, rows, 1)
+
+
 def mla_rope(payloads):
     (p,) = payloads
     records = p["records"]
@@ -552,6 +577,8 @@ SECTIONS = (
     Section("DeepSeek V3.2 indexer scores (`sparse_index_scores`)", ("bench_sparse_index_scores",), sparse_index_scores),
     Section("MoE routing and dispatch prep (`moe_route_*`, `moe_sort_by_expert`)", ("bench_moe_sort_by_expert",), moe_sort_by_expert),
     Section("GQA attention at decode (`gqa_decode_attention`)", ("bench_gqa_decode_attention",), gqa_decode_attention),
+    Section("GQA attention at prefill (`masked_prefill_attention`, opt-in)", ("bench_masked_attention",),
+            masked_attention),  # fmt: skip
     Section(
         "Tensor parallel: allreduce + add + RMSNorm (`allreduce_add_rms_norm`)",
         ("bench_allreduce_rms_norm",),

@@ -10,13 +10,16 @@ repeat_kv, gpt-fast's repeat_interleave, Meta's / torchtitan's repeat on [B, L, 
     key = repeat_kv(key, g);  value = repeat_kv(value, g)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
 
-Unfused: the copies of the cache, g times wider, then SDPA over every key of every query token:
-         at MiniMax-M2's width and a 4096-token prompt, 2164 us per layer for the attention
-         (cuDNN on one H200), about two thirds of the layer
+Unfused: the copies of the cache, g times wider, then SDPA over every key of every query token
+         (cuDNN on one H200, the boolean mask turned into a bias of 0 / -65504 first): at
+         MiniMax-M2's width and a 4096-token prompt, 2170 us per layer in a 2-layer prefill,
+         about two thirds of the layer
 Fused:   out = fusion_passes.masked_attention(query, key, value, mask, scaling)
          a flash-attention kernel over the key blocks the mask opens (a causal prompt: up to the
-         diagonal), the mask read only in blocks it does not open or close whole; query head h
-         reads KV head h // g of the cache (lowering/masked_attention)
+         diagonal; a bias at or below -65504 closes a key), the mask read only in blocks it does
+         not open or close whole; query head h reads KV head h // g of the cache
+         (lowering/masked_attention). Launched on a 4096-token prompt's mask, 910 us against
+         stock Inductor's 1319 on one H200
 
 The same math, summed in another order (fp32 scores and sums, the probabilities rounded to the
 input's dtype before the product with v, as flash attention does): within the dtype's tolerance of
@@ -118,7 +121,9 @@ MASKED_PREFILL_ATTENTION = Fusion(
     scalars={"scale": SCALE_SENTINEL},
     candidate_ops=SDPA_OPS,
     candidate=_is_prefill_repeat,
-    opt_in="its kernel has not been timed on a GPU yet",
+    opt_in="measured on one H200 before a bias of -65504 (SDPA's cuDNN form of a boolean mask) counted as "
+    "closed: compiled, 0.75x stock Inductor (every key block computed); launched on a -inf mask, 1.45-1.65x "
+    "at 4096-8192 tokens; not re-timed since",
     builtin=True,
 )
 

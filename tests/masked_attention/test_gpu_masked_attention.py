@@ -1,5 +1,6 @@
 """CUDA: the masked attention kernels at real widths (MiniMax-M2's 48 / 8 heads of 128, Qwen 3.5's
-16 / 2 of 256) against the fp32 reference and SDPA on repeat_kv's copies; and a tiny MiniMax-M2 /
+16 / 2 of 256), on masks of -inf and of SDPA's cuDNN form (-65504), against the fp32 reference and
+SDPA on repeat_kv's copies; and a tiny MiniMax-M2 /
 Qwen3-MoE prefill on a StaticCache with masked_prefill_attention: the kernel launched per layer,
 the output within bf16 tolerance of the prefill without it. Skipped without a GPU."""
 
@@ -25,14 +26,15 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("heads,kv_heads,dim,batch,s,offset", [(48, 8, 128, 1, 1000, 0), (16, 2, 256, 2, 700, 37),
                                                                (64, 4, 128, 1, 4096, 0)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_real_widths_against_reference_and_sdpa(heads, kv_heads, dim, batch, s, offset, dtype):
+@pytest.mark.parametrize("closed", [float("-inf"), -65504.0])  # -65504: SDPA's cuDNN form of False
+def test_real_widths_against_reference_and_sdpa(heads, kv_heads, dim, batch, s, offset, dtype, closed):
     g = torch.Generator(device="cuda").manual_seed(s)
     length = offset + s + 16
     q = torch.randn(batch, heads, s, dim, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(batch, kv_heads, length, dim, device="cuda", generator=g).to(dtype) for _ in range(2))
     keep = (torch.arange(length, device="cuda")[None, :] <= torch.arange(s, device="cuda")[:, None] + offset)
     keep = keep[None, None].expand(batch, 1, s, length)
-    bias = torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, float("-inf"))
+    bias = torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, closed)
     out = masked_attention_triton(q, k, v, bias, dim**-0.5)
     tol = tolerance(dtype)
     torch.testing.assert_close(out.float(), masked_attention_reference(q, k, v, bias, dim**-0.5).float(),

@@ -34,9 +34,10 @@ def _inputs(b, heads, kv_heads, s, length, d, dv, dtype, seed):
     return q, k, v
 
 
-def additive(keep, dtype=torch.float32):
-    """A boolean mask as SDPA passes it to its fused kernels: 0 where True, -inf where False."""
-    return torch.zeros(keep.shape, dtype=dtype, device=DEVICE).masked_fill(~keep.to(DEVICE), float("-inf"))
+def additive(keep, dtype=torch.float32, closed=float("-inf")):
+    """A boolean mask as SDPA passes it to its fused kernels: 0 where True, -inf where False (its
+    cuDNN path: -65504)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=DEVICE).masked_fill(~keep.to(DEVICE), closed)
 
 
 def causal(s, length, offset, batch=1, dtype=torch.float32):
@@ -143,6 +144,27 @@ def test_mixed_dtypes_are_refused():
     q, k, v = _inputs(1, 2, 1, 3, 4, 16, 16, torch.bfloat16, 1)
     with pytest.raises(ValueError, match="must share fp32, bf16 or fp16"):
         masked_attention_triton(q, k.float(), v, causal(3, 4, 1), 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cudnn_mask_form_with_closed_rows_and_blocks(dtype):
+    """SDPA's cuDNN path writes False as -65504: those keys add exactly 0 where the row has an open
+    key, so their blocks are skipped; a row without one (and a query block without one) takes the
+    whole row, as SDPA's softmax over -65504 biases does (not zeros)."""
+    q, k, v = _inputs(1, 4, 2, 40, 50, 16, 16, dtype, 9)
+    keep = (torch.arange(50)[None, :] <= torch.arange(40)[:, None] + 10)[None, None].clone()
+    keep[0, 0, 5] = False  # one row closed
+    keep[0, 0, 32:] = False  # a whole query block closed (rows 32-39 at 16 a block)
+    mask = additive(keep, dtype, closed=-65504.0)
+    out = masked_attention_triton(q, k, v, mask, 0.25, block_m=16, block_n=16)
+    expected = masked_attention_reference(q, k, v, mask, 0.25)
+    assert expected[0, :, 5].abs().max().item() > 0  # the softmax over -65504 biases: an average
+    _assert_close(out, expected)
+    # -inf there: zeros
+    mask = additive(keep, dtype)
+    out = masked_attention_triton(q, k, v, mask, 0.25, block_m=16, block_n=16)
+    assert out[0, :, 5].abs().max().item() == 0.0 and out[0, :, 32:].abs().max().item() == 0.0
+    _assert_close(out, masked_attention_reference(q, k, v, mask, 0.25))
 
 
 def test_opcheck():

@@ -36,4 +36,4 @@ def _masked_attention_fake(query, key, value, mask, scale):
     check_masked_attention_args(query, key, value, mask)
     bsz, heads, s, _ = query.shape
     out = torch.empty((bsz, s, heads, value.shape[3]), dtype=query.dtype, device=query.device)
-    return out.transpose(1, 2)
+    return out.permute(0, 2, 1, 3)

@@ -1,17 +1,18 @@
 """Triton kernels for masked grouped-query attention (``reference``): a flash-attention forward
-that skips the key blocks the mask hides and reads the mask only where it is mixed.
+that skips the key blocks the mask closes and reads the mask only where it is mixed.
 
-Unfused (stock Inductor on a StaticCache prefill): SDPA with a boolean mask over the whole cache
-(cuDNN on an H200), every query against every cached key, after repeat_kv's copies of the cache:
-at MiniMax-M2's width (48 / 8 heads of 128) and a 4096-token prompt, 2164 us per layer, about
-two thirds of the layer.
+Unfused (stock Inductor on a StaticCache prefill): SDPA with the mask over the whole cache (cuDNN
+on an H200, the boolean mask turned into a bias of 0 / -65504), every query against every cached
+key, after repeat_kv's copies of the cache: at MiniMax-M2's width (48 / 8 heads of 128) and a
+4096-token prompt, 1319 us (2170 us per layer in a prefill of two layers).
 Fused: two kernels.
-  1. _mask_blocks: per BLOCK_M x BLOCK_N tile of the additive mask, 0 (all -inf: closed),
-     1 (mixed) or 2 (all 0: open).
+  1. _mask_blocks: per BLOCK_M x BLOCK_N tile of the additive mask, 0 (every bias at or below
+     CLOSED: closed), 2 (every bias 0: open) or 1 (mixed).
   2. _masked_attention_kernel: per BLOCK_M query tokens of one query head, the online softmax over
      the key blocks from the first to the last one the mask does not close (a causal prompt: the
-     blocks up to the diagonal, half of them), the mask tile read and added only in mixed blocks; query head h reads
-     KV head h // g from the cache as it is (no repeat). fp32 scores and accumulators.
+     blocks up to the diagonal, half of them), the mask tile read and added only in mixed blocks;
+     query head h reads KV head h // g from the cache as it is (no repeat). fp32 scores and
+     accumulators, the probabilities rounded to the input's dtype for the product with v.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _mask_blocks(
     stride_ml,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CLOSED: tl.constexpr,
 ):
     pid_bm = tl.program_id(0)  # mask batch x query block
     kb = tl.program_id(1)
@@ -49,7 +51,7 @@ def _mask_blocks(
     ptrs = mask_ptr + b.to(tl.int64) * stride_mb + rows[:, None].to(tl.int64) * stride_ms + cols[None, :] * stride_ml
     tile = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     # positions outside the mask (a partial edge block) count as neither
-    closed = tl.sum(tl.sum((inside & (tile == float("-inf"))).to(tl.int32), axis=1), axis=0)
+    closed = tl.sum(tl.sum((inside & (tile <= CLOSED)).to(tl.int32), axis=1), axis=0)
     zero = tl.sum(tl.sum((inside & (tile == 0.0)).to(tl.int32), axis=1), axis=0)
     cells = tl.sum(tl.sum(inside.to(tl.int32), axis=1), axis=0)
     state = tl.where(closed == cells, 0, tl.where(zero == cells, 2, 1))
@@ -58,7 +60,7 @@ def _mask_blocks(
 
 @triton.jit
 def _attend_block(
-    q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale_log2,
+    q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
     stride_kl, stride_vl, stride_ml,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
@@ -72,23 +74,24 @@ def _attend_block(
     dv = tl.arange(0, BLOCK_DV)
     k = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kl + d[:, None],
                 mask=(cols[None, :] < L) & (d[:, None] < D), other=0.0)  # fmt: skip
+    # logits as SDPA rounds them: scale * (q . k) + bias, in fp32 (natural units; the exp in base 2)
     if UPCAST:
-        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale_log2
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale
     elif IEEE:
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        s = tl.dot(q, k, input_precision="ieee") * scale
     else:
-        s = tl.dot(q, k) * scale_log2
+        s = tl.dot(q, k) * scale
     if tl.load(blocks_row + kb) != 2:  # a mixed block (or a closed one between open ones): add the tile
         bias = tl.load(m_base + cols[None, :] * stride_ml, mask=(rows[:, None] < S) & (cols[None, :] < L),
                        other=float("-inf"))  # fmt: skip
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+        s = s + bias.to(tl.float32)
     else:
         s = tl.where(cols[None, :] < L, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # a row without an open key so far keeps m = -inf: subtract 0 there (exp2(-inf) = 0, no NaN)
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
+    p = tl.math.exp2((s - m_sub[:, None]) * 1.4426950408889634)
+    alpha = tl.math.exp2((m_i - m_sub) * 1.4426950408889634)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vl + dv[None, :],
                 mask=(cols[:, None] < L) & (dv[None, :] < DV), other=0.0)  # fmt: skip
@@ -105,7 +108,7 @@ def _attend_block(
 @triton.jit
 def _masked_attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, blocks_ptr, out_ptr,
-    S, L, HQ, GROUPS, MASK_BATCHES, scale_log2,
+    S, L, HQ, GROUPS, MASK_BATCHES, scale,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -114,8 +117,10 @@ def _masked_attention_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_KB: tl.constexpr,
     IEEE: tl.constexpr,
+    REDO_BELOW: tl.constexpr,  # a row max below it: every key closed
     INTERPRET: tl.constexpr,  # Triton's CPU interpreter (the tests): see below
 ):  # fmt: skip
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -145,15 +150,29 @@ def _masked_attention_kernel(
     if not INTERPRET:  # software-pipelined on the GPU
         for kb in range(first, last + 1):
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale_log2,
+                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
                 stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False,
             )  # fmt: skip
     else:  # the interpreter cannot bound a for loop by a loaded value
         kb = first
         while kb <= last:
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale_log2,
+                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
                 stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True,
+            )  # fmt: skip
+            kb += 1
+    # A row whose every key is closed (its best logit at a closed key's level, or no key at all)
+    # takes the whole row, the closed blocks too: SDPA's softmax over biases of -65504 is not 0
+    # there (all -inf: zeros either way). Rare (padding rows), so a second pass of the block.
+    if tl.max((m_i < REDO_BELOW).to(tl.int32), axis=0) > 0:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        kb = 0
+        while kb < n_kb:
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET,
             )  # fmt: skip
             kb += 1
     # a row the mask closes entirely: zeros (SDPA's math)
@@ -161,6 +180,14 @@ def _masked_attention_kernel(
     o_ptrs = (out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None].to(tl.int64) * stride_os
               + dv[None, :])  # fmt: skip
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dv[None, :] < DV))
+
+
+# A closed key: a bias at or below the lowest fp16 (-65504, what SDPA's cuDNN path writes for a
+# boolean mask's False; -inf and the lowest bf16 / fp32 too). Its exp after the row's max is
+# subtracted underflows to exactly 0 in fp32 while the row holds a key above REDO_BELOW and no
+# logit exceeds 32000, so a block of closed keys is skipped; a row without such a key is redone
+# over the whole row.
+CLOSED = -65504.0
 
 
 def masked_attention_triton(
@@ -182,7 +209,8 @@ def masked_attention_triton(
     kv_heads, length, dv = key.shape[1], key.shape[2], value.shape[3]
     # the head dim contiguous (the kernels' loads); a no-op for the cache and the projections' views
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    out = torch.empty((bsz, s, heads, dv), dtype=query.dtype, device=query.device).transpose(1, 2)
+    # [B, S, Hq, Dv] viewed [B, Hq, S, Dv] (permute: a direct launch traces it, transpose.int it cannot lower)
+    out = torch.empty((bsz, s, heads, dv), dtype=query.dtype, device=query.device).permute(0, 2, 1, 3)
     fp32 = query.dtype == torch.float32
     # bf16 / fp16 on an H200: 128 query tokens x 64 keys a step, 8 warps, 3 stages; where a tile
     # row is wider (fp32, or a head dim above 128) half the query tokens and 2 stages, so that the
@@ -196,11 +224,11 @@ def masked_attention_triton(
     blocks = torch.empty((mask_batches, n_qb, n_kb), dtype=torch.int8, device=query.device)
     summarize = wrap(_mask_blocks) if wrap is not None else _mask_blocks
     summarize[(mask_batches * n_qb, n_kb)](mask, blocks, s, length, mask.stride(0), mask.stride(2), mask.stride(3),
-                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)  # fmt: skip
+                                           BLOCK_M=block_m, BLOCK_N=block_n, CLOSED=CLOSED, num_warps=4)  # fmt: skip
     attend = wrap(_masked_attention_kernel) if wrap is not None else _masked_attention_kernel
     attend[(n_qb, bsz * heads)](
         query, key, value, mask, blocks, out,
-        s, length, heads, heads // kv_heads, mask_batches, scale * 1.4426950408889634,
+        s, length, heads, heads // kv_heads, mask_batches, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -208,6 +236,7 @@ def masked_attention_triton(
         out.stride(0), out.stride(1), out.stride(2),
         D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n, N_KB=triton.next_power_of_2(n_kb), IEEE=fp32,
+        REDO_BELOW=CLOSED / 2,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
     )  # fmt: skip
