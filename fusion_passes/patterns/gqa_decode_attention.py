@@ -144,20 +144,27 @@ def _checker(kv_heads_dim: int):
     return check
 
 
-def _is_decode_repeat(node) -> bool:
-    """An SDPA call on one query token whose key is a repeat: a reshape of a copy of an expand."""
-    query, key = node.args[0], node.args[1]
-    val = getattr(query, "meta", {}).get("val")
-    if val is None or val.dim() != 4 or val.shape[2] != 1:
-        return False
-    if getattr(key, "target", None) == _aten.permute.default:  # Meta's layout: transposed after
+def query_tokens(node) -> int | None:
+    """The query tokens per head of an SDPA call's node (None where its query is not [B, H, S, D])."""
+    val = getattr(node.args[0], "meta", {}).get("val")
+    return None if val is None or val.dim() != 4 else val.shape[2]
+
+
+def key_is_repeat(node) -> bool:
+    """An SDPA call's key is a repeat: a reshape of a copy of an expand (transposed after, in Meta's layout)."""
+    key = node.args[1]
+    if getattr(key, "target", None) == _aten.permute.default:
         key = key.args[0]
-    chain = (_aten.reshape.default, _aten.clone.default, _aten.expand.default)
-    for target in chain:
+    for target in (_aten.reshape.default, _aten.clone.default, _aten.expand.default):
         if getattr(key, "target", None) != target:
             return False
         key = key.args[0]
     return True
+
+
+def _is_decode_repeat(node) -> bool:
+    """An SDPA call on one query token whose key is a repeat."""
+    return query_tokens(node) == 1 and key_is_repeat(node)
 
 
 def _examples():

@@ -42,9 +42,10 @@ from fusion_passes.patterns.gqa_decode_attention import (
     SDPA_OPS,
     _spelling,
     _spelling_bshd,
+    key_is_repeat,
+    query_tokens,
 )
 
-_aten = torch.ops.aten
 MAX_HEAD_DIM = 256  # the kernel's tiles at 256 still fit an H200's shared memory (64 query tokens)
 
 
@@ -81,18 +82,9 @@ def _checker(kv_heads_dim: int):
 
 
 def _is_prefill_repeat(node) -> bool:
-    """An SDPA call on several query tokens whose key is a repeat: a reshape of a copy of an expand."""
-    query, key = node.args[0], node.args[1]
-    val = getattr(query, "meta", {}).get("val")
-    if val is None or val.dim() != 4 or val.shape[2] == 1:
-        return False
-    if getattr(key, "target", None) == _aten.permute.default:  # Meta's layout: transposed after
-        key = key.args[0]
-    for target in (_aten.reshape.default, _aten.clone.default, _aten.expand.default):
-        if getattr(key, "target", None) != target:
-            return False
-        key = key.args[0]
-    return True
+    """An SDPA call on several query tokens whose key is a repeat."""
+    tokens = query_tokens(node)
+    return tokens is not None and tokens > 1 and key_is_repeat(node)
 
 
 def _examples():

@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 
 import fusion_passes
-from _sdpa_spellings import causal_sdpa, gpt_fast_sdpa, meta_sdpa, tiled_sdpa, transformers_repeat_kv, transformers_sdpa
+from _sdpa_spellings import (
+    causal_sdpa,
+    compile_with,
+    gpt_fast_sdpa,
+    meta_sdpa,
+    op_changes,
+    tiled_sdpa,
+    transformers_repeat_kv,
+    transformers_sdpa,
+)
 
 FUSION = ["gqa_decode_attention"]
 
@@ -30,16 +39,7 @@ def _inputs(batch, heads, kv_heads, tokens, length, head_dim, dtype, bshd=False,
 
 
 def _compile(fn, args):
-    report = fusion_passes.Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(fn, backend=fusion_passes.backend(FUSION, report=report), fullgraph=True)(*args)
-    return out, report
-
-
-def _op_changes(report):
-    before, after = report.ops_before(), report.ops_after()
-    return {op: (before[op], after[op]) for op in set(before) | set(after) if before[op] != after[op]}
+    return compile_with(FUSION, fn, args)
 
 
 REMOVED = {"aten.unsqueeze.default": (2, 0), "aten.expand.default": (2, 0), "aten.clone.default": (2, 0),
@@ -57,7 +57,7 @@ def test_repeated_kv_at_decode_reads_the_kv_heads(spelling, batch, heads, kv_hea
                    float_mask=float_mask, seed=length)  # fmt: skip
     out, report = _compile(spelling, args)
     assert report.final()["gqa_decode_attention"] == 1
-    assert _op_changes(report) == REMOVED
+    assert op_changes(report) == REMOVED
     assert report.ops_after()["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 1
     assert torch.equal(out, spelling(*args))
 
@@ -67,7 +67,7 @@ def test_broadcast_masks_of_fewer_dims_and_per_head_masks():
     for m in (mask[0, 0], mask.expand(2, 8, 1, 21).clone()):  # [1, L] and one row per query head
         out, report = _compile(transformers_sdpa, (q, k, v, m))
         assert report.final()["gqa_decode_attention"] == 1
-        assert _op_changes(report) == REMOVED
+        assert op_changes(report) == REMOVED
         assert torch.equal(out, transformers_sdpa(q, k, v, m))
 
 
@@ -76,7 +76,7 @@ def test_prefill_is_not_a_site():
     out, report = _compile(transformers_sdpa, args)
     assert report.final()["gqa_decode_attention"] == 0
     assert not report.rejected and not report.near_misses
-    assert _op_changes(report) == {}
+    assert op_changes(report) == {}
     assert torch.equal(out, transformers_sdpa(*args))
 
 
@@ -84,7 +84,7 @@ def test_tiled_keys_are_not_grouped_heads():
     args = _inputs(2, 8, 2, 1, 21, 32, torch.float32)
     out, report = _compile(tiled_sdpa, args)
     assert report.final()["gqa_decode_attention"] == 0
-    assert _op_changes(report) == {}
+    assert op_changes(report) == {}
     assert torch.allclose(out, tiled_sdpa(*args), rtol=1e-5, atol=1e-6)
 
 
@@ -92,7 +92,7 @@ def test_a_causal_call_is_not_matched_and_is_a_near_miss():
     q, k, v, _ = _inputs(2, 8, 2, 1, 21, 32, torch.float32)
     out, report = _compile(causal_sdpa, (q, k, v, None))
     assert report.final()["gqa_decode_attention"] == 0
-    assert _op_changes(report) == {}
+    assert op_changes(report) == {}
     assert [m.fusion for m in report.near_misses] == ["gqa_decode_attention"]
     assert torch.allclose(out, causal_sdpa(q, k, v, None), rtol=1e-5, atol=1e-6)
 

@@ -10,9 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _sdpa_spellings import causal_sdpa, gpt_fast_sdpa, meta_sdpa, tiled_sdpa, transformers_repeat_kv, transformers_sdpa
+from _sdpa_spellings import (
+    causal_sdpa,
+    compile_with,
+    gpt_fast_sdpa,
+    meta_sdpa,
+    op_changes,
+    tiled_sdpa,
+    transformers_repeat_kv,
+    transformers_sdpa,
+)
 
-import fusion_passes
 from fusion_passes.numerics import tolerance
 
 FUSION = ["masked_prefill_attention"]
@@ -35,16 +43,7 @@ def _inputs(batch, heads, kv_heads, tokens, length, head_dim, dtype, bshd=False,
 
 
 def _compile(fn, args):
-    report = fusion_passes.Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(fn, backend=fusion_passes.backend(FUSION, report=report), fullgraph=True)(*args)
-    return out, report
-
-
-def _op_changes(report):
-    before, after = report.ops_before(), report.ops_after()
-    return {op: (before[op], after[op]) for op in set(before) | set(after) if before[op] != after[op]}
+    return compile_with(FUSION, fn, args)
 
 
 def _assert_close(out, expected):
@@ -67,7 +66,7 @@ def test_repeated_kv_at_prefill_reads_the_kv_heads(spelling, batch, heads, kv_he
     args = _inputs(batch, heads, kv_heads, tokens, length, head_dim, dtype, bshd=meta, seed=length, additive=meta)
     out, report = _compile(spelling, args)
     assert report.final()["masked_prefill_attention"] == 1
-    changes = _op_changes(report)
+    changes = op_changes(report)
     if spelling is meta_sdpa:  # keys and values reach the op through a transpose: permutes stay
         changes = {op: n for op, n in changes.items() if op != "aten.permute.default"}
     assert changes == REWRITTEN
@@ -77,7 +76,7 @@ def test_repeated_kv_at_prefill_reads_the_kv_heads(spelling, batch, heads, kv_he
 def test_one_mask_for_the_batch_and_a_first_prompt():
     q, k, v, mask = _inputs(3, 8, 2, 12, 20, 32, torch.bfloat16, offset=0)
     out, report = _compile(transformers_sdpa, (q, k, v, mask[:1]))
-    assert report.final()["masked_prefill_attention"] == 1 and _op_changes(report) == REWRITTEN
+    assert report.final()["masked_prefill_attention"] == 1 and op_changes(report) == REWRITTEN
     _assert_close(out, transformers_sdpa(q, k, v, mask[:1]))
 
 
@@ -87,7 +86,7 @@ def test_decode_is_not_a_site():
     out, report = _compile(transformers_sdpa, args)
     assert report.final()["masked_prefill_attention"] == 0
     assert not report.rejected and not report.near_misses
-    assert _op_changes(report) == {}
+    assert op_changes(report) == {}
     assert torch.equal(out, transformers_sdpa(*args))
 
 
@@ -100,7 +99,7 @@ def test_a_per_head_mask_is_rejected_with_the_reason(additive):
     assert report.final()["masked_prefill_attention"] == 0
     assert [r.fusion for r in report.rejected] == ["masked_prefill_attention"]
     assert reason in report.rejected[0].reason
-    assert _op_changes(report) == {}
+    assert op_changes(report) == {}
     torch.testing.assert_close(out, transformers_sdpa(q, k, v, mask))
 
 
