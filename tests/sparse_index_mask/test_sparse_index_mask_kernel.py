@@ -86,6 +86,21 @@ def test_bad_arguments_get_one_line_errors(scores, k, message):
         sparse_index_mask_triton(scores.to(DEVICE), k)
 
 
+@pytest.mark.parametrize("rows,t,split", [(1, 8208, 33), (1, 16400, 65), (8, 8208, 16), (64, 8208, 2), (128, 8208, 1),
+                                          (1, 256, 1), (1, 257, 2), (200, 4112, 1)])  # fmt: skip
+def test_programs_a_row_fill_the_sms_without_exceeding_them(monkeypatch, rows, t, split):
+    """About 256 positions a program, and all of a launch's programs on the GPU at once (132 SMs:
+    an H200); a row's programs wait for each other, so more would never finish."""
+    from types import SimpleNamespace
+
+    from fusion_passes.lowering.sparse_index_mask import triton as mask_triton
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert mask_triton._split(rows, t, torch.device("cuda")) == split
+    assert rows * split <= 132 or split == 1
+    assert mask_triton._split(rows, t, torch.device("cpu")) == 1
+
+
 def test_a_split_below_one_program_a_row_is_refused():
     with pytest.raises(ValueError, match="split must be >= 1, got 0"):
         sparse_index_mask_triton(torch.zeros(2, 5, device=DEVICE), 2, split=0)
