@@ -101,9 +101,16 @@ def test_programs_a_row_fill_the_sms_without_exceeding_them(monkeypatch, rows, t
     assert mask_triton._split(rows, t, torch.device("cpu")) == 1
 
 
-def test_a_split_below_one_program_a_row_is_refused():
+def test_a_split_that_could_not_finish_is_refused():
     with pytest.raises(ValueError, match="split must be >= 1, got 0"):
         sparse_index_mask_triton(torch.zeros(2, 5, device=DEVICE), 2, split=0)
+    if DEVICE == "cpu":  # the interpreter runs one program at a time: a row's parts would wait forever
+        with pytest.raises(ValueError, match="split > 1 needs a GPU"):
+            sparse_index_mask_triton(torch.zeros(2, 500), 2, split=2)
+    else:  # more programs than SMs: some would wait for programs that cannot start
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        with pytest.raises(ValueError, match="programs a row exceed the GPU's"):
+            sparse_index_mask_triton(torch.zeros(sms, 500, device=DEVICE), 2, split=2)
 
 
 def test_opcheck():

@@ -176,6 +176,12 @@ def sparse_index_mask_triton(
     split = _split(rows, t, scores.device) if split is None else split
     if split < 1:
         raise ValueError(f"sparse_index_mask: split must be >= 1, got {split}")
+    if split > 1 and wrap is None:  # a row's programs wait for each other: all must run at once
+        if scores.device.type != "cuda":
+            raise ValueError("sparse_index_mask: split > 1 needs a GPU (the interpreter runs programs one at a time)")
+        sms = torch.cuda.get_device_properties(scores.device).multi_processor_count
+        if rows * split > sms:
+            raise ValueError(f"sparse_index_mask: {rows} rows x {split} programs a row exceed the GPU's {sms} SMs")
     radix, passes = 5, 7
     # Unsplit: 2048 positions a loop step at 8 warps, 5-bit digits (7 passes; the first takes 2
     # bits): Triton's histogram costs each lane a share of the bins per position (256 bins: 8), so
@@ -183,7 +189,7 @@ def sparse_index_mask_triton(
     # the running count in every mask pass: 8-bit digits at 1024 x 4 warps 47.3 us, at 2048 x 8
     # 40.6; 2 / 3 / 4 / 5 / 6-bit digits at 2048 x 8: 50.2 / 41.0 / 38.1 / 35.0 / 36.7.
     # Shorter rows take one step. Split, a row's programs sum their histograms in a zeroed work
-    # buffer (a pass ends when every program has added its own) and take one step each, at 8
+    # buffer (a pass ends when every program has added its own), one step each at the default, 8
     # warps: at batch 8 with 16 programs a row, 16.0 / 17.2 / 19.8 us at 4096 / 8192 / 16384
     # cached tokens against 16.1 / 18.2 / 23.2 at 4 warps (batch 1: within 0.6 us either way).
     chunk = -(-t // split)
