@@ -39,8 +39,9 @@ def test_real_widths_against_reference_and_sdpa(heads, kv_heads, dim, batch, s, 
     tol = tolerance(dtype)
     torch.testing.assert_close(out.float(), masked_attention_reference(q, k, v, bias, dim**-0.5).float(),
                                rtol=tol.rtol, atol=tol.atol)  # fmt: skip
-    g_ = heads // kv_heads
-    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(g_, 1), v.repeat_interleave(g_, 1), attn_mask=keep)
+    groups = heads // kv_heads
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                          attn_mask=keep)  # fmt: skip
     torch.testing.assert_close(out.float(), sdpa.float(), rtol=tol.rtol, atol=tol.atol)
 
 
