@@ -21,7 +21,6 @@ Compiles take most of a run; --lock FILE lets several runs (one per model) share
 compiles on its own and holds the lock only while it times or profiles.
 
     python -m benchmarks.bench_decode --models deepseek-v3.2 --batch 1 64 --context 1024 --json out.json
-    python -m benchmarks.bench_decode --models deepseek-v3.2 --opt-in masked_prefill_attention   # with opt-in fusions
     python -m benchmarks.bench_decode --smoke     # tiny widths on a CPU: the code path, numerics, no times
 """
 
@@ -268,7 +267,7 @@ def main() -> int:
                         help="also time a prefill of N tokens (batch 1) that writes the cache")  # fmt: skip
     parser.add_argument("--prefill-only", action="store_true", help="no decode points: the --prefill runs alone")
     parser.add_argument("--opt-in", nargs="+", default=[], metavar="FUSION",
-                        help="opt-in fusions to enable on top of the defaults (e.g. masked_prefill_attention)")  # fmt: skip
+                        help="opt-in fusions to enable on top of the defaults")  # fmt: skip
     parser.add_argument("--left-rows", type=int, default=LEFT_ROWS, metavar="N",
                         help="kernels kept in each point's 'what is left' table, the slowest first")  # fmt: skip
     parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")

@@ -39,7 +39,7 @@ from fusion_passes.patterns.gqa_decode_attention import repeat_kv  # noqa: E402
 WIDTHS = {"minimax-m2": (48, 8, 128), "qwen3-moe": (64, 4, 128), "qwen3.5": (16, 2, 256)}
 SMOKE_WIDTHS = {"tiny": (4, 2, 16)}
 TOKENS, SMOKE_TOKENS = (1024, 4096, 8192), (40,)
-SLOTS_AFTER = 16  # unwritten cache slots after the prompt (the decode steps' room)
+SLOTS_AFTER = 16  # unwritten cache slots after the prompt (the decode steps' room; a model's prefill: 1)
 SETS = 2
 SWEEP = [(bm, bn, w, st) for bm, bn in ((64, 64), (128, 64), (128, 128)) for w in (4, 8) for st in (2, 3, 4)]
 
@@ -50,8 +50,8 @@ def region(query, key, value, mask, scale):
                                           scale=scale)  # fmt: skip
 
 
-def inputs(heads, kv_heads, dim, tokens, device, g):
-    length = tokens + SLOTS_AFTER
+def inputs(heads, kv_heads, dim, tokens, device, g, slots_after):
+    length = tokens + slots_after
     q = torch.randn(1, heads, tokens, dim, generator=g).to(device, torch.bfloat16)
     k = torch.randn(1, kv_heads, length, dim, generator=g).to(device, torch.bfloat16)
     v = torch.randn(1, kv_heads, length, dim, generator=g).to(device, torch.bfloat16)
@@ -59,9 +59,9 @@ def inputs(heads, kv_heads, dim, tokens, device, g):
     return q, k, v, keep
 
 
-def bench(model, widths, tokens, device, g, sweep) -> dict:
+def bench(model, widths, tokens, device, g, sweep, slots_after=SLOTS_AFTER) -> dict:
     heads, kv_heads, dim = widths
-    sets = [inputs(heads, kv_heads, dim, tokens, device, g) for _ in range(SETS if device == "cuda" else 1)]
+    sets = [inputs(heads, kv_heads, dim, tokens, device, g, slots_after) for _ in range(SETS if device == "cuda" else 1)]
     scale = dim**-0.5
     report = fusion_passes.Report()
     ours = torch.compile(region, fullgraph=True, backend=fusion_passes.backend(["masked_prefill_attention"], report=report))
@@ -73,7 +73,7 @@ def bench(model, widths, tokens, device, g, sweep) -> dict:
 
     impls = {"eager": region, "inductor": torch.compile(region, fullgraph=True), "ours": ours, "ours_kernel": kernel}
     record = {"model": model, "heads": heads, "kv_heads": kv_heads, "dim": dim, "tokens": tokens,
-              "cache": tokens + SLOTS_AFTER, "fused_sites": report.matches.get("masked_prefill_attention", 0),
+              "cache": tokens + slots_after, "fused_sites": report.matches.get("masked_prefill_attention", 0),
               "rel_diff": {}, "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
     q, k, v, keep = sets[0]
     bias = torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
@@ -126,15 +126,17 @@ def main() -> int:
     common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "prompt tokens")
     parser.add_argument("--models", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
     parser.add_argument("--sweep", action="store_true", help="time ours_kernel at each launch configuration")
+    parser.add_argument("--slots-after", type=int, nargs="+", default=[SLOTS_AFTER], metavar="N",
+                        help="unwritten cache slots after the prompt (bench_decode's prefill: 1, an odd cache length)")
     args = common.parse(parser)
     device = common.device(parser, args.smoke)
     widths = SMOKE_WIDTHS if args.smoke else {m: WIDTHS[m] for m in args.models}
     g = torch.Generator().manual_seed(0)
     records = []
     with torch.no_grad():
-        for model, tokens in [(m, t) for m in widths for t in args.tokens]:
+        for model, tokens, after in [(m, t, a) for m in widths for t in args.tokens for a in args.slots_after]:
             torch._dynamo.reset()
-            records.append(bench(model, widths[model], tokens, device, g, args.sweep))
+            records.append(bench(model, widths[model], tokens, device, g, args.sweep, after))
             r = records[-1]
             print(f"{model} {tokens}: " + ", ".join(f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"])
                   + f"; rel diff {r['rel_diff']}", flush=True)  # fmt: skip

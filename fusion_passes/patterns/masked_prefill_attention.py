@@ -113,9 +113,6 @@ MASKED_PREFILL_ATTENTION = Fusion(
     scalars={"scale": SCALE_SENTINEL},
     candidate_ops=SDPA_OPS,
     candidate=_is_prefill_repeat,
-    opt_in="measured on one H200 before a bias of -65504 (SDPA's cuDNN form of a boolean mask) counted as "
-    "closed: compiled, 0.75x stock Inductor (every key block computed); launched on a -inf mask, 1.45-1.65x "
-    "at 4096-8192 tokens; not re-timed since",
     builtin=True,
 )
 

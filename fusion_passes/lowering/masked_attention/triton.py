@@ -7,10 +7,11 @@ key, after repeat_kv's copies of the cache: at MiniMax-M2's width (48 / 8 heads 
 4096-token prompt, 1319 us (2170 us per layer in a prefill of two layers).
 Fused: two kernels.
   1. _mask_blocks: per BLOCK_M x BLOCK_N tile of the additive mask, 0 (every bias at or below
-     CLOSED: closed), 2 (every bias 0: open) or 1 (mixed).
+     CLOSED: closed), 2 (every bias 0: open) or 1 (mixed); a mixed tile is copied out at an aligned
+     row stride (the mask's rows of S + 1 keys are at an odd one).
   2. _masked_attention_kernel: per BLOCK_M query tokens of one query head, the online softmax over
      the key blocks from the first to the last one the mask does not close (a causal prompt: the
-     blocks up to the diagonal, half of them), the mask tile read and added only in mixed blocks;
+     blocks up to the diagonal, half of them), the tile's copy read and added only in mixed blocks;
      query head h reads KV head h // g from the cache as it is (no repeat). fp32 scores and
      accumulators, the probabilities rounded to the input's dtype for the product with v.
 """
@@ -31,6 +32,7 @@ from fusion_passes.lowering.masked_attention.reference import check_masked_atten
 def _mask_blocks(
     mask_ptr,  # *fp32/bf16/fp16 [MB, 1, S, L] (strides below): additive
     blocks_ptr,  # *int8 [MB, cdiv(S, BLOCK_M), cdiv(L, BLOCK_N)]
+    tiles_ptr,  # *mask dtype [MB, cdiv(S, BLOCK_M) * BLOCK_M, cdiv(L, BLOCK_N) * BLOCK_N], contiguous
     S,
     L,
     stride_mb,
@@ -56,6 +58,12 @@ def _mask_blocks(
     cells = tl.sum(tl.sum(inside.to(tl.int32), axis=1), axis=0)
     state = tl.where(closed == cells, 0, tl.where(zero == cells, 2, 1))
     tl.store(blocks_ptr + pid_bm.to(tl.int64) * tl.cdiv(L, BLOCK_N) + kb, state.to(tl.int8))
+    # a mixed tile's copy, at an aligned row stride (the mask's may be odd: a cache of S + 1 keys)
+    # with -inf beyond the cache: the attention kernel's vector loads of it
+    if state == 1:
+        row_len = tl.cdiv(L, BLOCK_N) * BLOCK_N
+        copy = tiles_ptr + (b * tl.cdiv(S, BLOCK_M) * BLOCK_M + rows[:, None]).to(tl.int64) * row_len
+        tl.store(copy + cols[None, :], tl.where(inside, tile, float("-inf")).to(tiles_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -65,15 +73,28 @@ def _attend_block(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    EDGE: tl.constexpr,
+    COPY: tl.constexpr,
 ):  # fmt: skip
     """One key block of the online softmax: (m, l, acc) updated. UPCAST: the dots' operands in fp32
     (the interpreter's bf16 dots are wrong; fp32 products of bf16 / fp16 values are exact, as the
-    GPU's tensor cores take them)."""
+    GPU's tensor cores take them). EDGE: the block may reach past the cache's last key, so its
+    loads are masked by key; every other block is read without a key mask. COPY: the bias comes from
+    _mask_blocks' aligned copy of the mixed tiles (m_base: the copy's rows), where a closed block
+    adds -inf; else from the mask (m_base: its rows, stride_ml apart). Why: on an odd cache length
+    (the mask's rows at an odd stride) the kernel reading the mask with key masks ran 3.1x slower
+    (MiniMax-M2's widths, a 4096-token prompt: 2728 us with 4097 keys, 885 us with 4112; one H200)."""
     cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kl + d[:, None],
-                mask=(cols[None, :] < L) & (d[:, None] < D), other=0.0)  # fmt: skip
+    k_ptrs = k_base + cols[None, :].to(tl.int64) * stride_kl + d[:, None]
+    v_ptrs = v_base + cols[:, None].to(tl.int64) * stride_vl + dv[None, :]
+    if EDGE:
+        k = tl.load(k_ptrs, mask=(cols[None, :] < L) & (d[:, None] < D), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < L) & (dv[None, :] < DV), other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=d[:, None] < D, other=0.0)
+        v = tl.load(v_ptrs, mask=dv[None, :] < DV, other=0.0)
     # logits as SDPA rounds them: scale * (q . k) + bias, in fp32 (natural units; the exp in base 2)
     if UPCAST:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale
@@ -81,7 +102,14 @@ def _attend_block(
         s = tl.dot(q, k, input_precision="ieee") * scale
     else:
         s = tl.dot(q, k) * scale
-    if tl.load(blocks_row + kb) != 2:  # a mixed block (or a closed one between open ones): add the tile
+    state = tl.load(blocks_row + kb)
+    if COPY:  # from _mask_blocks' copy: a mixed block its tile, a closed one -inf (exp: exactly 0)
+        if state != 2:
+            bias = tl.load(m_base + cols[None, :], mask=(rows[:, None] >= 0) & (state == 1), other=float("-inf"))
+            s = s + bias.to(tl.float32)
+        elif EDGE:
+            s = tl.where(cols[None, :] < L, s, float("-inf"))
+    elif state != 2:  # the mask itself (every block of a row whose keys are all closed)
         bias = tl.load(m_base + cols[None, :] * stride_ml, mask=(rows[:, None] < S) & (cols[None, :] < L),
                        other=float("-inf"))  # fmt: skip
         s = s + bias.to(tl.float32)
@@ -93,8 +121,6 @@ def _attend_block(
     p = tl.math.exp2((s - m_sub[:, None]) * 1.4426950408889634)
     alpha = tl.math.exp2((m_i - m_sub) * 1.4426950408889634)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vl + dv[None, :],
-                mask=(cols[:, None] < L) & (dv[None, :] < DV), other=0.0)  # fmt: skip
     if UPCAST:
         pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
@@ -107,7 +133,7 @@ def _attend_block(
 
 @triton.jit
 def _masked_attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, blocks_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, blocks_ptr, tiles_ptr, out_ptr,
     S, L, HQ, GROUPS, MASK_BATCHES, scale,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_kl,
@@ -144,23 +170,32 @@ def _masked_attention_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     m_base = mask_ptr + mb.to(tl.int64) * stride_mb + rows[:, None].to(tl.int64) * stride_ms
+    row_len = n_kb * BLOCK_N  # the tile copy's row stride
+    t_base = tiles_ptr + (mb * tl.cdiv(S, BLOCK_M) * BLOCK_M + rows[:, None]).to(tl.int64) * row_len
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    # the blocks wholly inside the cache, then the cache's last block if it is partial and open
+    full = L // BLOCK_N
     if not INTERPRET:  # software-pipelined on the GPU
-        for kb in range(first, last + 1):
+        for kb in range(first, tl.minimum(last + 1, full)):
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False,
+                q, k_base, v_base, t_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False, False, True,
             )  # fmt: skip
     else:  # the interpreter cannot bound a for loop by a loaded value
         kb = first
-        while kb <= last:
+        while kb <= tl.minimum(last, full - 1):
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True,
+                q, k_base, v_base, t_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True, False, True,
             )  # fmt: skip
             kb += 1
+    if last >= full:  # last == full: the partial block (the loop's bound keeps first <= it)
+        m_i, l_i, acc = _attend_block(
+            q, k_base, v_base, t_base, blocks_row, full, rows, m_i, l_i, acc, S, L, scale,
+            stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET, True, True,
+        )  # fmt: skip
     # A row whose every key is closed (its best logit at a closed key's level, or no key at all)
     # takes the whole row, the closed blocks too: SDPA's softmax over biases of -65504 is not 0
     # there (all -inf: zeros either way). Rare (padding rows), so a second pass of the block.
@@ -172,7 +207,7 @@ def _masked_attention_kernel(
         while kb < n_kb:
             m_i, l_i, acc = _attend_block(
                 q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET, True, False,
             )  # fmt: skip
             kb += 1
     # a row the mask closes entirely: zeros (SDPA's math)
@@ -222,12 +257,15 @@ def masked_attention_triton(
     n_qb, n_kb = triton.cdiv(s, block_m), triton.cdiv(length, block_n)
     mask_batches = mask.shape[0]
     blocks = torch.empty((mask_batches, n_qb, n_kb), dtype=torch.int8, device=query.device)
+    # written only where a tile is mixed (a causal prompt: the diagonal's, 2-3 of a query block's)
+    tiles = torch.empty((mask_batches, n_qb * block_m, n_kb * block_n), dtype=mask.dtype, device=query.device)
     summarize = wrap(_mask_blocks) if wrap is not None else _mask_blocks
-    summarize[(mask_batches * n_qb, n_kb)](mask, blocks, s, length, mask.stride(0), mask.stride(2), mask.stride(3),
-                                           BLOCK_M=block_m, BLOCK_N=block_n, CLOSED=CLOSED, num_warps=4)  # fmt: skip
+    summarize[(mask_batches * n_qb, n_kb)](mask, blocks, tiles, s, length, mask.stride(0), mask.stride(2),
+                                           mask.stride(3), BLOCK_M=block_m, BLOCK_N=block_n, CLOSED=CLOSED,
+                                           num_warps=4)  # fmt: skip
     attend = wrap(_masked_attention_kernel) if wrap is not None else _masked_attention_kernel
     attend[(n_qb, bsz * heads)](
-        query, key, value, mask, blocks, out,
+        query, key, value, mask, blocks, tiles, out,
         s, length, heads, heads // kv_heads, mask_batches, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
