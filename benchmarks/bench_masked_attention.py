@@ -1,7 +1,8 @@
-"""Time a prefill's grouped-query attention on a static cache on one GPU: transformers' repeat_kv +
-SDPA with the prefill's boolean mask (eager, stock Inductor) against the masked_attention kernels,
-at the attention widths of MiniMax-M2 (48 / 8 heads of 128), Qwen3-MoE (64 / 4 of 128) and
-Qwen 3.5 (16 / 2 of 256), batch 1, prompts of 1024-8192 tokens on a cache 16 slots longer.
+"""Time a prefill's attention on a static cache on one GPU: transformers' repeat_kv + SDPA with the
+prefill's boolean mask (eager, stock Inductor) against the masked_attention kernels, at the
+attention widths of MiniMax-M2 (48 / 8 heads of 128), Qwen3-MoE (64 / 4 of 128), Qwen 3.5 (16 / 2
+of 256) and DeepSeek V3.2 (128 heads, as many KV heads: no repeat; q / k of 192, v of 128), batch 1,
+prompts of 1024-8192 tokens on a cache --slots-after slots longer (16; a model's prefill: 1).
 
 The region is the attention as transformers writes it (sdpa_attention_forward with a mask):
 
@@ -10,7 +11,7 @@ The region is the attention as transformers writes it (sdpa_attention_forward wi
 
 with the mask of a first prompt (query i sees cache slots 0..i; the 16 slots after the prompt are
 unwritten). Implementations: eager; inductor (torch.compile); ours (torch.compile with
-masked_prefill_attention); ours_kernel (the launcher called directly, on the additive mask).
+masked_prefill_attention, and masked_prefill_attention_mha where no repeat); ours_kernel (the launcher called directly, on the additive mask).
 Each is timed as plain launches (do_bench median) and in a CUDA graph of calls on 2 input sets;
 the largest difference from the fp32 reference, relative to its largest value, is recorded.
 --sweep times ours_kernel at each tile shape, warp count and stage count.
@@ -36,8 +37,12 @@ from fusion_passes.lowering.masked_attention.reference import masked_attention_r
 from fusion_passes.lowering.masked_attention.triton import masked_attention_triton  # noqa: E402
 from fusion_passes.patterns.gqa_decode_attention import repeat_kv  # noqa: E402
 
-WIDTHS = {"minimax-m2": (48, 8, 128), "qwen3-moe": (64, 4, 128), "qwen3.5": (16, 2, 256)}
-SMOKE_WIDTHS = {"tiny": (4, 2, 16)}
+# query heads, KV heads, q / k head dim, v head dim (DeepSeek V3.2's MLA: as many KV heads, v of 128)
+WIDTHS = {"minimax-m2": (48, 8, 128, 128), "qwen3-moe": (64, 4, 128, 128), "qwen3.5": (16, 2, 256, 256),
+          "deepseek-v3.2": (128, 128, 192, 128)}  # fmt: skip
+# (on the CPU a v head dim of its own takes SDPA's math path: no SDPA op for the fusion to take)
+SMOKE_WIDTHS = {"tiny": (4, 2, 16, 16), "tiny-mha": (4, 4, 24, 24)}
+FUSIONS = ["masked_prefill_attention", "masked_prefill_attention_mha"]
 TOKENS, SMOKE_TOKENS = (1024, 4096, 8192), (40,)
 SLOTS_AFTER = 16  # unwritten cache slots after the prompt (the decode steps' room; a model's prefill: 1)
 SETS = 2
@@ -46,25 +51,27 @@ SWEEP = [(bm, bn, w, st) for bm, bn in ((64, 64), (128, 64), (128, 128)) for w i
 
 def region(query, key, value, mask, scale):
     groups = query.shape[1] // key.shape[1]
-    return F.scaled_dot_product_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask,
-                                          scale=scale)  # fmt: skip
+    if groups > 1:  # transformers' repeat_kv returns the cache as it is for one group
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
-def inputs(heads, kv_heads, dim, tokens, device, g, slots_after):
+def inputs(heads, kv_heads, dim, v_dim, tokens, device, g, slots_after):
     length = tokens + slots_after
     q = torch.randn(1, heads, tokens, dim, generator=g).to(device, torch.bfloat16)
     k = torch.randn(1, kv_heads, length, dim, generator=g).to(device, torch.bfloat16)
-    v = torch.randn(1, kv_heads, length, dim, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(1, kv_heads, length, v_dim, generator=g).to(device, torch.bfloat16)
     keep = (torch.arange(length)[None, :] <= torch.arange(tokens)[:, None])[None, None].to(device)
     return q, k, v, keep
 
 
 def bench(model, widths, tokens, device, g, sweep, slots_after=SLOTS_AFTER) -> dict:
-    heads, kv_heads, dim = widths
-    sets = [inputs(heads, kv_heads, dim, tokens, device, g, slots_after) for _ in range(SETS if device == "cuda" else 1)]
+    heads, kv_heads, dim, v_dim = widths
+    sets = [inputs(heads, kv_heads, dim, v_dim, tokens, device, g, slots_after)
+            for _ in range(SETS if device == "cuda" else 1)]  # fmt: skip
     scale = dim**-0.5
     report = fusion_passes.Report()
-    ours = torch.compile(region, fullgraph=True, backend=fusion_passes.backend(["masked_prefill_attention"], report=report))
+    ours = torch.compile(region, fullgraph=True, backend=fusion_passes.backend(FUSIONS, report=report))
     ours(*sets[0], scale)
 
     def kernel(q, k, v, keep, scale, **launch):
@@ -72,8 +79,8 @@ def bench(model, widths, tokens, device, g, sweep, slots_after=SLOTS_AFTER) -> d
         return masked_attention_triton(q, k, v, bias, scale, **launch)
 
     impls = {"eager": region, "inductor": torch.compile(region, fullgraph=True), "ours": ours, "ours_kernel": kernel}
-    record = {"model": model, "heads": heads, "kv_heads": kv_heads, "dim": dim, "tokens": tokens,
-              "cache": tokens + slots_after, "fused_sites": report.matches.get("masked_prefill_attention", 0),
+    record = {"model": model, "heads": heads, "kv_heads": kv_heads, "dim": dim, "v_dim": v_dim, "tokens": tokens,
+              "cache": tokens + slots_after, "fused_sites": sum(report.matches.get(f, 0) for f in FUSIONS),
               "rel_diff": {}, "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
     q, k, v, keep = sets[0]
     bias = torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))

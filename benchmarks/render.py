@@ -363,7 +363,8 @@ def masked_attention(payloads):
     tokens = sorted({r["tokens"] for r in p["records"]})
     by_row: dict[tuple, dict[int, dict]] = {}
     for r in p["records"]:
-        by_row.setdefault((r["model"], r["heads"], r["kv_heads"], r["dim"], r["cache"] - r["tokens"]), {})[r["tokens"]] = r
+        dims = f"{r['dim']}" if r.get("v_dim", r["dim"]) == r["dim"] else f"{r['dim']} / {r['v_dim']}"
+        by_row.setdefault((r["model"], r["heads"], r["kv_heads"], dims, r["cache"] - r["tokens"]), {})[r["tokens"]] = r
 
     def cell(r):
         if r is None:

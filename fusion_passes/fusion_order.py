@@ -102,7 +102,9 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
     (
         masked_prefill_attention,
         "the same copies and SDPA call at several query tokens (gqa_decode_attention's sites are "
-        "one token: the two never share a site); after the same regions",
+        "one token: the two never share a site); after the same regions. Its opt-in form without "
+        "the repeat (masked_prefill_attention_mha) comes second, so that a repeat site is the "
+        "grouped form's, its copies gone",
     ),
     (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
     (

@@ -1,8 +1,9 @@
 """CUDA: the masked attention kernels at real widths (MiniMax-M2's 48 / 8 heads of 128, Qwen 3.5's
-16 / 2 of 256), on masks of -inf and of SDPA's cuDNN form (-65504), against the fp32 reference and
-SDPA on repeat_kv's copies; and a tiny MiniMax-M2 /
-Qwen3-MoE prefill on a StaticCache with the default fusions (masked_prefill_attention among them):
-the kernel launched per layer, the output within bf16 tolerance of the prefill without it. Skipped without a GPU."""
+16 / 2 of 256, DeepSeek V3.2's q / k of 192 and v of 128), on masks of -inf and of SDPA's cuDNN form
+(-65504), against the fp32 reference and SDPA on repeat_kv's copies; tiny MiniMax-M2 / Qwen3-MoE
+prefills on a StaticCache with the default fusions (masked_prefill_attention among them) and a tiny
+DeepSeek V3.2 prefill with masked_prefill_attention_mha: the kernel launched per layer, the output
+within bf16 tolerance of the prefill without it. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -60,6 +61,55 @@ def test_prefill_with_the_attention_fused(model):
     others = [name for name in defaults if name != "masked_prefill_attention"]
     base, _ = compile_step(step, fusion_passes.backend(others), inputs=prompt)
     assert report.final()["masked_prefill_attention"] == 2
+    (code,) = codes
+    assert len(re.findall(r"_masked_attention_kernel_\d+\.run\(", code)) == 2
+    with torch.no_grad():
+        step.restore()
+        got = fused(*prompt).clone()
+        step.restore()
+        want = base(*prompt).clone()
+    assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("closed", [float("-inf"), -65504.0])
+def test_mla_widths_values_of_another_head_dim(dtype, closed):
+    """DeepSeek V3.2's attention at prefill (masked_prefill_attention_mha's sites): as many KV heads
+    as query heads, q / k of 192 and v of 128, a cache of S + 1 and a mask that also closes keys
+    below the diagonal (the index top-k's), against the reference and SDPA."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    heads, s, length = 32, 777, 778
+    q = torch.randn(1, heads, s, 192, device="cuda", generator=g).to(dtype)
+    k = torch.randn(1, heads, length, 192, device="cuda", generator=g).to(dtype)
+    v = torch.randn(1, heads, length, 128, device="cuda", generator=g).to(dtype)
+    keep = torch.arange(length, device="cuda")[None, :] <= torch.arange(s, device="cuda")[:, None]
+    keep &= torch.rand(s, length, device="cuda", generator=g) > 0.3
+    keep[:, 0] = True  # every query keeps a key (the index top-k keeps at least one)
+    keep = keep[None, None]
+    bias = torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, closed)
+    scale = 192**-0.5
+    out = masked_attention_triton(q, k, v, bias, scale)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out.float(), masked_attention_reference(q, k, v, bias, scale).float(),
+                               rtol=tol.rtol, atol=tol.atol)  # fmt: skip
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    torch.testing.assert_close(out.float(), sdpa.float(), rtol=tol.rtol, atol=tol.atol)
+
+
+def test_deepseek_v32_prefill_with_the_mha_attention_fused():
+    """A tiny DeepSeek V3.2 prefill on a StaticCache with masked_prefill_attention_mha on top of the
+    defaults: both layers' attention launched as the kernel, the output within bf16 tolerance of
+    the prefill without it."""
+    torch._dynamo.reset()
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
+    step = DecodeStep(built.module, batch=1, context=40, steps=1)
+    prompt = (step.prompt, torch.arange(40, device="cuda"))
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    report = fusion_passes.Report()
+    fused, codes = compile_step(step, fusion_passes.backend([*defaults, "masked_prefill_attention_mha"], report=report),
+                                inputs=prompt)  # fmt: skip
+    base, _ = compile_step(step, fusion_passes.backend(defaults), inputs=prompt)
+    assert report.final()["masked_prefill_attention_mha"] == 2
     (code,) = codes
     assert len(re.findall(r"_masked_attention_kernel_\d+\.run\(", code)) == 2
     with torch.no_grad():
