@@ -21,8 +21,8 @@ The products of bf16 q and k are exact in fp32 either way: the scores differ fro
 ones in the order of fp32 sums (an ulp or so), which can move a top-k's choice where two scores
 tie to the last bits.
 
-Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: its scores are GEMM-sized work,
-left to cuBLAS). Rejected with the reason: keys shared across the batch (k [1, T, D] broadcast),
+Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: sparse_index_scores_prefill's,
+the same op through a tiled kernel; opt-in until timed). Rejected with the reason: keys shared across the batch (k [1, T, D] broadcast),
 or arguments the op does not define. Not matched: weights summed over another dim than the heads.
 On a GPU, Inductor's joint-graph pass has turned a batch-1 bmm (one decode token of one sequence)
 into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0) before the post-grad passes;
@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from fusion_passes.fusion import Fusion, NotASite, Spelling
 from fusion_passes.lowering.sparse_index_scores.reference import check_sparse_index_scores_args
 
-# Query tokens per sequence up to which the kernel takes the scores: decode steps (and a few
-# speculative tokens). Each program reads its keys for one token: a prefill's 4096 tokens would
-# read the cache 4096 times, where a GEMM reads it once per tile.
+# Query tokens per sequence up to which sparse_index_scores takes the scores: decode steps (and a
+# few speculative tokens), the per-token kernel's; above it sparse_index_scores_prefill's sites,
+# the tiled kernel's (the launcher's TILED_ABOVE is the same bound).
 MAX_QUERY_TOKENS = 16
 
 # softmax_scale is traced as this sentinel, so the pattern takes every scale.
@@ -120,15 +120,19 @@ def _fused(q, k, weights, softmax_scale):
     return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale)
 
 
-def _check(values: dict[str, Any]) -> str | None:
-    q, k, weights = values["q"], values["k"], values["weights"]
+def _check_args(values: dict[str, Any]) -> str | None:
     try:
-        check_sparse_index_scores_args(q, k, weights)
+        check_sparse_index_scores_args(values["q"], values["k"], values["weights"])
     except ValueError as e:
         return str(e).removeprefix("sparse_index_scores: ")
-    if q.shape[1] > MAX_QUERY_TOKENS:
-        return NotASite(f"{q.shape[1]} query tokens: a prefill's scores (GEMM-sized) are left to cuBLAS")
     return None
+
+
+def _check(values: dict[str, Any]) -> str | None:
+    q = values["q"]
+    if q.dim() == 4 and q.shape[1] > MAX_QUERY_TOKENS:
+        return NotASite(f"{q.shape[1]} query tokens: a prefill's scores (sparse_index_scores_prefill, opt-in)")
+    return _check_args(values)
 
 
 def _examples():
@@ -156,4 +160,43 @@ SPARSE_INDEX_SCORES = Fusion(
     builtin=True,
 )
 
-FUSIONS = (SPARSE_INDEX_SCORES,)
+
+
+def _check_prefill(values: dict[str, Any]) -> str | None:
+    q = values["q"]
+    if q.dim() == 4 and q.shape[1] <= MAX_QUERY_TOKENS:
+        return NotASite(f"{q.shape[1]} query tokens: a decode step's scores (sparse_index_scores)")
+    return _check_args(values)
+
+
+def _prefill_examples():
+    # Several tokens trace as a prefill's. Batch 1 apart: there matmul views the keys' broadcast
+    # over the tokens as a batch (stride 0), where a batch of sequences copies it (a clone).
+    for batch in (1, 2):
+        for dtype in (torch.bfloat16, torch.float32):
+            yield (torch.randn(batch, 3, 4, 16, dtype=dtype), torch.randn(batch, 24, 16, dtype=dtype),
+                   torch.randn(batch, 3, 4), SCALE_SENTINEL)  # fmt: skip
+
+
+SPARSE_INDEX_SCORES_PREFILL = Fusion(
+    name="sparse_index_scores_prefill",
+    summary="DeepSeek V3.2 indexer scores (two matmuls, scale, relu) at prefill -> one tiled kernel, no [B, S, H, T] "
+    "fp32 scores",
+    doc=(
+        "sparse_index_scores' spelling above MAX_QUERY_TOKENS query tokens (a prefill). Unfused: the fp32 GEMM of "
+        "every query head against the upcast key cache writes [B, S, H, T] fp32 scores (4.3 GB at DeepSeek V3.2's "
+        "64 indexer heads and a 4096-token prompt), an elementwise kernel scales and relus them (2041 us per layer "
+        "on one H200) and a batched GEMM reads them back over the heads. Fused: the same op, whose launcher takes "
+        "the tiled kernel at these sizes (lowering/sparse_index_scores: a program per 64 tokens x 128 positions "
+        "walks the heads with its key tile loaded once; bf16 q and k dotted as they are, exact products, fp32 sums)."
+    ),
+    spellings=(Spelling("transformers_index_scores", transformers_index_scores, _fused),),
+    example_inputs=_prefill_examples,
+    scalars={"softmax_scale": SCALE_SENTINEL},
+    check=_check_prefill,
+    applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.aten.relu.default)),
+    opt_in="not yet timed on a GPU (the tiled kernel is new)",
+    builtin=True,
+)
+
+FUSIONS = (SPARSE_INDEX_SCORES, SPARSE_INDEX_SCORES_PREFILL)

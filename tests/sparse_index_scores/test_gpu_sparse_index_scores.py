@@ -1,5 +1,6 @@
-"""CUDA: the indexer-scores kernel at DeepSeek V3.2's sizes (64 heads of 128, up to 16k cached
-positions, bf16 q and cache) against the reference and transformers' fp32 matmuls; and a tiny
+"""CUDA: the indexer-scores kernels at DeepSeek V3.2's sizes (64 heads of 128, up to 16k cached
+positions, bf16 q and cache; prefills of 300-1024 tokens through the tiled kernel) against the
+reference and transformers' fp32 matmuls; a tiny DeepSeek V3.2 prefill with the tiled kernel; and a tiny
 DeepSeek V3.2 decode step with a live index mask: the kernel launched per layer, the step's output
 as the step's without the fusion within bf16 tolerance, at batch 1 too (where Inductor has turned
 the batch-1 bmms into mm). Skipped without a GPU."""
@@ -23,7 +24,9 @@ from fusion_passes.patterns.sparse_index_scores import transformers_index_scores
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("batch,s,t", [(1, 1, 1040), (8, 1, 8200), (2, 3, 16400), (64, 1, 1000)])
+# s above 16: a prefill's tokens, the tiled kernel
+@pytest.mark.parametrize("batch,s,t", [(1, 1, 1040), (8, 1, 8200), (2, 3, 16400), (64, 1, 1000), (1, 1024, 1025),
+                                       (2, 300, 777)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_real_sizes_against_reference_and_transformers(batch, s, t, dtype):
     g = torch.Generator(device="cuda").manual_seed(batch * t)
@@ -54,3 +57,27 @@ def test_decode_step_with_the_scores_fused(batch):
         want = [base(*step.inputs(i)).clone() for i in range(2)]
     for a, b in zip(got, want, strict=True):
         assert compare(a, b).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+def test_prefill_with_the_scores_fused():
+    """A tiny DeepSeek V3.2 prefill (40 tokens) with sparse_index_scores_prefill on top of the
+    defaults: the tiled kernel launched per layer, the output as the prefill's without it within
+    bf16 tolerance."""
+    torch._dynamo.reset()
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
+    step = DecodeStep(built.module, batch=1, context=40, steps=1)
+    prompt = (step.prompt, torch.arange(40, device="cuda"))
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    report = fusion_passes.Report()
+    fused, codes = compile_step(step, fusion_passes.backend([*defaults, "sparse_index_scores_prefill"], report=report),
+                                inputs=prompt)  # fmt: skip
+    base, _ = compile_step(step, fusion_passes.backend(defaults), inputs=prompt)
+    assert report.final()["sparse_index_scores_prefill"] == 2
+    (code,) = codes
+    assert len(re.findall(r"_index_scores_tiled_kernel_\d+\.run\(", code)) == 2
+    with torch.no_grad():
+        step.restore()
+        got = fused(*prompt).clone()
+        step.restore()
+        want = base(*prompt).clone()
+    assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm

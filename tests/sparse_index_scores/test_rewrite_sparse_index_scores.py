@@ -1,6 +1,6 @@
 """DeepSeek V3.2's indexer scores rewritten to one op: transformers' two matmuls, scale and relu
 at decode (one and a few query tokens, bf16 and fp32), outputs as eager's within fp32 sum order;
-left alone for a prefill's tokens (not a site), weights summed over another dim (not the pattern)
+a prefill's tokens are not its site but sparse_index_scores_prefill's (opt-in); weights summed over another dim (not the pattern)
 and keys shared across the batch (rejected, with the reason). On the tiny DeepseekV32 decode step with a
 live index mask: the scores of both layers fused, the step's output as stock Inductor's."""
 
@@ -36,20 +36,20 @@ def weights_over_positions(q, k, weights, softmax_scale, attention_mask):
     return torch.matmul(scores, weights.unsqueeze(-1)).squeeze(-1)
 
 
-def _compile(fn, *args):
+def _compile(fn, *args, fusions=FUSION):
     report = fusion_passes.Report()
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(fn, backend=fusion_passes.backend(FUSION, report=report), fullgraph=True)(*args)
+        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*args)
     return out, report
 
 
-def _inputs(s, dtype=torch.bfloat16, wdtype=torch.float32, t=45):
+def _inputs(s, dtype=torch.bfloat16, wdtype=torch.float32, t=45, batch=2):
     g = torch.Generator().manual_seed(s)
-    q = torch.randn(2, s, 6, 32, generator=g).to(dtype)
-    k = torch.randn(2, t, 32, generator=g).to(dtype)
-    w = (torch.randn(2, s, 6, generator=g) * 6**-0.5).to(wdtype)
-    mask = torch.rand(2, s, t, generator=g) > 0.2
+    q = torch.randn(batch, s, 6, 32, generator=g).to(dtype)
+    k = torch.randn(batch, t, 32, generator=g).to(dtype)
+    w = (torch.randn(batch, s, 6, generator=g) * 6**-0.5).to(wdtype)
+    mask = torch.rand(batch, s, t, generator=g) > 0.2
     return q, k, w, 32**-0.5, mask
 
 
@@ -110,6 +110,26 @@ def test_a_prefill_is_not_a_site():
     torch.testing.assert_close(out, transformers_indexer_tail(*args), rtol=1e-5, atol=1e-5)
     assert report.final()["sparse_index_scores"] == 0 and not report.rejected
     assert report.ops_after() == report.ops_before()
+
+
+@pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 2), (torch.float32, 2), (torch.bfloat16, 1)])
+def test_a_prefill_is_the_prefill_fusions_site(dtype, batch):
+    """With both fusions: 20 query tokens go to sparse_index_scores_prefill (the tiled kernel on
+    a GPU), a decode step's to sparse_index_scores; either way the two matmuls and the relu go.
+    One sequence (a model's prefill) traces the keys' broadcast as a view, not a copy."""
+    both = ["sparse_index_scores", "sparse_index_scores_prefill"]
+    for s, fusion in ((20, "sparse_index_scores_prefill"), (1, "sparse_index_scores")):
+        args = _inputs(s, dtype, batch=batch)
+        out, report = _compile(transformers_indexer_tail, *args, fusions=both)
+        expected = transformers_indexer_tail(*args)
+        finite = expected.isfinite()
+        assert torch.equal(finite, out.isfinite())
+        torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-5)
+        assert {name: report.final()[name] for name in both} == {name: int(name == fusion) for name in both}
+        before, after = report.ops_before(), report.ops_after()
+        assert (before["aten.bmm.default"], after["aten.bmm.default"]) == (2, 0)
+        assert (before["aten.relu.default"], after["aten.relu.default"]) == (1, 0)
+        assert (before[OP], after[OP]) == (0, 1)
 
 
 def test_weights_over_another_dim_are_not_the_pattern():

@@ -112,3 +112,39 @@ def test_bad_arguments_get_one_line_errors(shapes, dtypes, message):
 def test_opcheck():
     q, k, w = _inputs(2, 1, 4, 16, 19, torch.bfloat16, 2)
     torch.library.opcheck(torch.ops.fusion_passes.sparse_index_scores.default, (q, k, w, 0.25))
+
+
+@pytest.mark.parametrize(
+    ("b", "s", "h", "d", "t", "dtype"),
+    [(1, 17, 4, 16, 40, torch.bfloat16), (2, 70, 3, 24, 130, torch.float16), (1, 33, 5, 16, 77, torch.float32),
+     (1, 100, 64, 128, 129, torch.bfloat16)],
+)  # fmt: skip
+def test_prefill_tokens_take_the_tiled_kernel(b, s, h, d, t, dtype):
+    """Above TILED_ABOVE query tokens (a prefill) the tiled kernel: partial token and position
+    tiles, odd head counts and dims, DeepSeek V3.2's 64 heads of 128; against transformers' form."""
+    from fusion_passes.lowering.sparse_index_scores.triton import TILED_ABOVE
+
+    assert s > TILED_ABOVE
+    q, k, w = _inputs(b, s, h, d, t, dtype, s + t)
+    out = sparse_index_scores_triton(q, k, w, d**-0.5)
+    assert out.shape == (b, s, t) and out.dtype == torch.float32
+    _assert_close(out, _transformers_scores(q, k, w, d**-0.5), h, d)
+
+
+def test_prefill_mixed_dtypes_strided_and_nan():
+    """The tiled kernel on a bf16 q against an fp16 cache slice, q a view of a wider projection; a
+    NaN key kept, a position every head's dot is negative on zeroed."""
+    q, k, w = _inputs(1, 20, 4, 16, 30, torch.bfloat16, 5)
+    q = q.abs()
+    cache = torch.zeros(1, 48, 16, dtype=torch.float16, device=DEVICE)
+    cache[:, :30] = k.to(torch.float16)
+    cache[0, 2] = float("nan")
+    cache[0, 4] = -cache[0, 4].abs() - 1
+    wide = torch.zeros(1, 20, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    wide[..., :16] = q
+    out = sparse_index_scores_triton(wide[..., :16], cache[:, :30], w, 0.25)
+    expected = sparse_index_scores_reference(q, cache[:, :30], w, 0.25)
+    assert torch.isnan(out[0, :, 2]).all() and torch.isnan(expected[0, :, 2]).all()
+    assert (out[0, :, 4] == 0).all() and (expected[0, :, 4] == 0).all()
+    keep = [i for i in range(30) if i != 2]
+    _assert_close(out[..., keep], expected[..., keep], 4, 16)
