@@ -15,7 +15,7 @@ recorded (fp32 sums in another order). --sweep times ours_kernel at each positio
 and warp count.
 
     python -m benchmarks.bench_sparse_index_scores [--batch 1 8 64] [--context 1024 8192 16384] [--sweep]
-    python -m benchmarks.bench_sparse_index_scores --prefill 1024 4096 --batch --context   # prefills alone
+    python -m benchmarks.bench_sparse_index_scores --batch 1 --context 8192 --prefill 1024 4096   # and prefills
     python -m benchmarks.bench_sparse_index_scores --smoke   # tiny sizes; on a CPU via Triton's interpreter
 """
 
