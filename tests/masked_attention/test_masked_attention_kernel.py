@@ -167,6 +167,21 @@ def test_cudnn_mask_form_with_closed_rows_and_blocks(dtype):
     _assert_close(out, masked_attention_reference(q, k, v, mask, 0.25))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_finite_mask_value_keeps_sdpas_rounding(dtype):
+    """Older code writes a closed key as -10000 (above the -65504 that closes a block): those keys are
+    summed as any bias, and a row whose every key has it (best logit below REDO_BELOW) is redone in
+    SDPA's natural-unit logits, within fp32's tolerance of the reference too."""
+    q, k, v = _inputs(1, 4, 2, 40, 50, 16, 16, dtype, 11)
+    keep = (torch.arange(50)[None, :] <= torch.arange(40)[:, None] + 10)[None, None].clone()
+    keep[0, 0, 7] = False
+    mask = additive(keep, dtype, closed=-10000.0)
+    out = masked_attention_triton(q, k, v, mask, 0.25, block_m=16, block_n=16)
+    expected = masked_attention_reference(q, k, v, mask, 0.25)
+    assert expected[0, :, 7].abs().max().item() > 0
+    _assert_close(out, expected)
+
+
 def test_opcheck():
     q, k, v = _inputs(2, 4, 2, 5, 9, 16, 16, torch.bfloat16, 2)
     torch.library.opcheck(torch.ops.fusion_passes.masked_attention.default, (q, k, v, causal(5, 9, 4, batch=2), 0.25))
