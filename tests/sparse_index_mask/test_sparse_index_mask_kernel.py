@@ -57,6 +57,21 @@ def test_matches_reference(case):
     assert bool((~mask).sum(-1).eq(case["k"]).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefills_causal_rows(dtype):
+    """A prefill's index scores: row i scores positions 0..i, the rest -inf (the causal mask before
+    the top-k). Rows with at most k finite scores keep them all and the lowest -inf positions after
+    them (the first pass finds the k-th at the lowest key); later rows select; all as the reference."""
+    t, k = 300, 100
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(t, t, generator=g).clamp_min(0).round(decimals=1)  # relu'd: ties and zeros
+    scores = scores.masked_fill(torch.arange(t)[None, :] > torch.arange(t)[:, None], float("-inf")).to(DEVICE, dtype)
+    mask = sparse_index_mask_triton(scores, k)
+    assert torch.equal(mask, sparse_index_mask_reference(scores, k))
+    assert bool((~mask).sum(-1).eq(k).all())
+    assert not mask[: k, : k].any() and mask[0, k:].all()  # early rows: the first k positions
+
+
 @pytest.mark.parametrize("t,k", [(37, 5), (1040, 64), (2060, 2048)])
 def test_without_ties_equals_the_models_top_k_and_scatter(t, k):
     g = torch.Generator().manual_seed(t)
