@@ -19,6 +19,7 @@ from fusion_passes.patterns import (
     causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule,
+    chunk_gated_delta_rule_gva,
     gated_delta_step,
     gqa_decode_attention,
     masked_prefill_attention,
@@ -55,6 +56,7 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "before that elimination too, which would merge the rule's two beta.unsqueeze(-1) and "
         "two exp(cumsum) that its traced patterns hold apart",
     ),
+    (chunk_gated_delta_rule_gva, "after chunk_gated_delta_rule, whose op (on repeated q and k) it starts from"),
     (
         mla_rope,
         "after the norms (kv_a_layernorm is a canonical rms_norm); before the quantization "

@@ -89,6 +89,22 @@ def test_reference_rounds_as_transformers(dtype, tokens):
     assert out.dtype == dtype and torch.equal(out, exp_out) and torch.equal(final, exp_final)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_values_read_the_key_heads_as_repeat_interleave_would(dtype):
+    """2 key heads, 4 value heads (Qwen 3.5 / Qwen3-Next's ratio): bit-equal to the rule on q and k
+    repeated as transformers repeats them (repeat_interleave over the heads)."""
+    q, k, _, _, _, _ = _inputs(2, 70, 2, 8, 6, dtype, seed=5)
+    _, _, v, g, beta, state = _inputs(2, 70, 4, 8, 6, dtype, seed=6)
+    g = g.float()
+    out, final = chunk_gated_delta_rule_reference(q, k, v, g, beta, state, 8**-0.5, True, 1e-6)
+    rep = [x.repeat_interleave(2, dim=2) for x in (q, k)]
+    exp_out, exp_final = chunk_gated_delta_rule_reference(*rep, v, g, beta, state, 8**-0.5, True, 1e-6)
+    assert out.shape == v.shape and torch.equal(out, exp_out) and torch.equal(final, exp_final)
+    theirs = torch_chunk_gated_delta_rule(*rep, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip((out, final), theirs, strict=True))
+
+
 def test_op_registration():
     args = _inputs(1, 70, 2, 8, 4, torch.bfloat16, seed=3)
     torch.library.opcheck(
@@ -100,6 +116,9 @@ def test_op_registration():
     "change, message",
     [
         (lambda a: (a[0][..., :4], *a[1:]), "q, k [B, T, H, K]"),
+        (lambda a: (a[0][:, :, :1], a[1][:, :, :1], a[2][:, :, :1], *a[3:]), "g (1, 70, 2)"),  # 1 value head
+        (lambda a: (a[0][:, :, :1].expand(1, 70, 3, 8), a[1][:, :, :1].expand(1, 70, 3, 8), *a[2:]),
+         "HV a multiple of H"),
         (lambda a: (*a[:3], a[3][:, :, :1], *a[4:]), "g (1, 70, 1)"),
         (lambda a: (*a[:5], a[5].bfloat16()), "float32"),
         (lambda a: (a[0], a[1], a[2].half(), *a[3:]), "dtypes differ"),

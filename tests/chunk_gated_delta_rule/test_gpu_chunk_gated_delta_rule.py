@@ -1,5 +1,6 @@
 """CUDA: the chunked prefill op through flash-linear-attention's chunk kernels against the fp32
-reference (bf16 activations, Qwen widths and odd lengths, from zeros and from a state), and a
+reference (bf16 activations, Qwen widths and odd lengths, grouped values, from zeros and from a
+state), and a
 tiny Qwen 3.5 prefill through a StaticCache with the fusion: every GDN layer's rule one op, the
 output and the recurrent states as close to eager's as stock Inductor's. Skipped without a GPU,
 and the op's test without fla-core (the extra ``fla``)."""
@@ -24,16 +25,19 @@ needs_fla = pytest.mark.skipif(
 
 @needs_fla
 @pytest.mark.parametrize(
-    "tokens, heads, dk, dv", [(4096, 32, 128, 128), (1000, 4, 128, 128), (70, 3, 64, 32)]
-)
+    "tokens, heads, dk, dv, key_heads",
+    # key_heads < heads: grouped values (Qwen 3.5's 16 key / 32 value heads; chunk_gated_delta_rule_gva)
+    [(4096, 32, 128, 128, 32), (1000, 4, 128, 128, 4), (70, 3, 64, 32, 3), (4096, 32, 128, 128, 16),
+     (333, 6, 64, 64, 2)],
+)  # fmt: skip
 @pytest.mark.parametrize("zero_state", [True, False])
-def test_chunk_kernel_matches_reference(tokens, heads, dk, dv, zero_state):
+def test_chunk_kernel_matches_reference(tokens, heads, dk, dv, key_heads, zero_state):
     g = torch.Generator(device="cuda").manual_seed(tokens)
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=g)
 
-    q, k, v = (rand(1, tokens, heads, d).bfloat16() for d in (dk, dk, dv))
+    q, k, v = (rand(1, tokens, h, d).bfloat16() for h, d in ((key_heads, dk), (key_heads, dk), (heads, dv)))
     decay = -torch.nn.functional.softplus(rand(1, tokens, heads)) * 0.5
     beta = torch.sigmoid(rand(1, tokens, heads)).bfloat16()
     state = torch.zeros(1, heads, dk, dv, device="cuda") if zero_state else rand(1, heads, dk, dv) * 0.1
@@ -46,11 +50,13 @@ def test_chunk_kernel_matches_reference(tokens, heads, dk, dv, zero_state):
 
 
 @needs_fla
-@pytest.mark.parametrize("conv", ["causal_conv1d", "causal_conv1d_after_state"])
-def test_qwen35_prefill_fuses_on_cuda(conv):
+@pytest.mark.parametrize("conv, gva", [("causal_conv1d", False), ("causal_conv1d_after_state", False),
+                                       ("causal_conv1d_after_state", True)])  # fmt: skip
+def test_qwen35_prefill_fuses_on_cuda(conv, gva):
     """The prefill continues the cache's conv state (the step's cache was prefilled before): the
     plain conv fusion takes the conv over the cache's cat, causal_conv1d_after_state the cat and
-    the cache write too (the op reads the state)."""
+    the cache write too (the op reads the state). gva: the op then reads the 2 key heads as they
+    are (chunk_gated_delta_rule_gva), not their repeats for the 4 value heads."""
     built = build_model("qwen3.5", size="tiny", dtype=torch.bfloat16, layers=4, device="cuda")
     step = DecodeStep(built.module, batch=2, context=200, steps=1)
     positions = torch.arange(step.context, device="cuda")
@@ -63,12 +69,14 @@ def test_qwen35_prefill_fuses_on_cuda(conv):
 
     report = fusion_passes.Report()
     torch._dynamo.reset()
-    backend = fusion_passes.backend(["chunk_gated_delta_rule", conv], report=report)
+    backend = fusion_passes.backend(["chunk_gated_delta_rule", conv] + ["chunk_gated_delta_rule_gva"] * gva,
+                                    report=report)  # fmt: skip
     out, cache = prefill(torch.compile(step, backend=backend, fullgraph=True))
     expected, expected_cache = prefill(step)
     torch._dynamo.reset()
     stock, stock_cache = prefill(torch.compile(step, backend="inductor", fullgraph=True))
-    assert report.final()["chunk_gated_delta_rule"] == 3 and not report.rejected
+    assert report.matches["chunk_gated_delta_rule"] == 3 and not report.rejected
+    assert report.final()["chunk_gated_delta_rule_gva" if gva else "chunk_gated_delta_rule"] == 3
     # torch <= 2.11 traces transformers' forward-substitution form (no triangular solve): either fuses
     before, after = report.ops_before(), report.ops_after()
     fused = "fusion_passes.chunk_gated_delta_rule.default"

@@ -13,8 +13,10 @@ Computed as transformers computes it, in chunks of 64 tokens (the rounding is it
 fp32; within a chunk the pairwise decays exp(G_i - G_j) (G the chunk's cumulative log decay) and a
 unit lower-triangular solve (the UT transform) give the chunk's new values and decayed keys; one
 sequential pass over the chunks then reads and updates the state. The output is rounded once, to
-q's dtype. Inputs are transformers' / flash-linear-attention's: [B, T, H, *], value heads equal to
-key heads (grouped-value models repeat q and k first), the state [B, H, K, V] fp32.
+q's dtype. Inputs are transformers' / flash-linear-attention's: [B, T, H, *], the state [B, HV, K, V]
+fp32. Grouped values (HV value heads, a multiple of the H key heads: Qwen 3.5 / Qwen3-Next's 32 / 16):
+value head h reads key head h // (HV / H), the math of transformers' repeat_interleave of q and k
+(flash-linear-attention's kernels read the key heads as they are).
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ def check_chunk_gated_delta_rule_args(
     state: torch.Tensor,
 ) -> None:
     """Raise a one-line ValueError for arguments the op does not define."""
-    if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+    if (q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]
+            or v.shape[2] % max(q.shape[2], 1) or v.shape[2] < q.shape[2]):  # fmt: skip
         raise ValueError(
-            f"chunk_gated_delta_rule: q, k [B, T, H, K] and v [B, T, H, V] expected, got "
+            f"chunk_gated_delta_rule: q, k [B, T, H, K] and v [B, T, HV, V] (HV a multiple of H) expected, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    bsz, _, heads, dk = q.shape
-    dv = v.shape[-1]
-    if g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
+    bsz, _, _, dk = q.shape
+    heads, dv = v.shape[2], v.shape[-1]
+    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
         raise ValueError(
-            f"chunk_gated_delta_rule: g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {tuple(q.shape[:3])}"
+            f"chunk_gated_delta_rule: g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {tuple(v.shape[:3])}"
         )
     if tuple(state.shape) != (bsz, heads, dk, dv) or state.dtype != torch.float32:
         raise ValueError(
@@ -67,16 +70,19 @@ def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def chunk_gated_delta_rule_reference(
     q: torch.Tensor,  # [B, T, H, K]
     k: torch.Tensor,  # [B, T, H, K]
-    v: torch.Tensor,  # [B, T, H, V]
-    g: torch.Tensor,  # [B, T, H]: the log decay (<= 0)
-    beta: torch.Tensor,  # [B, T, H]: the write strength
-    state: torch.Tensor,  # [B, H, K, V] float32: the state before the first token (zeros: none)
+    v: torch.Tensor,  # [B, T, HV, V], HV a multiple of H
+    g: torch.Tensor,  # [B, T, HV]: the log decay (<= 0)
+    beta: torch.Tensor,  # [B, T, HV]: the write strength
+    state: torch.Tensor,  # [B, HV, K, V] float32: the state before the first token (zeros: none)
     scale: float,  # the query scale, multiplied (transformers: K ** -0.5)
     qk_l2norm: bool,  # l2-normalise q and k first (Qwen: use_qk_l2norm_in_kernel=True)
     l2norm_eps: float,  # added to sum(x * x) before the rsqrt
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, T, H, V] in q.dtype, final state [B, H, K, V] float32); see the module doc."""
+    """(out [B, T, HV, V] in q.dtype, final state [B, HV, K, V] float32); see the module doc."""
     out_dtype, seq_len = q.dtype, q.shape[1]
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:  # grouped values: each key head read by its value heads
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     q, k, v, beta, g = (x.transpose(1, 2).float().contiguous() for x in (q, k, v, beta, g))
     if qk_l2norm:
         q, k = _l2norm(q, l2norm_eps), _l2norm(k, l2norm_eps)
