@@ -3,18 +3,20 @@ one GPU: eager vs stock Inductor (its trace of the rule, the loop unrolled per 6
 ours (the chunk_gated_delta_rule fusion: flash-linear-attention's chunk kernels inside the op),
 and fla-core's chunk_gated_delta_rule called directly as the peer.
 
-The region is what a Qwen 3.5 / Qwen3-Next GDN layer runs on a prompt through a cache, after its
-repeat of q / k to the value heads:
+The region is what a Qwen 3.5 / Qwen3-Next GDN layer runs on a prompt through a cache, from its
+repeat of q / k to the value heads (with --key-heads below the value heads; the fusion then also
+takes chunk_gated_delta_rule_gva, and fla reads the key heads as they are):
 
+    q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     out, S = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-at Qwen 3.5 widths (32 value heads of 128), batch 1. Each implementation is timed as plain
+at Qwen 3.5 widths (32 value heads of 128; key heads 32, or 16 as the model has), batch 1. Each implementation is timed as plain
 launches (do_bench median) and in a CUDA graph; its kernels per call are counted, its output and
 final state compared with eager's, and the compile time of inductor and ours is recorded (ours
 traces its patterns per chunk count, once per process).
 
-    python -m benchmarks.bench_chunk_gated_delta_rule [--tokens 64 512 1024 4096]
+    python -m benchmarks.bench_chunk_gated_delta_rule [--tokens 64 512 1024 4096] [--key-heads 16]
     python -m benchmarks.bench_chunk_gated_delta_rule --smoke   # tiny sizes on a CPU (the reference)
 """
 
@@ -40,9 +42,15 @@ SMOKE = dict(heads=2, dk=16, dv=8)
 TOKENS, SMOKE_TOKENS = (64, 512, 1024, 4096), (70,)  # one chunk (a short turn) to a long prompt
 
 
+FUSIONS = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_gva"]
+
+
 def region(q, k, v, g, beta):
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+    ratio = v.shape[2] // q.shape[2]
+    if ratio > 1:  # Qwen3_5GatedDeltaNet.forward's repeats
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
     return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
                                         use_qk_l2norm_in_kernel=True)  # fmt: skip
 
@@ -52,11 +60,12 @@ def fla_region(q, k, v, g, beta):
                               use_qk_l2norm_in_kernel=True)  # fmt: skip
 
 
-def inputs(tokens, heads, dk, dv, device, g):
+def inputs(tokens, heads, dk, dv, device, g, key_heads=None):
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(device)
 
-    q, k = rand(1, tokens, heads, dk).to(DTYPE), rand(1, tokens, heads, dk).to(DTYPE)
+    key_heads = key_heads or heads
+    q, k = rand(1, tokens, key_heads, dk).to(DTYPE), rand(1, tokens, key_heads, dk).to(DTYPE)
     v = rand(1, tokens, heads, dv).to(DTYPE)
     # softplus-gated log decays and sigmoid write strengths, as the model's gating gives them
     decay = -torch.nn.functional.softplus(rand(1, tokens, heads)) * 0.5
@@ -74,16 +83,17 @@ def _compiled(fn, backend, args):
     return compiled, time.perf_counter() - start
 
 
-def bench(tokens, sizes, device, g) -> dict:
-    args = inputs(tokens, **sizes, device=device, g=g)
+def bench(tokens, sizes, device, g, key_heads=None) -> dict:
+    args = inputs(tokens, **sizes, device=device, g=g, key_heads=key_heads)
     report = fusion_passes.Report()
     inductor, inductor_s = _compiled(region, "inductor", args)
-    ours, ours_s = _compiled(region, fusion_passes.backend(["chunk_gated_delta_rule"], report=report), args)
+    ours, ours_s = _compiled(region, fusion_passes.backend(FUSIONS, report=report), args)
     impls = {"eager": region, "inductor": inductor, "ours": ours}
     if device == "cuda" and fla_chunk_kernel() is not None:
         impls["fla"] = fla_region
     expected = region(*args)
-    record = {"tokens": tokens, **sizes, "fused_sites": report.final().get("chunk_gated_delta_rule", 0),
+    record = {"tokens": tokens, **sizes, "key_heads": key_heads or sizes["heads"],
+              "fused_sites": sum(report.final().get(f, 0) for f in FUSIONS),
               "rejected": [r.reason for r in report.rejected], "compile_s": {"inductor": inductor_s, "ours": ours_s},
               "out_rel_err": {}, "state_rel_err": {}, "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
     for name, fn in impls.items():
@@ -123,6 +133,8 @@ def main() -> int:
         __doc__, "bench_chunk_gated_delta_rule", smoke="tiny sizes; the reference on a CPU"
     )
     common.add_sizes(parser, "--tokens", TOKENS, SMOKE_TOKENS, "prompt tokens (batch 1)")
+    parser.add_argument("--key-heads", type=int, default=None,
+                        help="key heads (default: the value heads; Qwen 3.5: 16 of 32, repeated in the region)")
     args = common.parse(parser)
     device = common.device(parser, args.smoke)
     sizes = SMOKE if args.smoke else QWEN
@@ -130,7 +142,8 @@ def main() -> int:
     records = []
     with torch.no_grad():
         for tokens in args.tokens:
-            records.append(bench(tokens, sizes, device, g))
+            key_heads = args.key_heads and (args.key_heads if not args.smoke else sizes["heads"] // 2)
+            records.append(bench(tokens, sizes, device, g, key_heads))
             r = records[-1]
             print(f"{tokens} tokens: " + ", ".join(f"{i} {common.us(r['graph_us'][i])}" for i in r["graph_us"])
                   + f"; fused {r['fused_sites']} {r['rejected']}; compile {r['compile_s']}", flush=True)  # fmt: skip
