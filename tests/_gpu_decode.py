@@ -1,5 +1,6 @@
-"""Shared by the GPU decode-step tests: compile a DecodeStep keeping Inductor's generated code, and
-replay one step from a CUDA graph."""
+"""Shared by the GPU decode-step tests: compile a DecodeStep keeping Inductor's generated code, a
+tiny model's prefill compiled with two fusion lists side by side, and replay one step from a CUDA
+graph."""
 
 from __future__ import annotations
 
@@ -21,6 +22,30 @@ def compile_step(step, backend, inputs=None):
             mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
         compiled(*(step.inputs(0) if inputs is None else inputs))
     return compiled, codes
+
+
+def prefill_side_by_side(model: str, fused: list[str], base: list[str], tokens: int = 40):
+    """A tiny ``model`` (2 layers, bf16) prefilling ``tokens`` into a StaticCache, compiled with the
+    ``fused`` fusions and with the ``base`` ones: (the fused run's report, its generated code, its
+    output, the base run's output)."""
+    import fusion_passes
+    from fusion_passes.models import build_model
+    from fusion_passes.models.decode import DecodeStep
+
+    torch._dynamo.reset()
+    built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
+    step = DecodeStep(built.module, batch=1, context=tokens, steps=1)
+    prompt = (step.prompt, torch.arange(tokens, device="cuda"))
+    report = fusion_passes.Report()
+    with_fused, codes = compile_step(step, fusion_passes.backend(fused, report=report), inputs=prompt)
+    without, _ = compile_step(step, fusion_passes.backend(base), inputs=prompt)
+    with torch.no_grad():
+        step.restore()
+        got = with_fused(*prompt).clone()
+        step.restore()
+        want = without(*prompt).clone()
+    (code,) = codes
+    return report, code, got, want
 
 
 def assert_graph_replay_matches(step, compiled) -> None:

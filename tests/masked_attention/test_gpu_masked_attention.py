@@ -12,13 +12,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from _gpu_decode import compile_step
+from _gpu_decode import prefill_side_by_side
 
 import fusion_passes
 from fusion_passes.lowering.masked_attention.reference import masked_attention_reference
 from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
-from fusion_passes.models import build_model
-from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import compare, tolerance
 
 pytestmark = pytest.mark.gpu
@@ -50,24 +48,12 @@ def test_real_widths_against_reference_and_sdpa(heads, kv_heads, dim, batch, s, 
 
 @pytest.mark.parametrize("model", ["minimax-m2", "qwen3-moe"])
 def test_prefill_with_the_attention_fused(model):
-    torch._dynamo.reset()
-    built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
-    step = DecodeStep(built.module, batch=1, context=40, steps=1)
-    prompt = (step.prompt, torch.arange(40, device="cuda"))
     defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
     assert "masked_prefill_attention" in defaults
-    report = fusion_passes.Report()
-    fused, codes = compile_step(step, fusion_passes.backend(defaults, report=report), inputs=prompt)
     others = [name for name in defaults if name != "masked_prefill_attention"]
-    base, _ = compile_step(step, fusion_passes.backend(others), inputs=prompt)
+    report, code, got, want = prefill_side_by_side(model, defaults, others)
     assert report.final()["masked_prefill_attention"] == 2
-    (code,) = codes
     assert len(re.findall(r"_masked_attention_kernel_\d+\.run\(", code)) == 2
-    with torch.no_grad():
-        step.restore()
-        got = fused(*prompt).clone()
-        step.restore()
-        want = base(*prompt).clone()
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
 
 
@@ -100,21 +86,9 @@ def test_deepseek_v32_prefill_with_the_mha_attention_fused():
     """A tiny DeepSeek V3.2 prefill on a StaticCache with masked_prefill_attention_mha on top of the
     defaults: both layers' attention launched as the kernel, the output within bf16 tolerance of
     the prefill without it."""
-    torch._dynamo.reset()
-    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
-    step = DecodeStep(built.module, batch=1, context=40, steps=1)
-    prompt = (step.prompt, torch.arange(40, device="cuda"))
     defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
-    report = fusion_passes.Report()
-    fused, codes = compile_step(step, fusion_passes.backend([*defaults, "masked_prefill_attention_mha"], report=report),
-                                inputs=prompt)  # fmt: skip
-    base, _ = compile_step(step, fusion_passes.backend(defaults), inputs=prompt)
+    report, code, got, want = prefill_side_by_side("deepseek-v3.2", [*defaults, "masked_prefill_attention_mha"],
+                                                   defaults)  # fmt: skip
     assert report.final()["masked_prefill_attention_mha"] == 2
-    (code,) = codes
     assert len(re.findall(r"_masked_attention_kernel_\d+\.run\(", code)) == 2
-    with torch.no_grad():
-        step.restore()
-        got = fused(*prompt).clone()
-        step.restore()
-        want = base(*prompt).clone()
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from _gpu_decode import compile_step
+from _gpu_decode import compile_step, prefill_side_by_side
 
 import fusion_passes
 from fusion_passes.lowering.sparse_index_scores.reference import sparse_index_scores_reference
@@ -63,21 +63,9 @@ def test_prefill_with_the_scores_fused():
     """A tiny DeepSeek V3.2 prefill (40 tokens) with sparse_index_scores_prefill on top of the
     defaults: the tiled kernel launched per layer, the output as the prefill's without it within
     bf16 tolerance."""
-    torch._dynamo.reset()
-    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
-    step = DecodeStep(built.module, batch=1, context=40, steps=1)
-    prompt = (step.prompt, torch.arange(40, device="cuda"))
     defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
-    report = fusion_passes.Report()
-    fused, codes = compile_step(step, fusion_passes.backend([*defaults, "sparse_index_scores_prefill"], report=report),
-                                inputs=prompt)  # fmt: skip
-    base, _ = compile_step(step, fusion_passes.backend(defaults), inputs=prompt)
+    report, code, got, want = prefill_side_by_side("deepseek-v3.2", [*defaults, "sparse_index_scores_prefill"],
+                                                   defaults)  # fmt: skip
     assert report.final()["sparse_index_scores_prefill"] == 2
-    (code,) = codes
     assert len(re.findall(r"_index_scores_tiled_kernel_\d+\.run\(", code)) == 2
-    with torch.no_grad():
-        step.restore()
-        got = fused(*prompt).clone()
-        step.restore()
-        want = base(*prompt).clone()
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
