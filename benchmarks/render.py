@@ -286,16 +286,18 @@ def sparse_index_scores(payloads):
         g = r["graph_us"]
         return _cell(g.get("ours_kernel"), _speedup(r, "inductor", "ours_kernel"), None)
 
-    rows = [[str(r["batch"]), str(r["context"]), _kernel_change(r), _us(r["graph_us"]["eager"]), _graph_change(r),
-             kernel_cell(r), _plain_speedup(r)] for r in p["records"]]  # fmt: skip
+    rows = [[str(r["batch"]), str(r.get("tokens", 1)), str(r["context"]), _kernel_change(r), _us(r["graph_us"]["eager"]),
+             _graph_change(r), kernel_cell(r), _plain_speedup(r)] for r in p["records"]]  # fmt: skip
     what = (
-        "DeepSeek V3.2's indexer scores at decode (64 heads of 128, bf16 q and key cache, one token per sequence; "
-        "`benchmarks/bench_sparse_index_scores.py`): transformers' two fp32 matmuls, scale and relu, stock "
-        "Inductor → ours (`sparse_index_scores`, compiled), and the kernel launched directly; us per call "
-        "inside a CUDA graph (speedup over stock Inductor); plain: ours' speedup in plain launches:"
+        "DeepSeek V3.2's indexer scores (64 heads of 128, bf16 q and key cache; one query token per sequence at "
+        "decode, a prompt's at prefill; `benchmarks/bench_sparse_index_scores.py`): transformers' two fp32 matmuls, "
+        "scale and relu, stock Inductor → ours (`sparse_index_scores`, and `sparse_index_scores_prefill`'s tiled "
+        "kernel above 16 query tokens, compiled), and the kernel launched directly; us per call inside a CUDA "
+        "graph (speedup over stock Inductor); plain: ours' speedup in plain launches:"
     )
-    header = ["batch", "cached tokens", "kernels", "eager", "stock Inductor → ours", "kernel alone", "plain"]
-    return what, _table(header, rows, 2)
+    header = ["batch", "query tokens", "cached tokens", "kernels", "eager", "stock Inductor → ours", "kernel alone",
+              "plain"]  # fmt: skip
+    return what, _table(header, rows, 3)
 
 
 def moe_sort_by_expert(payloads):
