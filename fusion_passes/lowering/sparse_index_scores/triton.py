@@ -142,7 +142,7 @@ def sparse_index_scores_triton(
     # 32 positions a program at 2 warps: on one H200 at 64 x 128 heads, 13.8 / 22.7 us at batch 8
     # and 8192 / 16384 cached tokens against 14.6 / 24.2 at 64 x 4 (a timing spread of 0.1-0.2 us);
     # at batch 1 within 0.1-0.3 us of each other (5.4 us at 8192).
-    if s > TILED_ABOVE:
+    if isinstance(s, int) and s > TILED_ABOVE:  # (a symbolic token count: the per-token kernel, no guard)
         return _tiled(q, k, weights, scale, out, wrap=wrap, block_t=block_t, num_warps=num_warps)
     block_t = block_t or 32
     kernel = wrap(_index_scores_kernel) if wrap is not None else _index_scores_kernel
