@@ -1,29 +1,11 @@
 """Grouped-query attention as real code bases write it before SDPA (transformers' repeat_kv,
 gpt-fast's repeat_interleave, Meta's / torchtitan's repeat on [B, L, Hkv, D]), and two forms that
 are not grouped heads read in place (keys tiled, a causal call): shared by the decode and prefill
-attention fusions' tests, with their compile helper."""
+attention fusions' tests."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
-
-import fusion_passes
-
-
-def compile_with(fusions, fn, args):
-    """(fn compiled with ``fusions`` and run on args, the report)."""
-    report = fusion_passes.Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*args)
-    return out, report
-
-
-def op_changes(report):
-    """The op counts a rewrite changed: op -> (before, after)."""
-    before, after = report.ops_before(), report.ops_after()
-    return {op: (before[op], after[op]) for op in set(before) | set(after) if before[op] != after[op]}
 
 
 def transformers_repeat_kv(hidden_states, n_rep):

@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import fusion_passes
+from _rewrites import compile_with, op_changes
 from _sdpa_spellings import (
     causal_sdpa,
-    compile_with,
     gpt_fast_sdpa,
     meta_sdpa,
-    op_changes,
     tiled_sdpa,
     transformers_repeat_kv,
     transformers_sdpa,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _sdpa_spellings import causal_sdpa, compile_with, op_changes, transformers_sdpa
+from _rewrites import compile_with, op_changes
+from _sdpa_spellings import causal_sdpa, transformers_sdpa
 
 from fusion_passes.numerics import tolerance
 

@@ -1,0 +1,23 @@
+"""Shared by the rewrite tests: a function compiled with named fusions and its report, and the op
+counts the rewrite changed."""
+
+from __future__ import annotations
+
+import torch
+
+import fusion_passes
+
+
+def compile_with(fusions, fn, args):
+    """(fn compiled with ``fusions`` and run on args, the report)."""
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*args)
+    return out, report
+
+
+def op_changes(report):
+    """The op counts a rewrite changed: op -> (before, after)."""
+    before, after = report.ops_before(), report.ops_after()
+    return {op: (before[op], after[op]) for op in set(before) | set(after) if before[op] != after[op]}
