@@ -22,8 +22,8 @@ ones in the order of fp32 sums (an ulp or so), which can move a top-k's choice w
 tie to the last bits.
 
 Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: sparse_index_scores_prefill's,
-the same op through a tiled kernel; opt-in until timed). Rejected with the reason: keys shared across the batch (k [1, T, D] broadcast),
-or arguments the op does not define. Not matched: weights summed over another dim than the heads.
+the same op through a tiled kernel; opt-in until timed). Rejected with the reason: keys shared
+across the batch (k [1, T, D] broadcast), or arguments the op does not define. Not matched: weights summed over another dim than the heads.
 On a GPU, Inductor's joint-graph pass has turned a batch-1 bmm (one decode token of one sequence)
 into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0) before the post-grad passes;
 ``undo_batch_one_mm`` turns the two around the relu back into the bmm the spelling traces to, so
@@ -159,7 +159,6 @@ SPARSE_INDEX_SCORES = Fusion(
     applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.aten.relu.default)),
     builtin=True,
 )
-
 
 
 def _check_prefill(values: dict[str, Any]) -> str | None:

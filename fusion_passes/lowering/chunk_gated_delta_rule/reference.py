@@ -39,8 +39,8 @@ def check_chunk_gated_delta_rule_args(
     state: torch.Tensor,
 ) -> None:
     """Raise a one-line ValueError for arguments the op does not define."""
-    if (q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]
-            or v.shape[2] % max(q.shape[2], 1) or v.shape[2] < q.shape[2]):  # fmt: skip
+    grouped = q.dim() == 4 and v.dim() == 4 and q.shape[2] >= 1 and v.shape[2] % q.shape[2] == 0
+    if not grouped or q.shape != k.shape or v.shape[:2] != q.shape[:2] or v.shape[2] < q.shape[2]:
         raise ValueError(
             f"chunk_gated_delta_rule: q, k [B, T, H, K] and v [B, T, HV, V] (HV a multiple of H) expected, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
