@@ -18,14 +18,14 @@ Fused:   out = fusion_passes.masked_attention(query, key, value, mask, scaling)
          a flash-attention kernel over the key blocks the mask opens (a causal prompt: up to the
          diagonal; a bias at or below -65504 closes a key), the mask read only in blocks it does
          not open or close whole; query head h reads KV head h // g of the cache
-         (lowering/masked_attention). Launched on a 4096-token prompt's mask, 910 us against
-         stock Inductor's 1319 on one H200
+         (lowering/masked_attention). On one H200, the same 2-layer prefill: 829 us per layer
+         (the whole prefill 1.67x stock Inductor; Qwen3-MoE 1.71x)
 
 The same math, summed in another order (fp32 scores and sums, the probabilities rounded to the
 input's dtype before the product with v, as flash attention does): within the dtype's tolerance of
 the unfused call, tested. Not a site: one query token (a decode step: gqa_decode_attention's).
-Rejected with the reason: a mask per head; a head dim above 256. Not
-matched: a causal call, dropout, keys tiled rather than repeated (as gqa_decode_attention).
+Rejected with the reason: a mask per head; a head dim above 256. Not matched: a causal call,
+dropout, keys tiled rather than repeated (as gqa_decode_attention).
 """
 
 from __future__ import annotations
