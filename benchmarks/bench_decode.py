@@ -15,7 +15,8 @@ Inductor and fusion_passes, each compiled with fullgraph=True and dynamic=False:
             the largest relative error (norm) of a step's output and of the cache contents after
             the steps, each variant against eager
   prefill   (--prefill N) a prefill of N tokens at batch 1 that writes the cache: plain, graph,
-            classes and what is left, as a step's
+            classes and what is left, as a step's; numerics: the prefill's output and the cache it
+            wrote into a zeroed cache, each variant against eager
 
 Compiles take most of a run; --lock FILE lets several runs (one per model) share one GPU: each
 compiles on its own and holds the lock only while it times or profiles.
@@ -76,8 +77,20 @@ def run_steps(step: DecodeStep, fn, steps: int) -> tuple[list[torch.Tensor], lis
     return outs, [t.clone() for t in step.cache_tensors()]
 
 
-def numerics(step: DecodeStep, fn, steps: int, expected) -> dict:
-    outs, cache = run_steps(step, fn, steps)
+@torch.no_grad()
+def run_prefill(step: DecodeStep, fn, inputs: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The prefill of ``fn`` into a zeroed cache (so that a variant that writes nothing does not pass
+    on what the eager prefill left there): ([output], cache tensors after)."""
+    for t in step.cache_tensors():
+        if t.is_floating_point():
+            t.zero_()
+    out = fn(*inputs).float().clone()
+    return [out], [t.clone() for t in step.cache_tensors()]
+
+
+def numerics(step: DecodeStep, fn, steps: int, expected, inputs: tuple | None = None) -> dict:
+    """Each variant against eager: ``steps`` decode steps, or the prefill of ``inputs`` (steps 0)."""
+    outs, cache = run_prefill(step, fn, inputs) if inputs is not None else run_steps(step, fn, steps)
     exp_outs, exp_cache = expected
     return {
         "steps": steps,
@@ -151,18 +164,20 @@ class Point:
             print(f"{self.name}: layers {', '.join(self.result['layer_types'])}", flush=True)
         steps = 1 if self.prefill else max(check_steps, 1)
         self.step = DecodeStep(built.module, batch=self.batch, context=self.context, steps=steps)
-        check = not self.prefill and check_steps > 0
+        check = check_steps > 0
         self.variants, report = compile_variants(self.step, self.opt_in)
         if self.prefill:
             self.inputs = (self.step.prompt, torch.arange(self.context, device=self.step.prompt.device))
+            prefill_inputs, check_steps = self.inputs, 0
         else:
-            self.inputs = self.step.inputs(0)
+            self.inputs, prefill_inputs = self.step.inputs(0), None
         if check:
-            expected = run_steps(self.step, self.step, check_steps)
+            expected = (run_prefill(self.step, self.step, prefill_inputs) if self.prefill
+                        else run_steps(self.step, self.step, check_steps))  # fmt: skip
         for label, fn in self.variants.items():
             row = self.result["variants"].setdefault(label, {})
             if check and label != "eager":
-                row["numerics"] = numerics(self.step, fn, check_steps, expected)
+                row["numerics"] = numerics(self.step, fn, check_steps, expected, prefill_inputs)
             self.step.restore()
             with torch.no_grad():
                 fn(*self.inputs)  # compiled (if it was not yet) and warm
@@ -238,16 +253,20 @@ def report_text(points: list[dict], prefills: list[dict]) -> str:
     lines += left_tables(points, lambda p: f"batch {p['batch']} context {p['context']}")
     if prefills:
         lines += ["", "| model | prefill tokens | variant | plain (us) | graph (us) | vs Inductor (graph) "
-                  "| kernels | other kernels / layer | other us / layer |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| kernels | other kernels / layer | other us / layer | out err | cache err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for p in prefills:
             base = p["variants"]["inductor"].get("graph_us")
             for label, r in p["variants"].items():
-                if "plain_us" in r:
-                    other = r.get("per_layer", {}).get("other", {})
-                    lines.append(f"| {p['model']} | {p['tokens']} | {label} | {common.us(r['plain_us'], 0)} | "
-                                 f"{common.us(r['graph_us'], 0)} | {common.ratio(base, r['graph_us'])} | "
-                                 f"{r.get('kernels', '—')} | {common.us(other.get('kernels'))} | "
-                                 f"{common.us(other.get('us'))} |")  # fmt: skip
+                other = r.get("per_layer", {}).get("other", {})
+                n = r.get("numerics") or {}
+                cells = (
+                    common.us(r.get("plain_us"), 0), common.us(r.get("graph_us"), 0),
+                    common.ratio(base, r.get("graph_us")), r.get("kernels", "—"),
+                    common.us(other.get("kernels")), common.us(other.get("us")),
+                    f"{n['out_rel_err']:.1e}" if n else "—", f"{n['cache_rel_err']:.1e}" if n else "—",
+                )  # fmt: skip
+                lines.append(f"| {p['model']} | {p['tokens']} | {label} | " + " | ".join(map(str, cells)) + " |")
         lines += left_tables(prefills, lambda p: f"prefill of {p['tokens']} tokens")
     return "\n".join(lines) + "\n"
 
@@ -308,7 +327,7 @@ def main() -> int:
                                 for lbl, r in point.result["variants"].items()}), flush=True)  # fmt: skip
             save()
     failed = []  # fusion_passes beyond both the bf16 bound and twice stock Inductor's own error
-    for point in decode:
+    for point in decode + prefill:
         # DeepSeek V3.2's indexer top-k turns ulp differences into other selected tokens:
         # Inductor's own step is ~0.17 from eager there (tiny widths), so the bar is relative to it.
         ours, stock = (point.result["variants"][v].get("numerics") for v in ("fusion_passes", "inductor"))
@@ -316,7 +335,8 @@ def main() -> int:
             continue
         for key in ("out_rel_err", "cache_rel_err"):
             if ours[key] > max(bound, 2 * stock[key]):
-                failed.append(f"{point.name} batch {point.batch}: {key} {ours[key]:.2e} > max({bound}, 2 x "
+                where = f"prefill {point.context}" if point.prefill else f"batch {point.batch}"
+                failed.append(f"{point.name} {where}: {key} {ours[key]:.2e} > max({bound}, 2 x "
                               f"Inductor's {stock[key]:.2e})")  # fmt: skip
     points, prefills = [p.result for p in decode], [p.result for p in prefill]
     text = report_text(points, prefills)

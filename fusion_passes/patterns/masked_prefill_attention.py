@@ -151,7 +151,8 @@ MASKED_PREFILL_ATTENTION_MHA = Fusion(
         "with the prompt's mask over the whole static cache (DeepSeek V3.2: the causal mask and the index "
         "top-k's). Unfused: SDPA over every key of every query token (cuDNN on an H200; DeepSeek V3.2's "
         "4096-token prefill: 5793 us per layer, 13% of the step). Fused: masked_attention, the same kernel and "
-        "checks as masked_prefill_attention (each query head its own KV head). Not a site: one query token; "
+        "checks as masked_prefill_attention (each query head its own KV head): that attention region 5815 -> "
+        "3744 us in a CUDA graph on one H200 (1.55x). Not a site: one query token; "
         "rejected with the reason: a per-head mask, a head dim above 256; not matched: a causal call, dropout."
     ),
     spellings=tuple(
@@ -162,7 +163,6 @@ MASKED_PREFILL_ATTENTION_MHA = Fusion(
     scalars={"scale": SCALE_SENTINEL},
     candidate_ops=SDPA_OPS,
     candidate=_is_prefill,
-    opt_in="not yet timed on a GPU at these head dims (192 / 128 at DeepSeek V3.2's 128 heads)",
     builtin=True,
 )
 

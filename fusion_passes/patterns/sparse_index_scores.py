@@ -22,8 +22,9 @@ ones in the order of fp32 sums (an ulp or so), which can move a top-k's choice w
 tie to the last bits.
 
 Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: sparse_index_scores_prefill's,
-the same op through a tiled kernel; opt-in until timed). Rejected with the reason: keys shared
-across the batch (k [1, T, D] broadcast), or arguments the op does not define. Not matched: weights summed over another dim than the heads.
+the same op through a tiled kernel). Rejected with the reason: keys shared across the batch
+(k [1, T, D] broadcast), or arguments the op does not define. Not matched: weights summed over
+another dim than the heads.
 On a GPU, Inductor's joint-graph pass has turned a batch-1 bmm (one decode token of one sequence)
 into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0) before the post-grad passes;
 ``undo_batch_one_mm`` turns the two around the relu back into the bmm the spelling traces to, so
@@ -131,7 +132,7 @@ def _check_args(values: dict[str, Any]) -> str | None:
 def _check(values: dict[str, Any]) -> str | None:
     q = values["q"]
     if q.dim() == 4 and q.shape[1] > MAX_QUERY_TOKENS:
-        return NotASite(f"{q.shape[1]} query tokens: a prefill's scores (sparse_index_scores_prefill, opt-in)")
+        return NotASite(f"{q.shape[1]} query tokens: a prefill's scores (sparse_index_scores_prefill)")
     return _check_args(values)
 
 
@@ -187,14 +188,14 @@ SPARSE_INDEX_SCORES_PREFILL = Fusion(
         "64 indexer heads and a 4096-token prompt), an elementwise kernel scales and relus them (2041 us per layer "
         "on one H200) and a batched GEMM reads them back over the heads. Fused: the same op, whose launcher takes "
         "the tiled kernel at these sizes (lowering/sparse_index_scores: a program per 64 tokens x 128 positions "
-        "walks the heads with its key tile loaded once; bf16 q and k dotted as they are, exact products, fp32 sums)."
+        "walks the heads with its key tile loaded once; bf16 q and k dotted as they are, exact products, fp32 sums): "
+        "10544 -> 720 us at 4096 tokens in a CUDA graph on one H200 (14.6x), the 4096-token prefill 2.0x."
     ),
     spellings=(Spelling("transformers_index_scores", transformers_index_scores, _fused),),
     example_inputs=_prefill_examples,
     scalars={"softmax_scale": SCALE_SENTINEL},
     check=_check_prefill,
     applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.aten.relu.default)),
-    opt_in="not yet timed on a GPU (the tiled kernel is new)",
     builtin=True,
 )
 

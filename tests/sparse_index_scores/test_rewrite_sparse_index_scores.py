@@ -1,6 +1,6 @@
 """DeepSeek V3.2's indexer scores rewritten to one op: transformers' two matmuls, scale and relu
 at decode (one and a few query tokens, bf16 and fp32), outputs as eager's within fp32 sum order;
-a prefill's tokens are not its site but sparse_index_scores_prefill's (opt-in); weights summed over another dim (not the pattern)
+a prefill's tokens are not its site but sparse_index_scores_prefill's; weights summed over another dim (not the pattern)
 and keys shared across the batch (rejected, with the reason). On the tiny DeepseekV32 decode step with a
 live index mask: the scores of both layers fused, the step's output as stock Inductor's."""
 
