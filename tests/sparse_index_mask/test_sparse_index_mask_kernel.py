@@ -37,6 +37,7 @@ def _cases(draw):
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         ties=draw(st.booleans()),
         unfilled=draw(st.integers(0, 5)),
+        lowest=draw(st.booleans()),  # the lowest-key shortcut (on by default above LOWEST_ROWS rows)
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -51,24 +52,26 @@ def test_matches_reference(case):
     if case["unfilled"]:
         scores[..., -case["unfilled"]:] = float("-inf")
     scores = scores.to(DEVICE, case["dtype"])
-    mask = sparse_index_mask_triton(scores, case["k"])
+    mask = sparse_index_mask_triton(scores, case["k"], lowest=case["lowest"])
     assert mask.dtype == torch.bool and mask.shape == scores.shape
     assert torch.equal(mask, sparse_index_mask_reference(scores, case["k"]))
     assert bool((~mask).sum(-1).eq(case["k"]).all())
 
 
+@pytest.mark.parametrize("lowest", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prefills_causal_rows(dtype):
+def test_a_prefills_causal_rows(dtype, lowest):
     """A prefill's index scores: row i scores positions 0..i, the rest -inf (the causal mask before
     the top-k). Rows with at most k finite scores keep them all and the lowest -inf positions after
-    them (the first pass finds the k-th at the lowest key); later rows select; all as the reference."""
+    them (the first pass finds the k-th at the lowest key; with ``lowest``, the shortcut ends the
+    row's selection there); later rows select; all as the reference."""
     t, k = 96, 40
     g = torch.Generator().manual_seed(4)
     scores = torch.randn(t, t, generator=g).clamp_min(0).round(decimals=1)  # relu'd: ties and zeros
     scores = scores.masked_fill(torch.arange(t)[None, :] > torch.arange(t)[:, None], float("-inf"))
     rows = [0, 1, k - 2, k - 1, k, t - 1]  # around the k-th row (the interpreter runs a program a row)
     scores = scores[rows].to(DEVICE, dtype)
-    mask = sparse_index_mask_triton(scores, k)
+    mask = sparse_index_mask_triton(scores, k, lowest=lowest)
     assert torch.equal(mask, sparse_index_mask_reference(scores, k))
     assert bool((~mask).sum(-1).eq(k).all())
     assert not mask[:4, :k].any() and mask[:4, k:].all()  # rows up to k - 1: the first k positions
@@ -121,6 +124,8 @@ def test_programs_a_row_fill_the_sms_without_exceeding_them(monkeypatch, rows, t
 def test_a_split_that_could_not_finish_is_refused():
     with pytest.raises(ValueError, match="split must be >= 1, got 0"):
         sparse_index_mask_triton(torch.zeros(2, 5, device=DEVICE), 2, split=0)
+    with pytest.raises(ValueError, match="shortcut takes unsplit rows"):
+        sparse_index_mask_triton(torch.zeros(2, 500, device=DEVICE), 2, split=2, lowest=True)
     if DEVICE == "cpu":  # the interpreter runs one program at a time: a row's parts would wait forever
         with pytest.raises(ValueError, match="split > 1 needs a GPU"):
             sparse_index_mask_triton(torch.zeros(2, 500), 2, split=2)
