@@ -379,9 +379,10 @@ def masked_attention(payloads):
             for (m, h, kv, d, after), by in by_row.items()]  # fmt: skip
     what = (
         "A prefill's attention on a StaticCache, batch 1, bf16 (`benchmarks/bench_masked_attention.py`): "
-        "transformers' repeat_kv + SDPA through the prompt's mask over a cache of S + 1 slots (a model's prefill) "
-        "or S + 16, stock Inductor → torch.compile with the fusion, us inside a CUDA graph (speedup); the "
-        "masked_attention kernels launched directly beside it:"
+        "transformers' SDPA through the prompt's mask (after repeat_kv where the model has fewer KV heads) over a "
+        "cache of S + 1 slots (a model's prefill) or S + N (a few tokens after a long context), stock Inductor → "
+        "torch.compile with the fusion, us inside a CUDA graph (speedup); the masked_attention kernels launched "
+        "directly beside it:"
     )
     header = ["model (query heads / KV heads x head dim)", "cache", *(f"{t} tokens" for t in tokens)]
     return what, _table(header, rows, 2)
@@ -508,21 +509,6 @@ def decode(payloads):
     return what, _table(header, rows, 2)
 
 
-def diff_kernels(payloads):
-    (p,) = payloads
-    rows = []
-    for r in p["rows"]:
-        stock, ours = r["inductor"], r["fusion_passes"]
-        rows.append([r["model"], str(sum(stock.values())), str(sum(ours.values())),
-                     f"{stock['other']} -> {ours['other']}", r["summary"]])  # fmt: skip
-    what = (
-        f"Tiny configs, bf16, {p.get('layers')} layers, every default fusion: CUDA kernels one forward "
-        "launches (profiler), stock Inductor and fusion_passes, and `fusion-passes diff`'s summary line:"
-    )
-    header = ["model", "stock Inductor", "fusion_passes", "other (outside GEMM / attention / MoE)", "summary"]
-    return what, _table(header, rows, 1)
-
-
 def launch_overhead(payloads):
     (p,) = payloads
     layers = p.get("layers", 1)
@@ -550,7 +536,6 @@ class Section:
 ALLREDUCE_FP8 = tuple(f"bench_allreduce_rms_norm_quant_fp8_{scheme}" for scheme in ("per_group", "per_token"))
 SECTIONS = (
     Section("Whole models", ("bench_models",), models),
-    Section("Kernels per forward, every built-in model (tiny)", ("diff_kernels",), diff_kernels, 3),
     Section("Decode steps with a KV cache", ("bench_decode",), decode, 3),
     Section("RMSNorm and add + RMSNorm (`rms_norm`, `add_rms_norm`)", ("bench_rms_norm",), rms_norm),
     Section(

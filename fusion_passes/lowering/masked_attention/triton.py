@@ -18,7 +18,7 @@ Fused: two kernels.
      its own loop with no mask logic, and the logits are in base 2 (log2(e) folded into the scale):
      against one loop in natural units, 860 -> 650 us (MiniMax-M2's widths, 4096 tokens on 4097
      slots), 1090 -> 815 (Qwen3-MoE), 762 -> 611 (Qwen 3.5, head dim 256), 3670 -> 3107 (DeepSeek
-     V3.2's 128 heads of 192 / 128); 1024 tokens 1-13% (CUDA graph, one H200, 3 alternating rounds
+     V3.2's 128 heads of 192 / 128); 1024 tokens 1-17% (CUDA graph, one H200, 3 alternating rounds
      within 1% of each other).
 """
 
