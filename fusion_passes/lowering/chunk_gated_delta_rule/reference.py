@@ -83,7 +83,10 @@ def chunk_gated_delta_rule_reference(
     groups = v.shape[2] // q.shape[2]
     if groups > 1:  # grouped values: each key head read by its value heads
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    q, k, v, beta, g = (x.transpose(1, 2).float().contiguous() for x in (q, k, v, beta, g))
+    # As transformers casts them: .to() keeps an fp32 input's transposed view (no copy), so the
+    # matmuls below see its strides; a contiguous copy gave other last bits on an AMD EPYC's MKL.
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g))  # fmt: skip
     if qk_l2norm:
         q, k = _l2norm(q, l2norm_eps), _l2norm(k, l2norm_eps)
     q = q * scale
