@@ -234,6 +234,20 @@ def left_tables(points: list[dict], where) -> list[str]:
     return lines
 
 
+def _cells(r: dict, base: float | None) -> str:
+    """A variant's cells: times, speedup over stock Inductor's graph time ``base``, kernels, the
+    "other" kernels and us per layer, and the numerics against eager."""
+    other = r.get("per_layer", {}).get("other", {})
+    n = r.get("numerics") or {}
+    cells = (
+        common.us(r.get("plain_us"), 0), common.us(r.get("graph_us"), 0),
+        common.ratio(base, r.get("graph_us")), r.get("kernels", "—"),
+        common.us(other.get("kernels")), common.us(other.get("us")),
+        f"{n['out_rel_err']:.1e}" if n else "—", f"{n['cache_rel_err']:.1e}" if n else "—",
+    )  # fmt: skip
+    return " | ".join(map(str, cells))
+
+
 def report_text(points: list[dict], prefills: list[dict]) -> str:
     lines = ["| model | batch | context | variant | step, plain (us) | step, graph (us) | vs Inductor (graph) "
              "| kernels | other kernels / layer | other us / layer | out err | cache err |",
@@ -241,15 +255,7 @@ def report_text(points: list[dict], prefills: list[dict]) -> str:
     for p in points:
         base = p["variants"]["inductor"].get("graph_us")
         for label, r in p["variants"].items():
-            other = r.get("per_layer", {}).get("other", {})
-            n = r.get("numerics") or {}
-            cells = (
-                common.us(r.get("plain_us"), 0), common.us(r.get("graph_us"), 0),
-                common.ratio(base, r.get("graph_us")), r.get("kernels", "—"),
-                common.us(other.get("kernels")), common.us(other.get("us")),
-                f"{n['out_rel_err']:.1e}" if n else "—", f"{n['cache_rel_err']:.1e}" if n else "—",
-            )  # fmt: skip
-            lines.append(f"| {p['model']} | {p['batch']} | {p['context']} | {label} | " + " | ".join(map(str, cells)) + " |")
+            lines.append(f"| {p['model']} | {p['batch']} | {p['context']} | {label} | {_cells(r, base)} |")
     lines += left_tables(points, lambda p: f"batch {p['batch']} context {p['context']}")
     if prefills:
         lines += ["", "| model | prefill tokens | variant | plain (us) | graph (us) | vs Inductor (graph) "
@@ -258,15 +264,7 @@ def report_text(points: list[dict], prefills: list[dict]) -> str:
         for p in prefills:
             base = p["variants"]["inductor"].get("graph_us")
             for label, r in p["variants"].items():
-                other = r.get("per_layer", {}).get("other", {})
-                n = r.get("numerics") or {}
-                cells = (
-                    common.us(r.get("plain_us"), 0), common.us(r.get("graph_us"), 0),
-                    common.ratio(base, r.get("graph_us")), r.get("kernels", "—"),
-                    common.us(other.get("kernels")), common.us(other.get("us")),
-                    f"{n['out_rel_err']:.1e}" if n else "—", f"{n['cache_rel_err']:.1e}" if n else "—",
-                )  # fmt: skip
-                lines.append(f"| {p['model']} | {p['tokens']} | {label} | " + " | ".join(map(str, cells)) + " |")
+                lines.append(f"| {p['model']} | {p['tokens']} | {label} | {_cells(r, base)} |")
         lines += left_tables(prefills, lambda p: f"prefill of {p['tokens']} tokens")
     return "\n".join(lines) + "\n"
 
