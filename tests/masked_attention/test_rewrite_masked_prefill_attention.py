@@ -119,3 +119,32 @@ def test_a_head_dim_above_256_is_rejected_with_the_reason():
     assert [r.reason for r in report.rejected] == ["a head dim of 320 (the kernel takes up to 256)"]
     assert op_changes(report) == {}
     torch.testing.assert_close(out, transformers_sdpa(*args))
+
+
+def _attention_then_o_proj(query, key, value, mask, o_proj):
+    """transformers' attention tail: sdpa_attention_forward's transpose(1, 2).contiguous(), the
+    reshape to [B, S, H * D] and o_proj."""
+    out = transformers_sdpa(query, key, value, mask).transpose(1, 2).contiguous()
+    return out.reshape(out.shape[0], out.shape[1], -1) @ o_proj
+
+
+def test_the_output_transpose_copy_goes_where_the_op_writes_that_layout():
+    """The op writes [B, S, H, D] in memory, so transformers' transpose(1, 2).contiguous() after it
+    is a no-op clone: removed once the fake values below the op are refreshed (stock Inductor copies
+    SDPA's output there: a kernel and a read and write of the whole output)."""
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.graph import GraphLowering
+
+    q, k, v, mask = _inputs(1, 8, 2, 24, 30, 32, torch.float32, seed=5)
+    o_proj = torch.randn(8 * 32, 16, generator=torch.Generator().manual_seed(6))
+    codes: list[str] = []
+    with inductor_config.patch(fx_graph_cache=False), \
+            mock.patch.object(GraphLowering, "save_output_code", codes.append):  # fmt: skip
+        out, report = _compile(_attention_then_o_proj, (q, k, v, mask, o_proj))
+    assert report.final()["masked_prefill_attention"] == 1
+    (code,) = codes
+    sources = [line for line in code.splitlines() if "Original ATen:" in line]
+    assert sources and not any("aten.clone" in line for line in sources), sources
+    _assert_close(out, _attention_then_o_proj(q, k, v, mask, o_proj))
