@@ -50,6 +50,37 @@ def test_chunk_kernel_matches_reference(tokens, heads, dk, dv, key_heads, zero_s
 
 
 @needs_fla
+@pytest.mark.parametrize("tokens, key_heads, heads", [(4096, 16, 32), (333, 2, 6)])
+def test_the_prep_kernel_gives_fla_s_own_l2norm_path(monkeypatch, tokens, key_heads, heads):
+    """q, k, v as views of a causal conv's [B, C, T] output (Qwen 3.5's split into heads): with
+    QKV_PREP_KERNEL, the l2norms and copies in one kernel of ours and the chunk kernels told q and k
+    are normalized; without, fla's input guard copies and its l2norm. Both within bf16's bound of
+    the reference, and of each other."""
+    from fusion_passes.lowering.chunk_gated_delta_rule import op
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    dk = dv = 128
+    channels = 2 * key_heads * dk + heads * dv
+    mixed = torch.randn(1, channels, tokens, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    q, k, v = torch.split(mixed, [key_heads * dk, key_heads * dk, heads * dv], dim=-1)
+    q, k, v = q.reshape(1, tokens, key_heads, dk), k.reshape(1, tokens, key_heads, dk), v.reshape(1, tokens, heads, dv)
+    decay = -torch.nn.functional.softplus(torch.randn(1, tokens, heads, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(1, tokens, heads, device="cuda", generator=g)).bfloat16()
+    state = torch.randn(1, heads, dk, dv, device="cuda", generator=g) * 0.1
+    args = (q, k, v, decay, beta, state, dk**-0.5, True, 1e-6)
+    runs = {}
+    for prep in (False, True):
+        monkeypatch.setattr(op, "QKV_PREP_KERNEL", prep)
+        runs[prep] = torch.ops.fusion_passes.chunk_gated_delta_rule(*args)
+    ref_out, ref_final = chunk_gated_delta_rule_reference(*args)
+    bound = tolerance(torch.bfloat16).rel_norm
+    for out, final in runs.values():
+        assert compare(out, ref_out).rel_norm <= bound and compare(final, ref_final).rel_norm <= bound
+    assert compare(runs[True][0], runs[False][0]).rel_norm <= bound / 4
+    assert compare(runs[True][1], runs[False][1]).rel_norm <= bound / 4
+
+
+@needs_fla
 @pytest.mark.parametrize("conv, gva", [("causal_conv1d", False), ("causal_conv1d_after_state", False),
                                        ("causal_conv1d_after_state", True)])  # fmt: skip
 def test_qwen35_prefill_fuses_on_cuda(conv, gva):
