@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections.abc
 import types
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,8 +50,12 @@ def backend(
     manager = FusionPassManager(get_fusions(fusions), report, verify, strict, launch, lower_back)
 
     def compile_with_fusions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        import torch._inductor.config as inductor_config
         from torch._dynamo.utils import counters
         from torch._inductor.compile_fx import compile_fx
+
+        if inductor_options.get("freezing", inductor_config.freezing):
+            warnings.warn(FREEZING_WARNING, stacklevel=2)
 
         patches = {**inductor_options, "post_grad_custom_post_pass": manager}
         key = report_cache.graph_key(manager.uuid(), gm, example_inputs)
@@ -73,6 +78,16 @@ def backend(
     compile_with_fusions.report = manager.report  # type: ignore[attr-defined]
     compile_with_fusions.pass_manager = manager  # type: ignore[attr-defined]
     return compile_with_fusions
+
+
+# Inductor's freezing folds the parameters' own math into constants before the post-grad passes:
+# Qwen 3.5's -exp(A_log) and its conv weight's view, for one (a tiny Qwen 3.5-MoE decode step
+# under freezing matched neither causal_conv1d_update nor gated_delta_step; the near misses say
+# "expected aten.neg.default, found the graph input neg_1").
+FREEZING_WARNING = (
+    "fusion_passes: Inductor's freezing is on; it folds parameter math (e.g. -exp(A_log), weight views) into "
+    "constants, so fusions whose patterns hold that math do not match (the report's near misses name them)"
+)
 
 
 def _given(value: Any) -> str:

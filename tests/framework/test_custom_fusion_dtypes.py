@@ -215,3 +215,29 @@ def test_all_among_names_adds_the_defaults():
     assert both == order  # registry (application) order, as for names alone
     with pytest.raises(fusion_passes.FusionError, match="unknown fusion 'zzz'"):
         get_fusions(["all", "zzz"])
+
+
+def test_freezing_is_named_as_the_reason_parameter_math_does_not_match():
+    """Inductor's freezing folds a parameter's math (Qwen 3.5's -exp(A_log)) into a constant before
+    the fusions run: the compile says so once, in one line; without freezing it says nothing."""
+    import warnings
+
+    from fusion_passes.backend import FREEZING_WARNING
+
+    class Decay(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a_log = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return x * -self.a_log.float().exp()
+
+    x = torch.randn(2, 4)
+    for freezing in (True, False):
+        torch._dynamo.reset()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = torch.compile(Decay(), backend=fusion_passes.backend(["rms_norm"], freezing=freezing))(x)
+        said = [str(w.message) for w in caught if "freezing" in str(w.message)]
+        assert said == ([FREEZING_WARNING] if freezing else []), said
+        torch.testing.assert_close(out, -x)
