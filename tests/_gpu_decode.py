@@ -24,10 +24,10 @@ def compile_step(step, backend, inputs=None):
     return compiled, codes
 
 
-def prefill_side_by_side(model: str, fused: list[str], base: list[str], tokens: int = 40):
+def prefill_side_by_side(model: str, fusion: str, tokens: int = 40):
     """A tiny ``model`` (2 layers, bf16) prefilling ``tokens`` into a StaticCache, compiled with the
-    ``fused`` fusions and with the ``base`` ones: (the fused run's report, its generated code, its
-    output, the base run's output)."""
+    default fusions and ``fusion`` (an opt-in one added) and with the same set less ``fusion``:
+    (the fused run's report, its generated code, its output, the output without ``fusion``)."""
     import fusion_passes
     from fusion_passes.models import build_model
     from fusion_passes.models.decode import DecodeStep
@@ -36,9 +36,11 @@ def prefill_side_by_side(model: str, fused: list[str], base: list[str], tokens: 
     built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
     step = DecodeStep(built.module, batch=1, context=tokens, steps=1)
     prompt = (step.prompt, torch.arange(tokens, device="cuda"))
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    fused = defaults if fusion in defaults else [*defaults, fusion]
     report = fusion_passes.Report()
     with_fused, codes = compile_step(step, fusion_passes.backend(fused, report=report), inputs=prompt)
-    without, _ = compile_step(step, fusion_passes.backend(base), inputs=prompt)
+    without, _ = compile_step(step, fusion_passes.backend([n for n in fused if n != fusion]), inputs=prompt)
     with torch.no_grad():
         step.restore()
         got = with_fused(*prompt).clone()

@@ -14,10 +14,8 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 
-from fusion_passes.lowering.chunk_gated_delta_rule.qkv_prep_triton import (  # noqa: E402
-    qkv_prep_reference,
-    qkv_prep_triton,
-)
+from fusion_passes.lowering.chunk_gated_delta_rule.qkv_prep_triton import qkv_prep_triton  # noqa: E402
+from fusion_passes.lowering.chunk_gated_delta_rule.reference import qkv_prep_reference  # noqa: E402
 
 # The normalized q and k are rounded once to the dtype in both; the fp32 sum of squares' order
 # differs. bf16 under the interpreter truncates instead of rounding: one ulp.

@@ -60,12 +60,10 @@ def test_decode_step_with_the_scores_fused(batch):
 
 
 def test_prefill_with_the_scores_fused():
-    """A tiny DeepSeek V3.2 prefill (40 tokens) with sparse_index_scores_prefill on top of the
-    defaults: the tiled kernel launched per layer, the output as the prefill's without it within
-    bf16 tolerance."""
-    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
-    report, code, got, want = prefill_side_by_side("deepseek-v3.2", [*defaults, "sparse_index_scores_prefill"],
-                                                   defaults)  # fmt: skip
+    """A tiny DeepSeek V3.2 prefill (40 tokens) with the defaults (sparse_index_scores_prefill among
+    them): the tiled kernel launched per layer, the output as the prefill's without that fusion
+    within bf16 tolerance."""
+    report, code, got, want = prefill_side_by_side("deepseek-v3.2", "sparse_index_scores_prefill")
     assert report.final()["sparse_index_scores_prefill"] == 2
     assert len(re.findall(r"_index_scores_tiled_kernel_\d+\.run\(", code)) == 2
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm

@@ -59,19 +59,9 @@ def _qkv_prep_kernel(
         _prep_tile(v_ptr, vo_ptr, b, j - 2 * H, t0, T, HV, svb, svt, svh, svd, eps, V, BV, BLOCK_T, False)
 
 
-def qkv_prep_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float):
-    """(q and k l2-normalized in fp32 as fla's l2norm_fwd computes them, v), contiguous, x.dtype."""
-
-    def norm(x):
-        xf = x.float()
-        return (xf * (1 / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps))).to(x.dtype)
-
-    return norm(q).contiguous(), norm(k).contiguous(), v.contiguous()
-
-
 def qkv_prep_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float, *,
                     block_t: int | None = None, wrap: Callable | None = None):  # fmt: skip
-    """As ``qkv_prep_reference``: q, k [B, T, H, K] and v [B, T, HV, V], any strides."""
+    """As ``reference.qkv_prep_reference``: q, k [B, T, H, K] and v [B, T, HV, V], any strides."""
     if q.shape != k.shape or q.dim() != 4 or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"qkv_prep: q, k [B, T, H, K] and v [B, T, HV, V] expected, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip

@@ -115,3 +115,13 @@ def chunk_gated_delta_rule_reference(
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_i
     out = out.reshape(out.shape[0], out.shape[1], -1, out.shape[-1])[:, :, :seq_len]
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+
+
+def qkv_prep_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float):
+    """(q and k l2-normalized in fp32 as fla's l2norm_fwd computes them, v), contiguous, x.dtype."""
+
+    def norm(x):
+        xf = x.float()
+        return (xf * (1 / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps))).to(x.dtype)
+
+    return norm(q).contiguous(), norm(k).contiguous(), v.contiguous()

@@ -32,6 +32,11 @@ from fusion_passes.lowering.sparse_index_scores.reference import check_sparse_in
 
 
 @triton.jit
+def _relu(x):
+    return tl.where(x > 0.0, x, tl.where(x != x, x, 0.0))  # F.relu keeps NaN
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr,  # *q.dtype [B, S, H, D] (strides stride_qb, stride_qs, stride_qh; D contiguous)
     k_ptr,  # *k.dtype [B, T, D] (strides stride_kb, stride_kt; D contiguous)
@@ -65,7 +70,7 @@ def _index_scores_kernel(
     else:
         dots = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
     x = dots * scale
-    relu = tl.where(x > 0.0, x, tl.where(x != x, x, 0.0))  # F.relu keeps NaN
+    relu = _relu(x)
     w = tl.load(w_ptr + b * stride_wb + s * stride_ws + hs * stride_wh, mask=hm, other=0.0)
     out = tl.sum(relu * w[:, None], axis=0)
     tl.store(out_ptr + row.to(tl.int64) * T + ts, out, mask=tm)
@@ -112,7 +117,7 @@ def _index_scores_tiled_kernel(
         else:
             dots = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
         x = dots * scale
-        relu = tl.where(x > 0.0, x, tl.where(x != x, x, 0.0))  # F.relu keeps NaN
+        relu = _relu(x)
         w = tl.load(w_rows + h * stride_wh, mask=sm, other=0.0)
         acc += relu * w[:, None]
     out = out_ptr + (b * S + ss[:, None]).to(tl.int64) * T + ts[None, :]
