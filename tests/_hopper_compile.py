@@ -87,6 +87,7 @@ def _cases():
     from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
     from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
+    from fusion_passes.lowering.sparse_index_scores.triton import sparse_index_scores_triton
 
     bf16 = torch.bfloat16
     x = torch.randn(2, 70, 96, dtype=bf16).transpose(1, 2)
@@ -100,6 +101,11 @@ def _cases():
     yield "sparse_index_mask", sparse_index_mask_triton, (torch.randn(2, 3000), 2048)
     split = functools.partial(sparse_index_mask_triton, split=6)  # a row's programs summing histograms
     yield "sparse_index_mask (split rows)", split, (torch.randn(2, 3000), 2048)
+    for s in (1, 40):  # the per-token kernel and the tiled one, with bf16 weights and a broadcast mask
+        iq, icache = torch.randn(2, s, 64, 128, dtype=bf16), torch.randn(2, 300, 128, dtype=bf16)
+        keep = torch.ones(1, s, 300, dtype=torch.bool).expand(2, s, 300)
+        iargs = (iq, icache, torch.randn(2, s, 64, dtype=bf16), 128**-0.5, 0.125, keep)
+        yield f"sparse_index_scores ({s} tokens, weights scale, keep mask)", sparse_index_scores_triton, iargs
     yield "moe_sort_by_expert", moe_sort_by_expert_triton, (torch.randint(0, 64, (64,)), 64)
     logits = torch.randn(3, 256)
     yield "moe_route", moe_route_triton, (logits, None, 8, True, True)

@@ -25,6 +25,9 @@ Not a site: more than MAX_QUERY_TOKENS query tokens (a prefill: sparse_index_sco
 the same op through a tiled kernel). Rejected with the reason: keys shared across the batch
 (k [1, T, D] broadcast), or arguments the op does not define. Not matched: weights summed over
 another dim than the heads.
+Around the op (sparse_index_scores_weights, sparse_index_scores_keep, below): the weights'
+upcast and H^-1/2 scale before it and the attention mask's masked_fill after it, folded into its
+loads and its store, so neither is an elementwise kernel of its own.
 On a GPU, Inductor's joint-graph pass has turned a batch-1 bmm (one decode token of one sequence)
 into mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0) before the post-grad passes;
 ``undo_batch_one_mm`` turns the two around the relu back into the bmm the spelling traces to, so
@@ -118,7 +121,8 @@ def undo_batch_one_mm(graph: torch.fx.Graph) -> int:
 
 
 def _fused(q, k, weights, softmax_scale):
-    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale)
+    # every argument written out: the folds below match the op's node by its arguments
+    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, 1.0, None)
 
 
 def _check_args(values: dict[str, Any]) -> str | None:
@@ -199,4 +203,103 @@ SPARSE_INDEX_SCORES_PREFILL = Fusion(
     builtin=True,
 )
 
-FUSIONS = (SPARSE_INDEX_SCORES, SPARSE_INDEX_SCORES_PREFILL)
+# The weights' scale is traced as this sentinel (a pattern argument: every H^-1/2 matches).
+WEIGHTS_SCALE_SENTINEL = 2.0**-17
+
+
+def scaled_weights_scores(q, k, weights, softmax_scale, weights_scale):
+    """The op on transformers' weights: weights_proj's output upcast and scaled before the op."""
+    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights.float() * weights_scale, softmax_scale, 1.0, None)
+
+
+def _weights_folded(q, k, weights, softmax_scale, weights_scale):
+    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, weights_scale, None)
+
+
+def _weights_examples():
+    # weights_proj's bf16 output (upcast and scaled), and fp32 weights (scaled only: .float() is none)
+    for dtype in (torch.bfloat16, torch.float32):
+        yield (torch.randn(2, 1, 4, 16, dtype=torch.bfloat16), torch.randn(2, 24, 16, dtype=torch.bfloat16),
+               torch.randn(2, 1, 4, dtype=dtype), SCALE_SENTINEL, WEIGHTS_SCALE_SENTINEL)  # fmt: skip
+
+
+def _check_weights(values: dict[str, Any]) -> str | None:
+    if not isinstance(values["weights_scale"], (int, float)):
+        return "weights scaled by a tensor, not a number: the op takes a scalar weights_scale"
+    if values["weights"].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"weights of {values['weights'].dtype}: the op loads fp32, bf16 or fp16"
+    return None
+
+
+SPARSE_INDEX_SCORES_WEIGHTS = Fusion(
+    name="sparse_index_scores_weights",
+    summary="DeepSeek V3.2 indexer weights' upcast and H^-1/2 scale -> the scores kernel's loads",
+    doc=(
+        "transformers computes the indexer's per-head weights as weights_proj(x).float() * n_heads ** -0.5 and "
+        "hands the fp32 product to the scores. Unfused: an elementwise kernel between weights_proj's GEMM and the "
+        "scores kernel (0.8 us per layer in a DeepSeek V3.2 decode step on one H200). Fused: "
+        "sparse_index_scores(q, k, weights, scale, weights_scale) loads the GEMM's output as it is and multiplies "
+        "in fp32 as the model does: the same products, bit for bit. Runs on sparse_index_scores' op (decode and "
+        "prefill)."
+    ),
+    spellings=(Spelling("scaled_weights_scores", scaled_weights_scores, _weights_folded),),
+    example_inputs=_weights_examples,
+    scalars={"softmax_scale": SCALE_SENTINEL, "weights_scale": WEIGHTS_SCALE_SENTINEL},
+    check=_check_weights,
+    requires=("sparse_index_scores",),
+    applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.fusion_passes.sparse_index_scores.default)),
+    builtin=True,
+)
+
+
+def masked_scores(q, k, weights, keep, softmax_scale, weights_scale):
+    """transformers' DeepseekV32Indexer: index_scores.masked_fill(~attention_mask, -inf) before the top-k."""
+    scores = torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, weights_scale, None)
+    # masked_fill(~keep, -inf), in the form Inductor's constant folding leaves it (its
+    # scalar_tensor(-inf) becomes full([], -inf) before the post-grad passes)
+    minus_inf = torch.full([], float("-inf"), dtype=scores.dtype, device=scores.device)
+    return torch.where(~keep, minus_inf, scores)
+
+
+def _keep_folded(q, k, weights, keep, softmax_scale, weights_scale):
+    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, weights_scale, keep)
+
+
+def _keep_examples():
+    # (the scalars last: the matcher fills in the pattern's scalar arguments itself)
+    # the mask as sdpa_mask gives it at decode (broadcast over the batch) and a full one; bf16 / fp32 weights
+    keep = torch.rand(1, 2, 24) > 0.3
+    for mask in (keep.expand(2, 2, 24), keep.repeat(2, 1, 1)):
+        for dtype in (torch.bfloat16, torch.float32):
+            yield (torch.randn(2, 2, 4, 16, dtype=torch.bfloat16), torch.randn(2, 24, 16, dtype=torch.bfloat16),
+                   torch.randn(2, 2, 4, dtype=dtype), mask, SCALE_SENTINEL, WEIGHTS_SCALE_SENTINEL)  # fmt: skip
+
+
+def _check_keep(values: dict[str, Any]) -> str | None:
+    q, k, keep = values["q"], values["k"], values["keep"]
+    want = (q.shape[0], q.shape[1], k.shape[1])
+    if keep.dtype != torch.bool or tuple(keep.shape) != want:
+        return f"a mask of {keep.dtype} {tuple(keep.shape)}, not bool {want}: the op takes a [B, S, T] bool mask"
+    return None
+
+
+SPARSE_INDEX_SCORES_KEEP = Fusion(
+    name="sparse_index_scores_keep",
+    summary="DeepSeek V3.2 indexer scores' attention mask (masked_fill -inf before the top-k) -> the scores kernel's store",
+    doc=(
+        "transformers masks the index scores by the attention mask before its top-k: "
+        "index_scores.masked_fill(~attention_mask, -inf). Unfused: an elementwise kernel reading the mask and the "
+        "fp32 scores and writing them again (1.1 us per layer in a DeepSeek V3.2 decode step at 8192 cached tokens "
+        "on one H200). Fused: sparse_index_scores(..., keep) stores -inf where the mask is False as it writes the "
+        "scores: bit-equal. Runs on sparse_index_scores' op (decode and prefill), after sparse_index_scores_weights."
+    ),
+    spellings=(Spelling("masked_scores", masked_scores, _keep_folded),),
+    example_inputs=_keep_examples,
+    scalars={"softmax_scale": SCALE_SENTINEL, "weights_scale": WEIGHTS_SCALE_SENTINEL},
+    check=_check_keep,
+    requires=("sparse_index_scores",),
+    applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.fusion_passes.sparse_index_scores.default)),
+    builtin=True,
+)
+
+FUSIONS = (SPARSE_INDEX_SCORES, SPARSE_INDEX_SCORES_PREFILL, SPARSE_INDEX_SCORES_WEIGHTS, SPARSE_INDEX_SCORES_KEEP)

@@ -97,7 +97,7 @@ def test_nan_is_kept_and_negative_dots_vanish():
     [(((2, 1, 4, 16), (2, 9, 8), (2, 1, 4)), None, "must be \\[2, T >= 1, 16\\]"),
      (((2, 1, 4, 16), (2, 9, 16), (2, 1, 5)), None, "weights \\(2, 1, 5\\) must be"),
      (((2, 4, 16), (2, 9, 16), (2, 1, 4)), None, "q \\[B, S, H, D\\]"),
-     (((2, 1, 4, 16), (2, 9, 16), (2, 1, 4)), (torch.bfloat16, torch.bfloat16, torch.bfloat16), "float32 expected"),
+     (((2, 1, 4, 16), (2, 9, 16), (2, 1, 4)), (torch.bfloat16, torch.bfloat16, torch.int32), "fp32, bf16 or fp16 expected"),
      (((2, 1, 4, 16), (2, 9, 16), (2, 1, 4)), (torch.int32, torch.bfloat16, torch.float32), "fp32, bf16 or fp16")],
 )  # fmt: skip
 def test_bad_arguments_get_one_line_errors(shapes, dtypes, message):
@@ -109,9 +109,41 @@ def test_bad_arguments_get_one_line_errors(shapes, dtypes, message):
         sparse_index_scores_triton(q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), 0.25)
 
 
+def test_a_keep_mask_of_the_wrong_shape_or_dtype_gets_a_one_line_error():
+    q, k, w = _inputs(2, 1, 4, 16, 9, torch.bfloat16, 4)
+    for keep in (torch.ones(2, 1, 8, dtype=torch.bool), torch.ones(2, 1, 9, dtype=torch.int8)):
+        with pytest.raises(ValueError, match="keep must be a bool \\[2, 1, 9\\] mask"):
+            torch.ops.fusion_passes.sparse_index_scores(q.cpu(), k.cpu(), w.cpu(), 0.25, 1.0, keep)
+        with pytest.raises(ValueError, match="keep must be a bool"):
+            sparse_index_scores_triton(q, k, w, 0.25, 1.0, keep.to(DEVICE))
+
+
+@pytest.mark.parametrize("s", [1, 3, 20])  # 20: the tiled kernel
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_weights_scale_and_keep_mask_as_the_model_applies_them(s, wdtype):
+    """The model's weights (weights_proj's bf16 output, upcast, times H^-1/2) and its masked_fill of
+    the scores by the attention mask, folded in: against transformers' statements; the mask a
+    causal one broadcast over the batch (stride 0), as sdpa_mask's expand gives it."""
+    b, h, d, t = 2, 5, 16, 37
+    q, k, _ = _inputs(b, s, h, d, t, torch.bfloat16, s)
+    g = torch.Generator().manual_seed(s + 1)
+    raw = torch.randn(b, s, h, generator=g).to(DEVICE, wdtype)
+    position = t - s + torch.arange(s, device=DEVICE)
+    keep = (torch.arange(t, device=DEVICE)[None, :] <= position[:, None])[None].expand(b, s, t)
+    c = h**-0.5
+    out = sparse_index_scores_triton(q, k, raw, d**-0.5, c, keep)
+    expected = _transformers_scores(q, k, raw.float() * c, d**-0.5).masked_fill(~keep, float("-inf"))
+    reference = sparse_index_scores_reference(q, k, raw, d**-0.5, c, keep)
+    torch.testing.assert_close(reference, expected, rtol=0, atol=0)  # the same statements, bit-equal
+    assert torch.equal(torch.isinf(out), ~keep) and (out[~keep] < 0).all()
+    _assert_close(out.masked_fill(~keep, 0.0), expected.masked_fill(~keep, 0.0), h, d)
+
+
 def test_opcheck():
     q, k, w = _inputs(2, 1, 4, 16, 19, torch.bfloat16, 2)
     torch.library.opcheck(torch.ops.fusion_passes.sparse_index_scores.default, (q, k, w, 0.25))
+    keep = torch.rand(2, 1, 19, generator=torch.Generator().manual_seed(0)).to(DEVICE) > 0.5
+    torch.library.opcheck(torch.ops.fusion_passes.sparse_index_scores.default, (q, k, w.bfloat16(), 0.25, 0.5, keep))
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@ Unfused (transformers' DeepseekV32Indexer, traced): the key cache transposed and
 (a copy of the cache every layer), an fp32 GEMM of the query heads against it, scale and relu,
 and a GEMM that sums the heads with their weights.
 Fused:
-    index_scores = sparse_index_scores(q, k, weights, scale)     # fp32 [B, S, T]
-one kernel reading the cache as it is. The math lives in ``reference``.
+    index_scores = sparse_index_scores(q, k, weights, scale, weights_scale, keep)   # fp32 [B, S, T]
+one kernel reading the cache as it is; the weights' upcast and scale, and the attention mask's
+masked_fill of the scores, in its loads and store. The math lives in ``reference``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ sparse_index_scores = op_from_reference(
 
 @sparse_index_scores.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.sparse_index_scores.default)
-def _sparse_index_scores_cuda(q, k, weights, scale, wrap=None):
+def _sparse_index_scores_cuda(q, k, weights, scale, weights_scale=1.0, keep=None, wrap=None):
     from fusion_passes.lowering.sparse_index_scores.triton import sparse_index_scores_triton
 
-    return sparse_index_scores_triton(q, k, weights, scale, wrap=wrap)
+    return sparse_index_scores_triton(q, k, weights, scale, weights_scale, keep, wrap=wrap)
 
 
 @sparse_index_scores.register_fake
-def _sparse_index_scores_fake(q, k, weights, scale):
-    check_sparse_index_scores_args(q, k, weights)
+def _sparse_index_scores_fake(q, k, weights, scale, weights_scale=1.0, keep=None):
+    check_sparse_index_scores_args(q, k, weights, keep)
     return torch.empty((q.shape[0], q.shape[1], k.shape[1]), dtype=torch.float32, device=q.device)

@@ -6,8 +6,10 @@ token s with H heads of dimension D, in fp32:
     dots[b, s, h, t]    = sum_d f32(q[b, s, h, d]) * f32(k[b, t, d])            (q: [B, S, H, D]; k: [B, T, D])
     index_scores[b,s,t] = sum_h weights[b, s, h] * relu(dots[b, s, h, t] * scale)
 
-``weights`` [B, S, H] are the per-head weights the model computes (already scaled by H^-1/2 in
-transformers) and ``scale`` the softmax scale (D^-1/2). The causal mask and the top-k come after.
+``weights`` [B, S, H] are the per-head weights the model computes, times ``weights_scale`` in fp32
+(transformers: weights_proj's bf16 output, upcast, times H^-1/2; an op given fp32 weights already
+scaled takes 1.0), and ``scale`` the softmax scale (D^-1/2). ``keep`` [B, S, T] (optional, bool):
+the attention mask the model applies to the scores before its top-k (masked_fill(~keep, -inf)).
 
 transformers writes it as two matmuls (the keys transposed and upcast first):
 
@@ -26,7 +28,9 @@ import torch.nn.functional as F
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_sparse_index_scores_args(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> None:
+def check_sparse_index_scores_args(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None
+) -> None:
     """Raise a one-line ValueError for arguments the op does not define."""
     if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
         raise ValueError(
@@ -40,11 +44,25 @@ def check_sparse_index_scores_args(q: torch.Tensor, k: torch.Tensor, weights: to
         raise ValueError(f"sparse_index_scores: weights {tuple(weights.shape)} must be [{bsz}, {s}, {h}]")
     if q.dtype not in INPUT_DTYPES or k.dtype not in INPUT_DTYPES:
         raise ValueError(f"sparse_index_scores: q {q.dtype} and k {k.dtype} must be fp32, bf16 or fp16")
-    if weights.dtype != torch.float32:
-        raise ValueError(f"sparse_index_scores: weights are {weights.dtype}; float32 expected")
+    if weights.dtype not in INPUT_DTYPES:
+        raise ValueError(f"sparse_index_scores: weights are {weights.dtype}; fp32, bf16 or fp16 expected")
+    if keep is not None and (keep.dtype != torch.bool or tuple(keep.shape) != (bsz, s, k.shape[1])):
+        raise ValueError(
+            f"sparse_index_scores: keep must be a bool [{bsz}, {s}, {k.shape[1]}] mask, got {keep.dtype} {tuple(keep.shape)}"
+        )
 
 
-def sparse_index_scores_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 [B, S, T]: the index scores of every cached position (module docstring)."""
+def sparse_index_scores_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    weights_scale: float = 1.0,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 [B, S, T]: the index scores of every cached position, -inf where ``keep`` is False
+    (module docstring)."""
     scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale)
-    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    # fp32 weights times 1.0 are themselves: the op without a weights scale computes as before
+    index_scores = torch.matmul((weights.float() * weights_scale).unsqueeze(-2), scores).squeeze(-2)
+    return index_scores if keep is None else index_scores.masked_fill(~keep, float("-inf"))

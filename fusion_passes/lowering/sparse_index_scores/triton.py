@@ -7,7 +7,8 @@ weights: [B, S, H, T] fp32 written and read back between them.
 Fused: each program owns one query token (b, s) and BLOCK_T cached positions: it loads the token's
 heads q [H, D] and the keys k [BLOCK_T, D] as they are in the cache (no copy), and computes
     dots = q k^T  [H, BLOCK_T];   out = sum_h weights[h] * relu(dots[h] * scale)
-storing out [BLOCK_T] in fp32. bf16 / fp16 q and k go through the tensor cores as TF32, which
+storing out [BLOCK_T] in fp32 (-inf where the optional keep mask is False: the model's
+masked_fill before its top-k; the weights upcast and times weights_scale as they load). bf16 / fp16 q and k go through the tensor cores as TF32, which
 holds their values exactly (8 / 11 significant bits of TF32's 11): their products are exact and
 accumulate in fp32, as in the reference's fp32 matmul of their upcasts (only the order of the
 sums differs); fp32 ones through IEEE fp32 dots.
@@ -40,20 +41,25 @@ def _relu(x):
 def _index_scores_kernel(
     q_ptr,  # *q.dtype [B, S, H, D] (strides stride_qb, stride_qs, stride_qh; D contiguous)
     k_ptr,  # *k.dtype [B, T, D] (strides stride_kb, stride_kt; D contiguous)
-    w_ptr,  # *fp32 [B, S, H] (strides stride_wb, stride_ws, stride_wh)
+    w_ptr,  # *weights.dtype [B, S, H] (strides stride_wb, stride_ws, stride_wh)
+    keep_ptr,  # *bool [B, S, T] (strides stride_mb, stride_ms, stride_mt), read where HAS_KEEP
     out_ptr,  # *fp32 [B, S, T] contiguous
     S,  # query tokens per sequence
     T,  # cached positions
     stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_wh,
+    stride_mb, stride_ms, stride_mt,
     scale,
+    weights_scale,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next_power_of_2(H), >= 16 (a dot's smallest side)
     BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16
     BLOCK_T: tl.constexpr,  # positions per program, >= 16
     EXACT_IN_TF32: tl.constexpr,  # q and k of 16-bit dtypes: TF32 dots, exact products
+    HAS_KEEP: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    weights_scale = tl.cast(weights_scale, tl.float32)
     row = tl.program_id(0)
     b = (row // S).to(tl.int64)
     s = row % S
@@ -72,7 +78,11 @@ def _index_scores_kernel(
     x = dots * scale
     relu = _relu(x)
     w = tl.load(w_ptr + b * stride_wb + s * stride_ws + hs * stride_wh, mask=hm, other=0.0)
+    w = w.to(tl.float32) * weights_scale  # the model's weights.float() * H^-1/2, rounded as it rounds
     out = tl.sum(relu * w[:, None], axis=0)
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + b * stride_mb + s * stride_ms + ts.to(tl.int64) * stride_mt, mask=tm, other=0)
+        out = tl.where(keep != 0, out, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * T + ts, out, mask=tm)
 
 
@@ -80,22 +90,27 @@ def _index_scores_kernel(
 def _index_scores_tiled_kernel(
     q_ptr,  # *q.dtype [B, S, H, D] (strides stride_qb, stride_qs, stride_qh; D contiguous)
     k_ptr,  # *k.dtype [B, T, D] (strides stride_kb, stride_kt; D contiguous)
-    w_ptr,  # *fp32 [B, S, H] (strides stride_wb, stride_ws, stride_wh)
+    w_ptr,  # *weights.dtype [B, S, H] (strides stride_wb, stride_ws, stride_wh)
+    keep_ptr,  # *bool [B, S, T] (strides stride_mb, stride_ms, stride_mt), read where HAS_KEEP
     out_ptr,  # *fp32 [B, S, T] contiguous
     S,
     T,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_wh,
+    stride_mb, stride_ms, stride_mt,
     scale,
+    weights_scale,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # query tokens per program, >= 16
     BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16
     BLOCK_T: tl.constexpr,  # positions per program, >= 16
     DOT: tl.constexpr,  # "native": q and k of one 16-bit dtype, dotted as they are; "tf32" / "ieee": upcast
+    HAS_KEEP: tl.constexpr,
 ):  # fmt: skip
     """A prefill's scores: one program owns BLOCK_S query tokens x BLOCK_T positions and walks the
     heads, its key tile loaded once: acc += weights[:, h] * relu(scale * q_h k^T)."""
     scale = tl.cast(scale, tl.float32)
+    weights_scale = tl.cast(weights_scale, tl.float32)
     b = tl.program_id(2).to(tl.int64)
     ss = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -118,8 +133,12 @@ def _index_scores_tiled_kernel(
             dots = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
         x = dots * scale
         relu = _relu(x)
-        w = tl.load(w_rows + h * stride_wh, mask=sm, other=0.0)
+        w = tl.load(w_rows + h * stride_wh, mask=sm, other=0.0).to(tl.float32) * weights_scale
         acc += relu * w[:, None]
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + b * stride_mb + ss[:, None].to(tl.int64) * stride_ms + ts[None, :].to(tl.int64) * stride_mt,
+                       mask=sm[:, None] & tm[None, :], other=0)  # fmt: skip
+        acc = tl.where(keep != 0, acc, float("-inf"))
     out = out_ptr + (b * S + ss[:, None]).to(tl.int64) * T + ts[None, :]
     tl.store(out, acc, mask=sm[:, None] & tm[None, :])
 
@@ -130,12 +149,13 @@ TILED_ABOVE = 16
 
 
 def sparse_index_scores_triton(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float, *,
-    wrap: Callable | None = None, block_t: int | None = None, num_warps: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float, weights_scale: float = 1.0,
+    keep: torch.Tensor | None = None, *, wrap: Callable | None = None, block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """fp32 [B, S, T] as ``sparse_index_scores_reference``. ``block_t`` / ``num_warps``: launch
     overrides for the benchmark's sweep."""
-    check_sparse_index_scores_args(q, k, weights)
+    check_sparse_index_scores_args(q, k, weights, keep)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -147,22 +167,25 @@ def sparse_index_scores_triton(
     # 32 positions a program at 2 warps: on one H200 at 64 x 128 heads, 13.8 / 22.7 us at batch 8
     # and 8192 / 16384 cached tokens against 14.6 / 24.2 at 64 x 4 (a timing spread of 0.1-0.2 us);
     # at batch 1 within 0.1-0.3 us of each other (5.4 us at 8192).
+    # without a mask the kernels are compiled without its loads; the pointer is a stand-in
+    keep_arg, keep_strides = (keep, keep.stride()) if keep is not None else (q, (0, 0, 0))
     if isinstance(s, int) and s > TILED_ABOVE:  # (a symbolic token count: the per-token kernel, no guard)
-        return _tiled(q, k, weights, scale, out, wrap=wrap, block_t=block_t, num_warps=num_warps)
+        return _tiled(q, k, weights, scale, weights_scale, keep_arg, keep_strides, keep is not None, out,
+                      wrap=wrap, block_t=block_t, num_warps=num_warps)  # fmt: skip
     block_t = block_t or 32
     kernel = wrap(_index_scores_kernel) if wrap is not None else _index_scores_kernel
     kernel[(bsz * s, triton.cdiv(t, block_t))](
-        q, k, weights, out, s, t,
+        q, k, weights, keep_arg, out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        weights.stride(0), weights.stride(1), weights.stride(2),
-        scale,
+        weights.stride(0), weights.stride(1), weights.stride(2), *keep_strides,
+        scale, weights_scale,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_T=block_t, EXACT_IN_TF32=exact_in_tf32, num_warps=num_warps or 2,
+        BLOCK_T=block_t, EXACT_IN_TF32=exact_in_tf32, HAS_KEEP=keep is not None, num_warps=num_warps or 2,
     )
     return out
 
 
-def _tiled(q, k, weights, scale, out, *, wrap, block_t, num_warps):
+def _tiled(q, k, weights, scale, weights_scale, keep_arg, keep_strides, has_keep, out, *, wrap, block_t, num_warps):
     bsz, s, h, d = q.shape
     t = k.shape[1]
     sixteen_bit = (torch.bfloat16, torch.float16)
@@ -176,11 +199,11 @@ def _tiled(q, k, weights, scale, out, *, wrap, block_t, num_warps):
     block_t = block_t or (128 if dot == "native" else 64)
     kernel = wrap(_index_scores_tiled_kernel) if wrap is not None else _index_scores_tiled_kernel
     kernel[(triton.cdiv(s, block_s), triton.cdiv(t, block_t), bsz)](
-        q, k, weights, out, s, t,
+        q, k, weights, keep_arg, out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        weights.stride(0), weights.stride(1), weights.stride(2),
-        scale,
+        weights.stride(0), weights.stride(1), weights.stride(2), *keep_strides,
+        scale, weights_scale,
         H=h, D=d, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t, DOT=dot,
-        num_warps=num_warps or 8, num_stages=2,
+        HAS_KEEP=has_keep, num_warps=num_warps or 8, num_stages=2,
     )  # fmt: skip
     return out
