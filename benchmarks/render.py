@@ -216,8 +216,26 @@ def gated_delta_step(payloads):
     return what, _table(header, rows, 3)
 
 
+def _chunk_inputs_line(p) -> str:
+    """bench_chunk_inputs' two A/Bs as one paragraph under the chunked rule's table."""
+    cells = []
+    for r in p["records"]:
+        (_, fla), (_, ours) = r["prep"]["graph_us"].items()
+        (_, repeated), (_, grouped) = r["heads"]["graph_us"].items()
+        cells.append(f"{r['tokens']} tokens {_us(fla)} → {_us(ours)} ({_x(fla / ours)}), "
+                     f"{_us(repeated)} → {_us(grouped)} ({_x(repeated / grouped)})")  # fmt: skip
+    return (
+        "The op alone on its input forms (`benchmarks/bench_chunk_inputs.py`: Qwen 3.5's 16 key / 32 value heads of "
+        "128, q / k / v as views of the conv's [B, C, T] output; us inside a CUDA graph, the median of 3 alternating "
+        "rounds): flash-linear-attention's own input copies and l2norms → our prep kernel (`QKV_PREP_KERNEL`), then "
+        "q / k repeated to the value heads → the key heads as they are (`chunk_gated_delta_rule_gva`): "
+        + "; ".join(cells) + "."
+    )
+
+
 def chunk_gated_delta_rule(payloads):
-    (p,) = payloads
+    p = next(q for q in payloads if "prep" not in q["records"][0])
+    inputs = [q for q in payloads if q is not p]
     rows = []
     for r in p["records"]:
         g = r["graph_us"]
@@ -233,7 +251,7 @@ def chunk_gated_delta_rule(payloads):
         "speedup alone. Eager and fla: fla-core 0.6.0's kernels:"
     )
     header = ["tokens", "kernels", "eager", "stock Inductor → ours", "fla", "plain"]
-    return what, _table(header, rows, 1)
+    return what, _table(header, rows, 1) + [line for q in inputs for line in ("", _chunk_inputs_line(q))]
 
 
 def causal_conv1d(payloads):
@@ -558,7 +576,7 @@ SECTIONS = (
     ),
     Section(
         "Gated DeltaNet prefill (`chunk_gated_delta_rule`)",
-        ("bench_chunk_gated_delta_rule",),
+        ("bench_chunk_gated_delta_rule", "bench_chunk_inputs"),
         chunk_gated_delta_rule,
     ),
     Section("Gated DeltaNet prefill conv (`causal_conv1d`)", ("bench_causal_conv1d",), causal_conv1d),

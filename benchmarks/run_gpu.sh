@@ -31,6 +31,8 @@ source "$(dirname "$0")/gpu_run_common.sh"
   --out "$OUT/bench_causal_conv1d.md" --json "$OUT/bench_causal_conv1d.json"
 [ "${CHUNK:-1}" = 1 ] && run bench_chunk_gated_delta_rule python3 -m benchmarks.bench_chunk_gated_delta_rule \
   --out "$OUT/bench_chunk_gated_delta_rule.md" --json "$OUT/bench_chunk_gated_delta_rule.json"
+[ "${CHUNK:-1}" = 1 ] && run bench_chunk_inputs python3 -m benchmarks.bench_chunk_inputs \
+  --out "$OUT/bench_chunk_inputs.md" --json "$OUT/bench_chunk_inputs.json"
 [ "${MOE:-1}" = 1 ] && run bench_moe_sort_by_expert python3 -m benchmarks.bench_moe_sort_by_expert \
   --out "$OUT/bench_moe_sort_by_expert.md" --json "$OUT/bench_moe_sort_by_expert.json"
 [ "${GQA:-1}" = 1 ] && run bench_gqa_decode_attention python3 -m benchmarks.bench_gqa_decode_attention \
