@@ -148,7 +148,8 @@ def test_deepseek_v32_decode_with_a_live_index_mask():
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
     defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
     runs = {}
-    without = [n for n in defaults if n != "sparse_index_mask_topk"]
+    # without the kernel, and so without the additive mask's fold into it (which would enable it again)
+    without = [n for n in defaults if n not in ("sparse_index_mask_topk", "sparse_attention_mask")]
     for name, fusions in (("without", without), ("live", defaults)):
         report = fusion_passes.Report()
         torch._dynamo.reset()
@@ -157,9 +158,67 @@ def test_deepseek_v32_decode_with_a_live_index_mask():
             step.restore()
             runs[name] = ([compiled(*step.inputs(i)).clone() for i in range(2)], report)
     report = runs["live"][1]
-    assert (report.final()["sparse_index_mask_all"], report.final()["sparse_index_mask_topk"]) == (0, 2)
+    assert (report.final()["sparse_index_mask_all"], report.matches["sparse_index_mask_topk"]) == (0, 2)
+    assert report.final()["sparse_attention_mask"] == 2  # the SDPA's additive mask written by the kernel
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.scatter.value"], after["aten.scatter.value"]) == (2, 0)
     assert before["aten.topk.default"] - after["aten.topk.default"] == 2  # the indexers'; the routers' stay
-    assert after["fusion_passes.sparse_index_mask.default"] == 2
+    assert after["fusion_passes.sparse_attention_mask.default"] == 2
+    assert (before["aten.bitwise_and.Tensor"], after["aten.bitwise_and.Tensor"]) == (2, 0)
     assert all(torch.equal(a, b) for a, b in zip(runs["live"][0], runs["without"][0], strict=True))
+
+
+ADDITIVE = ["sparse_index_mask_all", "sparse_index_mask_topk", "sparse_attention_mask"]
+
+
+def transformers_sdpa_mask(index_scores, attention_mask, index_topk, q, kv):
+    """The same, then SDPA through the boolean mask (which it makes additive in q's dtype)."""
+    mask = transformers_mask(index_scores, attention_mask, index_topk)
+    return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+
+
+def eager_float_mask(index_scores, attention_mask, index_topk, q, kv):
+    """transformers' eager attention path: a float mask, the dropped positions at finfo.min."""
+    b, s, t = index_scores.shape
+    idx = index_scores.topk(index_topk, dim=-1).indices.to(torch.int32)
+    index_mask = idx.new_ones((b, s, t), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    mask = torch.where(attention_mask, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+    return torch.softmax(q @ kv.transpose(-1, -2) + mask.masked_fill(index_mask, torch.finfo(q.dtype).min), -1) @ kv
+
+
+def _sdpa_inputs(t, dtype, broadcast=True):
+    scores, causal = _inputs(t)
+    if broadcast:  # sdpa_mask's causal mask: one row set, expanded over the batch
+        causal = causal[:1].expand(3, 1, 2, t)
+    g = torch.Generator().manual_seed(t + 1)
+    q, kv = torch.randn(3, 4, 2, 16, generator=g).to(dtype), torch.randn(3, 4, t, 16, generator=g).to(dtype)
+    return scores, causal, 8, q, kv
+
+
+def _compile_with(fusions, fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*args)
+    return out, report
+
+
+@pytest.mark.parametrize("dtype,broadcast", [(torch.bfloat16, True), (torch.float32, False), (torch.float16, True)])
+def test_the_sdpa_mask_is_written_by_the_kernel(dtype, broadcast):
+    args = _sdpa_inputs(37, dtype, broadcast)
+    out, report = _compile_with(ADDITIVE, transformers_sdpa_mask, *args)
+    torch.testing.assert_close(out, transformers_sdpa_mask(*args))
+    assert report.matches["sparse_index_mask_topk"] == 1 and report.final()["sparse_attention_mask"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.bitwise_and.Tensor"], after["aten.bitwise_and.Tensor"]) == (1, 0)
+    assert (before["aten.bitwise_not.default"], after["aten.bitwise_not.default"]) == (1, 0)
+    assert after["fusion_passes.sparse_attention_mask.default"] == 1
+    assert after["fusion_passes.sparse_index_mask.default"] == 0
+
+
+def test_the_eager_paths_float_mask_is_left_alone():
+    args = _sdpa_inputs(37, torch.float32)
+    out, report = _compile_with(ADDITIVE, eager_float_mask, *args)
+    torch.testing.assert_close(out, eager_float_mask(*args))
+    assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
+    assert report.ops_after()["fusion_passes.sparse_index_mask.default"] == 1

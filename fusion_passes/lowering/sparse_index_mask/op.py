@@ -8,6 +8,12 @@ Fused:
     mask = sparse_index_mask(index_scores, k)     # bool, True outside each row's top k
 one kernel, no indices (and the zero fill of its small work buffer where a row is split over
 several programs: a decode step's few rows on a GPU with SMs to spare). The math (and the order it gives equal scores) lives in ``reference``.
+
+And ``fusion_passes::sparse_attention_mask``: the additive mask SDPA makes of the model's
+``attention_mask & ~index_mask`` (0 kept, -inf dropped, [B, 1, S, T]), written by the same kernel's
+last pass instead of the bool mask, so the elementwise kernel that combines and converts the two
+masks goes:
+    mask = sparse_attention_mask(index_scores, k, attention_mask, dtype)
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import torch
 from fusion_passes.lowering.common.direct_launch import register_launcher
 from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.sparse_index_mask.reference import (
+    check_sparse_attention_mask_args,
     check_sparse_index_mask_args,
+    sparse_attention_mask_reference,
     sparse_index_mask_reference,
 )
 
@@ -36,3 +44,22 @@ def _sparse_index_mask_cuda(index_scores, k, wrap=None):
 def _sparse_index_mask_fake(index_scores, k):
     check_sparse_index_mask_args(index_scores, k)
     return torch.empty(index_scores.shape, dtype=torch.bool, device=index_scores.device)
+
+
+sparse_attention_mask = op_from_reference(
+    "sparse_attention_mask", sparse_attention_mask_reference, check=check_sparse_attention_mask_args
+)
+
+
+@sparse_attention_mask.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.sparse_attention_mask.default)
+def _sparse_attention_mask_cuda(index_scores, k, attention_mask, dtype, wrap=None):
+    from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
+
+    return sparse_index_mask_triton(index_scores, k, attention_mask, dtype, wrap=wrap)
+
+
+@sparse_attention_mask.register_fake
+def _sparse_attention_mask_fake(index_scores, k, attention_mask, dtype):
+    check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype)
+    return torch.empty(attention_mask.shape, dtype=dtype, device=index_scores.device)

@@ -50,3 +50,37 @@ def sparse_index_mask_reference(index_scores: torch.Tensor, k: int) -> torch.Ten
     order = torch.sort(order_keys(index_scores), dim=-1, descending=True, stable=True).indices
     mask = torch.ones(index_scores.shape, dtype=torch.bool, device=index_scores.device)
     return mask.scatter(-1, order[..., :k], False)
+
+
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sparse_attention_mask_args(
+    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """Raise a one-line ValueError for arguments sparse_attention_mask does not define."""
+    check_sparse_index_mask_args(index_scores, k)
+    if index_scores.dim() != 3:
+        raise ValueError(f"sparse_attention_mask: scores [B, S, T] expected, got {tuple(index_scores.shape)}")
+    b, s, t = index_scores.shape
+    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, s, t):
+        raise ValueError(
+            f"sparse_attention_mask: the attention mask must be bool [{b}, 1, {s}, {t}], got "
+            f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+        )
+    if dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"sparse_attention_mask: dtype {dtype}; fp32, bf16 or fp16 expected")
+
+
+def sparse_attention_mask_reference(
+    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """dtype [B, 1, S, T]: the additive mask SDPA makes of DeepSeek V3.2's boolean one, where the
+    model has dropped the positions outside the top k (attention_mask & ~index_mask):
+
+        keep = attention_mask & ~sparse_index_mask(index_scores, k)[:, None]
+        mask = where(keep, 0, -inf)
+    """
+    keep = attention_mask & ~sparse_index_mask_reference(index_scores, k).unsqueeze(1)
+    zero = torch.zeros((), dtype=dtype, device=index_scores.device)
+    return torch.where(keep, zero, torch.full((), float("-inf"), dtype=dtype, device=index_scores.device))

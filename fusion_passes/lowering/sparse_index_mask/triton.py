@@ -27,7 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.sparse_index_mask.reference import check_sparse_index_mask_args
+from fusion_passes.lowering.sparse_index_mask.reference import (
+    check_sparse_attention_mask_args,
+    check_sparse_index_mask_args,
+)
+
 
 @triton.jit
 def _unsigned_key(x):
@@ -52,9 +56,24 @@ def _split_barrier(count_ptr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _store_kept(mask_ptr, offs, inside, kept, attn_row_ptr, stride_at, ADDITIVE: tl.constexpr):
+    """The row's mask at offs: True where dropped (sparse_index_mask), or (ADDITIVE,
+    sparse_attention_mask) 0 where the attention mask and the top k both keep the position and
+    -inf elsewhere, in the output's dtype."""
+    if ADDITIVE:
+        attn = tl.load(attn_row_ptr + offs.to(tl.int64) * stride_at, mask=inside, other=0)
+        value = tl.where((attn != 0) & kept, 0.0, float("-inf"))
+        tl.store(mask_ptr + offs, value.to(mask_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.store(mask_ptr + offs, (kept == 0).to(tl.int1), mask=inside)
+
+
+@triton.jit
 def _index_mask_kernel(
     scores_ptr,  # *fp32/bf16/fp16 [rows, T], rows contiguous
-    mask_ptr,  # *bool [rows, T]
+    mask_ptr,  # *bool [rows, T] (ADDITIVE: *out dtype [rows, T])
+    attn_ptr,  # ADDITIVE: *bool [B, S, T] (strides stride_ab, stride_as, stride_at; rows = B * S)
+    S, stride_ab, stride_as, stride_at,
     work_ptr,  # *int32 [rows, WORK], zeroed: the row's histograms and counts (SPLIT > 1 only)
     T,  # positions per row
     k,  # positions kept per row, 1 <= k <= T
@@ -66,9 +85,11 @@ def _index_mask_kernel(
     SPLIT: tl.constexpr,  # programs a row
     PARTS: tl.constexpr,  # SPLIT rounded up to a power of two
     LOWEST: tl.constexpr,  # unsplit rows: the first pass also finds the lowest key (see below)
+    ADDITIVE: tl.constexpr,  # the additive attention mask (sparse_attention_mask), not the bool one
 ):
     pid = tl.program_id(0)
     row = (pid // SPLIT).to(tl.int64)
+    attn_row_ptr = attn_ptr + (row // S) * stride_ab + (row % S) * stride_as
     part = pid % SPLIT
     lo = part * CHUNK
     hi = tl.minimum(T, lo + CHUNK)
@@ -133,7 +154,7 @@ def _index_mask_kernel(
             offs = start + tl.arange(0, BLOCK)
             inside = offs < hi
             key = _unsigned_key(tl.load(row_ptr + offs, mask=inside, other=0.0).to(tl.float32))
-            tl.store(mask_ptr + row * T + offs, key < prefix, mask=inside)
+            _store_kept(mask_ptr + row * T, offs, inside, key >= prefix, attn_row_ptr, stride_at, ADDITIVE)
             start += BLOCK
     else:
         equal_before = 0
@@ -156,7 +177,7 @@ def _index_mask_kernel(
             is_equal = (key == prefix) & inside
             rank = equal_before + tl.cumsum(is_equal.to(tl.int32), axis=0) - is_equal.to(tl.int32)
             kept = (key > prefix) | (is_equal & (rank < remaining))
-            tl.store(mask_ptr + row * T + offs, (kept == 0).to(tl.int1), mask=inside)
+            _store_kept(mask_ptr + row * T, offs, inside, kept, attn_row_ptr, stride_at, ADDITIVE)
             equal_before += tl.sum(is_equal.to(tl.int32), axis=0)
             start += BLOCK
 
@@ -182,6 +203,8 @@ def _split(rows: int, t, device: torch.device) -> int:
 def sparse_index_mask_triton(
     index_scores: torch.Tensor,
     k: int,
+    attention_mask: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
     *,
     split: int | None = None,
     lowest: bool | None = None,
@@ -191,12 +214,22 @@ def sparse_index_mask_triton(
     """bool [..., T] as ``sparse_index_mask_reference``. ``split``: programs a row (default: from
     the rows, T and the GPU's SMs; more than one only where all of the launch's programs fit on the
     GPU at once); ``lowest``: the lowest-key shortcut (default: on for unsplit launches of more
-    than LOWEST_ROWS rows); ``num_warps``: default from the positions a loop step takes."""
+    than LOWEST_ROWS rows); ``num_warps``: default from the positions a loop step takes.
+    With ``attention_mask`` (bool [B, 1, S, T]) and ``dtype``: ``sparse_attention_mask_reference``'s
+    additive [B, 1, S, T] mask instead, written by the same pass."""
     check_sparse_index_mask_args(index_scores, k)
+    additive = attention_mask is not None
+    if additive:
+        check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype)
     scores = index_scores.contiguous()
     t = scores.shape[-1]
     rows = scores.numel() // t
-    mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    if additive:
+        mask = torch.empty(attention_mask.shape, dtype=dtype, device=scores.device)
+        attn, s_len, attn_strides = attention_mask, scores.shape[1], (attention_mask.stride(0), attention_mask.stride(2), attention_mask.stride(3))
+    else:
+        mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+        attn, s_len, attn_strides = scores, 1, (0, 0, 0)  # a stand-in, never read
     split = _split(rows, t, scores.device) if split is None else split
     if split < 1:
         raise ValueError(f"sparse_index_mask: split must be >= 1, got {split}")
@@ -232,7 +265,7 @@ def sparse_index_mask_triton(
     # with it; 256 decode rows of 8192 positions 49.6 -> 52.7 us. So on above LOWEST_ROWS rows.
     lowest = split == 1 and rows > LOWEST_ROWS if lowest is None else lowest
     kernel = wrap(_index_mask_kernel) if wrap is not None else _index_mask_kernel
-    kernel[(rows * split,)](scores, mask, work, t, k, chunk, work_size, BLOCK=block, RADIX=radix, PASSES=passes,
-                            SPLIT=split, PARTS=triton.next_power_of_2(split), LOWEST=lowest,
-                            num_warps=num_warps)  # fmt: skip
+    kernel[(rows * split,)](scores, mask, attn, s_len, *attn_strides, work, t, k, chunk, work_size, BLOCK=block,
+                            RADIX=radix, PASSES=passes, SPLIT=split, PARTS=triton.next_power_of_2(split),
+                            LOWEST=lowest, ADDITIVE=additive, num_warps=num_warps)  # fmt: skip
     return mask
