@@ -15,6 +15,9 @@ Fused:   out, S = fusion_passes.chunk_gated_delta_rule(query, key, value, g, bet
          the same op on the key heads (value head h reads key head h // (HV / H), the math of the
          repeat; flash-linear-attention's chunk kernels take grouped values as they are)
 
+Measured on one H200 (the op alone in a CUDA graph, Qwen 3.5's 16 key / 32 value heads of 128, inputs
+as views of the conv's output, 3 alternating rounds): 142.8 -> 94.9 us at 1024 tokens (1.50x), 505.5 ->
+291.5 us at 4096 (1.73x).
 The same math (the op's reference repeats the heads itself: bit-equal on the CPU, tested). Runs
 after chunk_gated_delta_rule, on its op: the repeat of q and k (both, by the same factor, along
 the heads) is the pattern; heads tiled (repeat), or one of q / k tiled, are not.
@@ -77,7 +80,6 @@ CHUNK_GATED_DELTA_RULE_GVA = Fusion(
     example_inputs=_examples,
     scalars={"scale": SCALE_SENTINEL},
     requires=("chunk_gated_delta_rule",),
-    opt_in="not yet timed on a GPU (flash-linear-attention's grouped-value path against the repeats)",
     builtin=True,
 )
 

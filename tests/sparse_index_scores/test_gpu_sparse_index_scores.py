@@ -49,8 +49,8 @@ def test_decode_step_with_the_scores_fused(batch):
     # the base without the scores' op and the folds into it (which would enable it again)
     base, _ = compile_step(step, fusion_passes.backend([n for n in defaults if not n.startswith("sparse_index_scores")]))
     assert report.matches["sparse_index_scores"] == 2
-    # the weights' scale and the mask's masked_fill folded into it at both layers
-    assert report.matches["sparse_index_scores_weights"] == 2 and report.final()["sparse_index_scores_keep"] == 2
+    # the weights' upcast and scale folded into it at both layers
+    assert report.final()["sparse_index_scores_weights"] == 2
     (code,) = codes
     assert len(re.findall(r"_index_scores_kernel_\d+\.run\(", code)) == 2
     step.restore()
@@ -67,6 +67,6 @@ def test_prefill_with_the_scores_fused():
     them): the tiled kernel launched per layer, the output as the prefill's without that fusion
     within bf16 tolerance."""
     report, code, got, want = prefill_side_by_side("deepseek-v3.2", "sparse_index_scores_prefill")
-    assert report.matches["sparse_index_scores_prefill"] == 2 and report.final()["sparse_index_scores_keep"] == 2
+    assert report.matches["sparse_index_scores_prefill"] == 2 and report.final()["sparse_index_scores_weights"] == 2
     assert len(re.findall(r"_index_scores_tiled_kernel_\d+\.run\(", code)) == 2
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
