@@ -7,6 +7,8 @@ and the op's test without fla-core (the extra ``fla``)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -80,14 +82,11 @@ def test_the_prep_kernel_gives_fla_s_own_l2norm_path(monkeypatch, tokens, key_he
     assert compare(runs[True][1], runs[False][1]).rel_norm <= bound / 4
 
 
-@needs_fla
-@pytest.mark.parametrize("conv, gva", [("causal_conv1d", False), ("causal_conv1d_after_state", False),
-                                       ("causal_conv1d_after_state", True)])  # fmt: skip
-def test_qwen35_prefill_fuses_on_cuda(conv, gva):
-    """The prefill continues the cache's conv state (the step's cache was prefilled before): the
-    plain conv fusion takes the conv over the cache's cat, causal_conv1d_after_state the cat and
-    the cache write too (the op reads the state). gva: the op then reads the 2 key heads as they
-    are (chunk_gated_delta_rule_gva), not their repeats for the 4 value heads."""
+@functools.cache
+def _qwen35_prefill():
+    """A tiny Qwen 3.5 (4 layers) prefilling 200 tokens after its cache's own prefill: the step,
+    the prefill runner, and eager's and stock Inductor's (output, cache) once for every variant
+    (stock Inductor's compile of the unrolled chunk loop is this test's longest part)."""
     built = build_model("qwen3.5", size="tiny", dtype=torch.bfloat16, layers=4, device="cuda")
     step = DecodeStep(built.module, batch=2, context=200, steps=1)
     positions = torch.arange(step.context, device="cuda")
@@ -98,14 +97,26 @@ def test_qwen35_prefill_fuses_on_cuda(conv, gva):
             out = fn(step.prompt, positions)
         return out, [t.clone() for t in step.cache_tensors()]
 
+    expected = prefill(step)
+    torch._dynamo.reset()
+    stock = prefill(torch.compile(step, backend="inductor", fullgraph=True))
+    return step, prefill, expected, stock
+
+
+@needs_fla
+@pytest.mark.parametrize("conv, gva", [("causal_conv1d", False), ("causal_conv1d_after_state", False),
+                                       ("causal_conv1d_after_state", True)])  # fmt: skip
+def test_qwen35_prefill_fuses_on_cuda(conv, gva):
+    """The prefill continues the cache's conv state (the step's cache was prefilled before): the
+    plain conv fusion takes the conv over the cache's cat, causal_conv1d_after_state the cat and
+    the cache write too (the op reads the state). gva: the op then reads the 2 key heads as they
+    are (chunk_gated_delta_rule_gva), not their repeats for the 4 value heads."""
+    step, prefill, (expected, expected_cache), (stock, stock_cache) = _qwen35_prefill()
     report = fusion_passes.Report()
     torch._dynamo.reset()
     backend = fusion_passes.backend(["chunk_gated_delta_rule", conv] + ["chunk_gated_delta_rule_gva"] * gva,
                                     report=report)  # fmt: skip
     out, cache = prefill(torch.compile(step, backend=backend, fullgraph=True))
-    expected, expected_cache = prefill(step)
-    torch._dynamo.reset()
-    stock, stock_cache = prefill(torch.compile(step, backend="inductor", fullgraph=True))
     assert report.matches["chunk_gated_delta_rule"] == 3 and not report.rejected
     assert report.final()["chunk_gated_delta_rule_gva" if gva else "chunk_gated_delta_rule"] == 3
     # torch <= 2.11 traces transformers' forward-substitution form (no triangular solve): either fuses
