@@ -105,36 +105,45 @@ SPARSE_INDEX_MASK_TOPK = Fusion(
     builtin=True,
 )
 
+# The bias of a closed position is a pattern argument, traced with this sentinel (exact in every
+# float dtype): -inf where SDPA runs its math or flash path, -65504 where it calls cuDNN.
+FILL_SENTINEL = -(2.0**-9)
+
+
 def _sdpa_masked(dtype: torch.dtype):
     """transformers' DeepseekV32Attention with a boolean mask (SDPA): ``attention_mask & ~index_mask``,
-    which SDPA turns into its additive form in the attention's dtype (where(keep, 0, -inf), as
-    Inductor's constant folding leaves the two constants: full([], ...))."""
+    which SDPA turns into its additive form in the attention's dtype: where(mask.logical_not(),
+    fill, 0), fill -inf or (cuDNN) -65504. Inductor leaves it as where(mask, 0, fill), its two
+    constants as full([], ...); the inverted form is kept beside it."""
 
-    def sdpa_masked(index_scores, attention_mask, k):
+    def _keep(index_scores, attention_mask, k):
         index_mask = torch.ops.fusion_passes.sparse_index_mask(index_scores, k).unsqueeze(1)
-        keep = attention_mask & ~index_mask
-        zero = torch.full([], 0.0, dtype=dtype, device=index_scores.device)
-        minus_inf = torch.full([], float("-inf"), dtype=dtype, device=index_scores.device)
-        return torch.where(keep, zero, minus_inf)
+        return attention_mask & ~index_mask
 
-    def cudnn_masked(index_scores, attention_mask, k):
-        # SDPA's cuDNN path converts the boolean mask with the inversion written out
-        # (where(mask.logical_not(), -inf, 0)), as its C++ does
-        index_mask = torch.ops.fusion_passes.sparse_index_mask(index_scores, k).unsqueeze(1)
-        keep = attention_mask & ~index_mask
+    def _constants(index_scores, fill):
         zero = torch.full([], 0.0, dtype=dtype, device=index_scores.device)
-        minus_inf = torch.full([], float("-inf"), dtype=dtype, device=index_scores.device)
-        return torch.where(torch.logical_not(keep), minus_inf, zero)
+        return zero, torch.full([], fill, dtype=dtype, device=index_scores.device)
 
-    def additive(index_scores, attention_mask, k):
-        return torch.ops.fusion_passes.sparse_attention_mask(index_scores, k, attention_mask, dtype)
+    def sdpa_masked(index_scores, attention_mask, k, fill):
+        zero, closed = _constants(index_scores, fill)
+        return torch.where(_keep(index_scores, attention_mask, k), zero, closed)
+
+    def sdpa_masked_inverted(index_scores, attention_mask, k, fill):
+        zero, closed = _constants(index_scores, fill)
+        return torch.where(torch.logical_not(_keep(index_scores, attention_mask, k)), closed, zero)
+
+    def additive(index_scores, attention_mask, k, fill):
+        return torch.ops.fusion_passes.sparse_attention_mask(index_scores, k, attention_mask, dtype, fill)
 
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    return Spelling(f"sdpa_masked_{name}", sdpa_masked, additive), Spelling(f"cudnn_masked_{name}", cudnn_masked, additive)
+    return (Spelling(f"sdpa_masked_{name}", sdpa_masked, additive),
+            Spelling(f"sdpa_masked_inverted_{name}", sdpa_masked_inverted, additive))  # fmt: skip
 
 
 def _check_attention(values: dict[str, Any]) -> str | None:
-    scores, mask = values["index_scores"], values["attention_mask"]
+    scores, mask, fill = values["index_scores"], values["attention_mask"], values["fill"]
+    if not isinstance(fill, (int, float)) or not fill < 0:
+        return f"a closed position's bias of {fill}, not a negative number"
     if scores.dim() != 3 or mask.dtype != torch.bool or tuple(mask.shape) != (scores.shape[0], 1, *scores.shape[1:]):
         return (f"an attention mask of {mask.dtype} {tuple(mask.shape)} for scores {tuple(scores.shape)}: the op "
                 "takes a bool [B, 1, S, T] one")  # fmt: skip
@@ -142,7 +151,7 @@ def _check_attention(values: dict[str, Any]) -> str | None:
 
 
 def _attention_examples():
-    yield (torch.randn(2, 1, K_SENTINEL), torch.rand(2, 1, 1, K_SENTINEL) > 0.5, K_SENTINEL)
+    yield (torch.randn(2, 1, K_SENTINEL), torch.rand(2, 1, 1, K_SENTINEL) > 0.5, K_SENTINEL, FILL_SENTINEL)
 
 
 SPARSE_ATTENTION_MASK = Fusion(
@@ -151,8 +160,8 @@ SPARSE_ATTENTION_MASK = Fusion(
     "mask kernel's last pass",
     doc=(
         "Where the attention mask is boolean (SDPA), transformers' DeepseekV32Attention drops the positions outside "
-        "the top k from it, attention_mask & ~index_mask, and SDPA makes the result additive: where(keep, 0, -inf) in "
-        "the attention's dtype. Unfused: an elementwise kernel reading the index mask and the attention mask (or "
+        "the top k from it, attention_mask & ~index_mask, and SDPA makes the result additive: where(keep, 0, fill) in "
+        "the attention's dtype (fill -inf, or -65504 where SDPA calls cuDNN). Unfused: an elementwise kernel reading the index mask and the attention mask (or "
         "recomputing the causal one) and writing the additive mask (1.0 us per layer in a DeepSeek V3.2 decode step "
         "at 8192 cached tokens on one H200). Fused: mask = fusion_passes.sparse_attention_mask(index_scores, k, "
         "attention_mask, dtype), the same kernel as sparse_index_mask_topk's, whose last pass writes the additive "
@@ -161,11 +170,11 @@ SPARSE_ATTENTION_MASK = Fusion(
     ),
     spellings=tuple(sp for dtype in (torch.bfloat16, torch.float16, torch.float32) for sp in _sdpa_masked(dtype)),
     example_inputs=_attention_examples,
-    scalars={"k": K_SENTINEL},
+    scalars={"k": K_SENTINEL, "fill": FILL_SENTINEL},
     check=_check_attention,
     requires=("sparse_index_mask_topk",),
-    opt_in="matches the SDPA mask of the graphs torch.compile gives on a CPU; in a DeepSeek V3.2 decode step on one "
-    "H200 (cuDNN attention) the combining kernel stayed: the GPU graph's form is not matched yet",
+    opt_in="not yet seen to match on a GPU: in a DeepSeek V3.2 decode step on one H200 (cuDNN attention, whose bias "
+    "is -65504) the combining kernel stayed with the form of then, which took -inf only",
     applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.fusion_passes.sparse_index_mask.default)),
     builtin=True,
 )

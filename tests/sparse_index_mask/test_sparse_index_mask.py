@@ -178,6 +178,14 @@ def transformers_sdpa_mask(index_scores, attention_mask, index_topk, q, kv):
     return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
 
 
+def cudnn_bias(index_scores, attention_mask, index_topk, q, kv):
+    """The same mask made additive as SDPA's cuDNN path does (convert_boolean_attn_mask_cudnn: a
+    bias of -65504, not -inf), then SDPA through the bias."""
+    mask = transformers_mask(index_scores, attention_mask, index_topk)
+    bias = torch.where(mask.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=q.dtype))
+    return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=bias)
+
+
 def eager_float_mask(index_scores, attention_mask, index_topk, q, kv):
     """transformers' eager attention path: a float mask, the dropped positions at finfo.min."""
     b, s, t = index_scores.shape
@@ -204,11 +212,12 @@ def _compile_with(fusions, fn, *args):
     return out, report
 
 
+@pytest.mark.parametrize("spelling", [transformers_sdpa_mask, cudnn_bias])
 @pytest.mark.parametrize("dtype,broadcast", [(torch.bfloat16, True), (torch.float32, False), (torch.float16, True)])
-def test_the_sdpa_mask_is_written_by_the_kernel(dtype, broadcast):
+def test_the_sdpa_mask_is_written_by_the_kernel(dtype, broadcast, spelling):
     args = _sdpa_inputs(37, dtype, broadcast)
-    out, report = _compile_with(ADDITIVE, transformers_sdpa_mask, *args)
-    torch.testing.assert_close(out, transformers_sdpa_mask(*args))
+    out, report = _compile_with(ADDITIVE, spelling, *args)
+    torch.testing.assert_close(out, spelling(*args))
     assert report.matches["sparse_index_mask_topk"] == 1 and report.final()["sparse_attention_mask"] == 1
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.bitwise_and.Tensor"], after["aten.bitwise_and.Tensor"]) == (1, 0)

@@ -140,10 +140,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fusion_passes.sparse_index_mask.default, (scores, 4))
 
 
+@pytest.mark.parametrize("fill", [float("-inf"), -65504.0])  # SDPA's bias of a closed key; cuDNN's
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("b,s,t,k", [(2, 1, 130, 16), (1, 3, 1025, 1000), (3, 2, 37, 36)])
-def test_the_additive_attention_mask_equals_the_models(b, s, t, k, dtype, ties):
+def test_the_additive_attention_mask_equals_the_models(b, s, t, k, dtype, ties, fill):
     """sparse_attention_mask: the same kernel's last pass writing SDPA's additive mask of
     attention_mask & ~index_mask (a causal mask broadcast over the batch, as sdpa_mask gives it),
     against the reference and against the model's statements (top-k, scatter, &, where)."""
@@ -157,19 +158,22 @@ def test_the_additive_attention_mask_equals_the_models(b, s, t, k, dtype, ties):
     causal = torch.arange(t)[None, :] <= position[:, None]
     scores = scores.masked_fill(~causal, float("-inf")).to(DEVICE)
     attention_mask = causal[None, None].expand(b, 1, s, t).to(DEVICE)
-    out = sparse_index_mask_triton(scores, k, attention_mask, dtype)
-    expected = sparse_attention_mask_reference(scores, k, attention_mask, dtype)
+    out = sparse_index_mask_triton(scores, k, attention_mask, dtype, fill)
+    expected = sparse_attention_mask_reference(scores, k, attention_mask, dtype, fill)
     assert out.dtype == dtype and out.shape == (b, 1, s, t) and torch.equal(out, expected)
     if not ties:  # no tie at the k-th place: every order of equal scores keeps the same set
         keep = attention_mask & ~_transformers_mask(scores, k).unsqueeze(1)
-        model = torch.where(keep, torch.zeros((), dtype=dtype, device=DEVICE), float("-inf")).to(dtype)
-        assert torch.equal(out, model)
+        # SDPA's conversion, as its C++ writes it (cuDNN's with -65504, rounded to bf16's -65536)
+        model = torch.where(keep.logical_not(), fill, torch.scalar_tensor(0.0, dtype=dtype, device=DEVICE))
+        assert model.dtype == dtype and torch.equal(out, model)
 
 
 def test_an_attention_mask_of_another_shape_gets_a_one_line_error():
     scores = torch.randn(2, 1, 40)
-    for mask, dtype, message in ((torch.ones(2, 1, 40, dtype=torch.bool), torch.bfloat16, "must be bool \\[2, 1, 1, 40\\]"),
-                                 (torch.ones(2, 1, 1, 40), torch.bfloat16, "must be bool"),
-                                 (torch.ones(2, 1, 1, 40, dtype=torch.bool), torch.int8, "dtype torch.int8")):  # fmt: skip
+    ok = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    for mask, dtype, fill, message in ((torch.ones(2, 1, 40, dtype=torch.bool), torch.bfloat16, -1.0, "must be bool \\[2, 1, 1, 40\\]"),
+                                       (torch.ones(2, 1, 1, 40), torch.bfloat16, -1.0, "must be bool"),
+                                       (ok, torch.int8, -1.0, "dtype torch.int8"),
+                                       (ok, torch.bfloat16, 0.0, "fill 0.0 must be negative")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
-            torch.ops.fusion_passes.sparse_attention_mask(scores, 8, mask, dtype)
+            torch.ops.fusion_passes.sparse_attention_mask(scores, 8, mask, dtype, fill)

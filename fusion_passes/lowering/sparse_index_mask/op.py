@@ -13,7 +13,7 @@ And ``fusion_passes::sparse_attention_mask``: the additive mask SDPA makes of th
 ``attention_mask & ~index_mask`` (0 kept, -inf dropped, [B, 1, S, T]), written by the same kernel's
 last pass instead of the bool mask, so the elementwise kernel that combines and converts the two
 masks goes:
-    mask = sparse_attention_mask(index_scores, k, attention_mask, dtype)
+    mask = sparse_attention_mask(index_scores, k, attention_mask, dtype, fill)    # fill: -inf, or cuDNN's -65504
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ sparse_attention_mask = op_from_reference(
 
 @sparse_attention_mask.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.sparse_attention_mask.default)
-def _sparse_attention_mask_cuda(index_scores, k, attention_mask, dtype, wrap=None):
+def _sparse_attention_mask_cuda(index_scores, k, attention_mask, dtype, fill, wrap=None):
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
 
-    return sparse_index_mask_triton(index_scores, k, attention_mask, dtype, wrap=wrap)
+    return sparse_index_mask_triton(index_scores, k, attention_mask, dtype, fill, wrap=wrap)
 
 
 @sparse_attention_mask.register_fake
-def _sparse_attention_mask_fake(index_scores, k, attention_mask, dtype):
-    check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype)
+def _sparse_attention_mask_fake(index_scores, k, attention_mask, dtype, fill):
+    check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype, fill)
     return torch.empty(attention_mask.shape, dtype=dtype, device=index_scores.device)

@@ -56,7 +56,7 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_sparse_attention_mask_args(
-    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype
+    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype, fill: float = float("-inf")
 ) -> None:
     """Raise a one-line ValueError for arguments sparse_attention_mask does not define."""
     check_sparse_index_mask_args(index_scores, k)
@@ -70,17 +70,22 @@ def check_sparse_attention_mask_args(
         )
     if dtype not in ATTENTION_DTYPES:
         raise ValueError(f"sparse_attention_mask: dtype {dtype}; fp32, bf16 or fp16 expected")
+    if not fill < 0:
+        raise ValueError(f"sparse_attention_mask: fill {fill} must be negative (the bias of a closed key)")
 
 
 def sparse_attention_mask_reference(
-    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype
+    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype, fill: float
 ) -> torch.Tensor:
     """dtype [B, 1, S, T]: the additive mask SDPA makes of DeepSeek V3.2's boolean one, where the
     model has dropped the positions outside the top k (attention_mask & ~index_mask):
 
         keep = attention_mask & ~sparse_index_mask(index_scores, k)[:, None]
-        mask = where(keep, 0, -inf)
+        mask = where(keep, 0, fill)
+
+    ``fill``: SDPA's bias of a closed key, -inf (its math and flash paths), or -65504 where it
+    calls cuDNN (a finite bias that cuDNN takes), rounded to ``dtype`` as a constant of it is.
     """
     keep = attention_mask & ~sparse_index_mask_reference(index_scores, k).unsqueeze(1)
     zero = torch.zeros((), dtype=dtype, device=index_scores.device)
-    return torch.where(keep, zero, torch.full((), float("-inf"), dtype=dtype, device=index_scores.device))
+    return torch.where(keep, zero, torch.full((), fill, dtype=dtype, device=index_scores.device))

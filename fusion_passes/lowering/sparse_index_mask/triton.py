@@ -56,13 +56,13 @@ def _split_barrier(count_ptr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _store_kept(mask_ptr, offs, inside, kept, attn_row_ptr, stride_at, ADDITIVE: tl.constexpr):
+def _store_kept(mask_ptr, offs, inside, kept, attn_row_ptr, stride_at, fill, ADDITIVE: tl.constexpr):
     """The row's mask at offs: True where dropped (sparse_index_mask), or (ADDITIVE,
     sparse_attention_mask) 0 where the attention mask and the top k both keep the position and
-    -inf elsewhere, in the output's dtype."""
+    fill elsewhere, in the output's dtype."""
     if ADDITIVE:
         attn = tl.load(attn_row_ptr + offs.to(tl.int64) * stride_at, mask=inside, other=0)
-        value = tl.where((attn != 0) & kept, 0.0, float("-inf"))
+        value = tl.where((attn != 0) & kept, 0.0, fill)
         tl.store(mask_ptr + offs, value.to(mask_ptr.dtype.element_ty), mask=inside)
     else:
         tl.store(mask_ptr + offs, (kept == 0).to(tl.int1), mask=inside)
@@ -74,6 +74,7 @@ def _index_mask_kernel(
     mask_ptr,  # *bool [rows, T] (ADDITIVE: *out dtype [rows, T])
     attn_ptr,  # ADDITIVE: *bool [B, S, T] (strides stride_ab, stride_as, stride_at; rows = B * S)
     S, stride_ab, stride_as, stride_at,
+    fill,  # ADDITIVE: the bias of a closed position (-inf, or cuDNN's -65504)
     work_ptr,  # *int32 [rows, WORK], zeroed: the row's histograms and counts (SPLIT > 1 only)
     T,  # positions per row
     k,  # positions kept per row, 1 <= k <= T
@@ -90,6 +91,7 @@ def _index_mask_kernel(
     pid = tl.program_id(0)
     row = (pid // SPLIT).to(tl.int64)
     attn_row_ptr = attn_ptr + (row // S) * stride_ab + (row % S) * stride_as
+    fill = tl.cast(fill, tl.float32)  # Inductor passes Python floats as fp64
     part = pid % SPLIT
     lo = part * CHUNK
     hi = tl.minimum(T, lo + CHUNK)
@@ -154,7 +156,7 @@ def _index_mask_kernel(
             offs = start + tl.arange(0, BLOCK)
             inside = offs < hi
             key = _unsigned_key(tl.load(row_ptr + offs, mask=inside, other=0.0).to(tl.float32))
-            _store_kept(mask_ptr + row * T, offs, inside, key >= prefix, attn_row_ptr, stride_at, ADDITIVE)
+            _store_kept(mask_ptr + row * T, offs, inside, key >= prefix, attn_row_ptr, stride_at, fill, ADDITIVE)
             start += BLOCK
     else:
         equal_before = 0
@@ -177,7 +179,7 @@ def _index_mask_kernel(
             is_equal = (key == prefix) & inside
             rank = equal_before + tl.cumsum(is_equal.to(tl.int32), axis=0) - is_equal.to(tl.int32)
             kept = (key > prefix) | (is_equal & (rank < remaining))
-            _store_kept(mask_ptr + row * T, offs, inside, kept, attn_row_ptr, stride_at, ADDITIVE)
+            _store_kept(mask_ptr + row * T, offs, inside, kept, attn_row_ptr, stride_at, fill, ADDITIVE)
             equal_before += tl.sum(is_equal.to(tl.int32), axis=0)
             start += BLOCK
 
@@ -205,6 +207,7 @@ def sparse_index_mask_triton(
     k: int,
     attention_mask: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    fill: float = float("-inf"),
     *,
     split: int | None = None,
     lowest: bool | None = None,
@@ -220,12 +223,15 @@ def sparse_index_mask_triton(
     check_sparse_index_mask_args(index_scores, k)
     additive = attention_mask is not None
     if additive:
-        check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype)
+        check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype, fill)
     scores = index_scores.contiguous()
     t = scores.shape[-1]
     rows = scores.numel() // t
     if additive:
         mask = torch.empty(attention_mask.shape, dtype=dtype, device=scores.device)
+        # the bias as the dtype holds it (bf16 rounds -65504 to -65536, as a constant of it does):
+        # stored exactly, whatever rounding the kernel's cast would take
+        fill = torch.tensor(fill, dtype=torch.float64).to(dtype).item()
         attn, s_len, attn_strides = attention_mask, scores.shape[1], (attention_mask.stride(0), attention_mask.stride(2), attention_mask.stride(3))
     else:
         mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
@@ -265,7 +271,7 @@ def sparse_index_mask_triton(
     # with it; 256 decode rows of 8192 positions 49.6 -> 52.7 us. So on above LOWEST_ROWS rows.
     lowest = split == 1 and rows > LOWEST_ROWS if lowest is None else lowest
     kernel = wrap(_index_mask_kernel) if wrap is not None else _index_mask_kernel
-    kernel[(rows * split,)](scores, mask, attn, s_len, *attn_strides, work, t, k, chunk, work_size, BLOCK=block,
+    kernel[(rows * split,)](scores, mask, attn, s_len, *attn_strides, fill, work, t, k, chunk, work_size, BLOCK=block,
                             RADIX=radix, PASSES=passes, SPLIT=split, PARTS=triton.next_power_of_2(split),
                             LOWEST=lowest, ADDITIVE=additive, num_warps=num_warps)  # fmt: skip
     return mask
