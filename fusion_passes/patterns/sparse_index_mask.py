@@ -140,8 +140,16 @@ def _sdpa_masked(dtype: torch.dtype):
             Spelling(f"sdpa_masked_inverted_{name}", sdpa_masked_inverted, additive))  # fmt: skip
 
 
+# Query tokens up to which the additive mask is this fusion's: a decode step's (and a few
+# speculative tokens). A prefill's mask is masked_prefill_attention's, whose kernel reads the
+# boolean one itself (and skips the blocks it closes): taking it here would keep SDPA.
+MAX_QUERY_TOKENS = 16
+
+
 def _check_attention(values: dict[str, Any]) -> str | None:
     scores, mask, fill = values["index_scores"], values["attention_mask"], values["fill"]
+    if scores.dim() == 3 and scores.shape[1] > MAX_QUERY_TOKENS:
+        return NotASite(f"{scores.shape[1]} query tokens: a prefill's mask (masked_prefill_attention reads it)")
     if not isinstance(fill, (int, float)) or not fill < 0:
         return f"a closed position's bias of {fill}, not a negative number"
     if scores.dim() != 3 or mask.dtype != torch.bool or tuple(mask.shape) != (scores.shape[0], 1, *scores.shape[1:]):

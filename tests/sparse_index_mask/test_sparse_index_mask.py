@@ -232,3 +232,15 @@ def test_the_eager_paths_float_mask_is_left_alone():
     torch.testing.assert_close(out, eager_float_mask(*args))
     assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
     assert report.ops_after()["fusion_passes.sparse_index_mask.default"] == 1
+
+
+def test_a_prefills_mask_is_left_to_the_prefill_attention():
+    """More than 16 query tokens: the mask stays boolean, for masked_prefill_attention's kernel."""
+    g = torch.Generator().manual_seed(3)
+    scores, causal = torch.randn(3, 20, 37, generator=g), torch.rand(3, 1, 20, 37, generator=g) > 0.3
+    q, kv = torch.randn(3, 4, 20, 16, generator=g), torch.randn(3, 4, 37, 16, generator=g)
+    args = (scores, causal, 8, q, kv)
+    out, report = _compile_with(ADDITIVE, transformers_sdpa_mask, *args)
+    torch.testing.assert_close(out, transformers_sdpa_mask(*args))
+    assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
+    assert not report.rejected
