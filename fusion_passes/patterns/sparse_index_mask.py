@@ -169,12 +169,14 @@ SPARSE_ATTENTION_MASK = Fusion(
     doc=(
         "Where the attention mask is boolean (SDPA), transformers' DeepseekV32Attention drops the positions outside "
         "the top k from it, attention_mask & ~index_mask, and SDPA makes the result additive: where(keep, 0, fill) in "
-        "the attention's dtype (fill -inf, or -65504 where SDPA calls cuDNN). Unfused: an elementwise kernel reading the index mask and the attention mask (or "
-        "recomputing the causal one) and writing the additive mask (1.0 us per layer in a DeepSeek V3.2 decode step "
-        "at 8192 cached tokens on one H200). Fused: mask = fusion_passes.sparse_attention_mask(index_scores, k, "
-        "attention_mask, dtype), the same kernel as sparse_index_mask_topk's, whose last pass writes the additive "
-        "mask instead of the boolean one: bit-equal. A float attention mask (the eager attention's "
-        "masked_fill(index_mask, finfo.min)) is not this spelling and is left alone."
+        "the attention's dtype (fill -inf, or -65504 where SDPA calls cuDNN). Unfused: an elementwise kernel reading "
+        "the index mask and the attention mask (or recomputing the causal one) and writing the additive mask (1.0 us "
+        "per layer in a DeepSeek V3.2 decode step at 8192 cached tokens on one H200). Fused: mask = "
+        "fusion_passes.sparse_attention_mask(index_scores, k, attention_mask, dtype, fill), the same kernel as "
+        "sparse_index_mask_topk's, whose last pass writes the additive mask instead of the boolean one: bit-equal. "
+        "Decode steps only (up to 16 query tokens): a prefill's boolean mask is masked_prefill_attention's. A float "
+        "attention mask (the eager attention's masked_fill(index_mask, finfo.min)) is not this spelling and is left "
+        "alone."
     ),
     spellings=tuple(sp for dtype in (torch.bfloat16, torch.float16, torch.float32) for sp in _sdpa_masked(dtype)),
     example_inputs=_attention_examples,
