@@ -22,10 +22,13 @@ Compiles take most of a run; --lock FILE lets several runs (one per model) share
 compiles on its own and holds the lock only while it times or profiles.
 
     python -m benchmarks.bench_decode --models deepseek-v3.2 --batch 1 64 --context 1024 --json out.json
+    python -m benchmarks.bench_decode --models deepseek-v3.2 --inductor combo_kernels=True   # both variants
     python -m benchmarks.bench_decode --smoke     # tiny widths on a CPU: the code path, numerics, no times
 """
 
 from __future__ import annotations
+
+import ast
 
 import contextlib
 import fcntl
@@ -126,20 +129,36 @@ def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int |
     return result
 
 
-def compile_variants(step: DecodeStep, opt_in: tuple[str, ...] = ()) -> tuple[dict, fusion_passes.Report]:
+def compile_variants(
+    step: DecodeStep, opt_in: tuple[str, ...] = (), inductor: dict | None = None
+) -> tuple[dict, fusion_passes.Report]:
     """Stock Inductor and fusion_passes (its default fusions and the opt-in ones named), compiled
-    on their first call. No torch._dynamo.reset(): every point's steps stay compiled until it is
-    timed (each is one more entry on DecodeStep's forward; the limit is raised in main)."""
+    on their first call, both with the ``inductor`` config settings (e.g. combo_kernels). No
+    torch._dynamo.reset(): every point's steps stay compiled until it is timed (each is one more
+    entry on DecodeStep's forward; the limit is raised in main)."""
     report = fusion_passes.Report()
     fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(opt_in)
-    variants = {
-        "eager": step,
-        "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
-        "fusion_passes": torch.compile(
-            step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False
-        ),
-    }
+    options = dict(inductor or {})
+    stock = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False, options=options or None)
+    ours = fusion_passes.backend(fusions, report=report, **options)
+    variants = {"eager": step, "inductor": stock,
+                "fusion_passes": torch.compile(step, backend=ours, fullgraph=True, dynamic=False)}  # fmt: skip
     return variants, report
+
+
+def inductor_settings(pairs: list[str]) -> dict:
+    """--inductor KEY=VALUE ...: torch._inductor.config settings, each value a Python literal
+    (True, 4, 'x') or else the string as written."""
+    settings = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--inductor takes KEY=VALUE, got {pair!r}")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return settings
 
 
 class Point:
@@ -148,6 +167,7 @@ class Point:
     compile at once and take turns on the GPU)."""
 
     opt_in: tuple[str, ...] = ()  # opt-in fusions enabled on top of the defaults (main sets it)
+    inductor: dict = {}  # torch._inductor.config settings for both compiled variants (main sets it)
     left_rows: int = LEFT_ROWS  # "what is left" rows kept (main sets it)
 
     def __init__(self, name: str, size: str, layers: int, batch: int, context: int, prefill: bool = False):
@@ -155,6 +175,8 @@ class Point:
         self.prefill = prefill
         key = {"tokens": context} if prefill else {"batch": batch, "context": context}
         self.result = {"model": name, "layers": layers, **key, "variants": {}}
+        if self.inductor:
+            self.result["inductor_options"] = dict(self.inductor)
 
     def prepare(self, device: str, check_steps: int) -> None:
         built = build_model(self.name, size=self.size, dtype=torch.bfloat16, layers=self.layers, device=device)
@@ -165,7 +187,7 @@ class Point:
         steps = 1 if self.prefill else max(check_steps, 1)
         self.step = DecodeStep(built.module, batch=self.batch, context=self.context, steps=steps)
         check = check_steps > 0
-        self.variants, report = compile_variants(self.step, self.opt_in)
+        self.variants, report = compile_variants(self.step, self.opt_in, self.inductor)
         if self.prefill:
             self.inputs = (self.step.prompt, torch.arange(self.context, device=self.step.prompt.device))
             prefill_inputs, check_steps = self.inputs, 0
@@ -285,6 +307,8 @@ def main() -> int:
     parser.add_argument("--prefill-only", action="store_true", help="no decode points: the --prefill runs alone")
     parser.add_argument("--opt-in", nargs="+", default=[], metavar="FUSION",
                         help="opt-in fusions to enable on top of the defaults")  # fmt: skip
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config settings for both compiled variants (e.g. combo_kernels=True)")  # fmt: skip
     parser.add_argument("--left-rows", type=int, default=LEFT_ROWS, metavar="N",
                         help="kernels kept in each point's 'what is left' table, the slowest first")  # fmt: skip
     parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")
@@ -304,6 +328,11 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
     Point.opt_in = tuple(args.opt_in)
+    try:
+        Point.inductor = inductor_settings(args.inductor)
+        fusion_passes.backend([], **Point.inductor)  # checks each setting's name and type (one line)
+    except (ValueError, TypeError, fusion_passes.FusionError) as e:
+        parser.error(str(e))
     Point.left_rows = args.left_rows
     decode = [] if args.prefill_only else [
         Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]

@@ -236,3 +236,18 @@ def test_cli_decode_on_a_users_causal_lm(tmp_path):
     assert rejected["fusion"] == "qk_norm_rope" and "goes into the KV cache" in rejected["reason"]
     assert report["lowered_back"] == {"fusion_passes.add_rms_norm.default": 2,
                                       "fusion_passes.rms_norm.default": 3, "fusion_passes.rope.default": 2}  # fmt: skip
+
+
+def test_decode_benchmark_takes_inductor_settings_for_both_variants(monkeypatch, capsys):
+    """--inductor KEY=VALUE: Python literals (else the string), checked by name and type with a
+    one-line error before anything compiles."""
+    from benchmarks import bench_decode
+
+    assert bench_decode.inductor_settings(["combo_kernels=True", "max_fusion_size=32", "cpp.cxx=g++"]) == {
+        "combo_kernels": True, "max_fusion_size": 32, "cpp.cxx": "g++"}  # fmt: skip
+    for bad, message in ((["combo_kernels"], "takes KEY=VALUE"), (["combo_kernel=True"], "unknown Inductor option"),
+                         (["combo_kernels=3"], "must be bool")):  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["bench_decode", "--smoke", "--inductor", *bad])
+        with pytest.raises(SystemExit) as exit_:
+            bench_decode.main()
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
