@@ -177,3 +177,19 @@ def test_an_attention_mask_of_another_shape_gets_a_one_line_error():
                                        (ok, torch.bfloat16, 0.0, "fill 0.0 must be negative")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             torch.ops.fusion_passes.sparse_attention_mask(scores, 8, mask, dtype, fill)
+
+
+def test_the_bias_is_rounded_as_torch_rounds_a_constant_of_the_dtype():
+    """The launcher rounds the bias in plain Python (it is traced under fake tensors): equal to
+    torch.full's value in each dtype for random negative values over the dtypes' whole range."""
+    from fusion_passes.lowering.sparse_index_mask.triton import _rounded_to
+
+    g = torch.Generator().manual_seed(0)
+    values = [-65504.0, -65520.0, float("-inf")] + (-(10.0 ** (torch.rand(500, generator=g) * 80 - 42))).tolist()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for v in values:
+            try:
+                want = torch.full((), v, dtype=dtype).item()
+            except RuntimeError:  # beyond the dtype's range: torch refuses the constant
+                continue
+            assert _rounded_to(v, dtype) == want, (v, dtype)

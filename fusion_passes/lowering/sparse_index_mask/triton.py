@@ -21,6 +21,8 @@ pass is a loop over the row in one program.)
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable
 
 import torch
@@ -202,6 +204,24 @@ def _split(rows: int, t, device: torch.device) -> int:
     return max(1, min(-(-t // SPLIT_POSITIONS), sms // rows))
 
 
+def _rounded_to(value: float, dtype: torch.dtype) -> float:
+    """value as torch stores it in a constant of dtype (to fp32, then to the 16-bit dtype, each to
+    the nearest, ties to even), in plain Python: the launch is traced under fake tensors."""
+    if math.isinf(value) or math.isnan(value):
+        return value
+    try:
+        fp32 = struct.unpack("<f", struct.pack("<f", value))[0]
+        if dtype == torch.float16:
+            return struct.unpack("<e", struct.pack("<e", fp32))[0]
+    except OverflowError:  # beyond the dtype's range: infinite, as torch's cast gives it
+        return math.copysign(math.inf, value)
+    if dtype == torch.bfloat16:
+        bits = struct.unpack("<I", struct.pack("<f", fp32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    return fp32
+
+
 def sparse_index_mask_triton(
     index_scores: torch.Tensor,
     k: int,
@@ -231,8 +251,9 @@ def sparse_index_mask_triton(
         mask = torch.empty(attention_mask.shape, dtype=dtype, device=scores.device)
         # the bias as the dtype holds it (bf16 rounds -65504 to -65536, as a constant of it does):
         # stored exactly, whatever rounding the kernel's cast would take
-        fill = torch.tensor(fill, dtype=torch.float64).to(dtype).item()
-        attn, s_len, attn_strides = attention_mask, scores.shape[1], (attention_mask.stride(0), attention_mask.stride(2), attention_mask.stride(3))
+        fill = _rounded_to(fill, dtype)
+        attn_strides = (attention_mask.stride(0), attention_mask.stride(2), attention_mask.stride(3))
+        attn, s_len = attention_mask, scores.shape[1]
     else:
         mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
         attn, s_len, attn_strides = scores, 1, (0, 0, 0)  # a stand-in, never read
