@@ -167,17 +167,14 @@ def sparse_index_scores_triton(
     # 32 positions a program at 2 warps: on one H200 at 64 x 128 heads, 13.8 / 22.7 us at batch 8
     # and 8192 / 16384 cached tokens against 14.6 / 24.2 at 64 x 4 (a timing spread of 0.1-0.2 us);
     # at batch 1 within 0.1-0.3 us of each other (5.4 us at 8192).
-    # without a mask the kernels are compiled without its loads; the pointer is a stand-in
-    keep_arg, keep_strides = (keep, keep.stride()) if keep is not None else (q, (0, 0, 0))
     if isinstance(s, int) and s > TILED_ABOVE:  # (a symbolic token count: the per-token kernel, no guard)
-        return _tiled(q, k, weights, scale, weights_scale, keep_arg, keep_strides, keep is not None, out,
-                      wrap=wrap, block_t=block_t, num_warps=num_warps)  # fmt: skip
+        return _tiled(q, k, weights, scale, weights_scale, keep, out, wrap=wrap, block_t=block_t, num_warps=num_warps)
     block_t = block_t or 32
     kernel = wrap(_index_scores_kernel) if wrap is not None else _index_scores_kernel
     kernel[(bsz * s, triton.cdiv(t, block_t))](
-        q, k, weights, keep_arg, out, s, t,
+        q, k, weights, _keep_pointer(keep, q), out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        weights.stride(0), weights.stride(1), weights.stride(2), *keep_strides,
+        weights.stride(0), weights.stride(1), weights.stride(2), *_keep_strides(keep),
         scale, weights_scale,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, EXACT_IN_TF32=exact_in_tf32, HAS_KEEP=keep is not None, num_warps=num_warps or 2,
@@ -185,7 +182,17 @@ def sparse_index_scores_triton(
     return out
 
 
-def _tiled(q, k, weights, scale, weights_scale, keep_arg, keep_strides, has_keep, out, *, wrap, block_t, num_warps):
+def _keep_pointer(keep, stand_in):
+    """The keep mask's pointer argument: without a mask the kernels are compiled without its loads,
+    and a tensor they never read stands in."""
+    return keep if keep is not None else stand_in
+
+
+def _keep_strides(keep):
+    return keep.stride() if keep is not None else (0, 0, 0)
+
+
+def _tiled(q, k, weights, scale, weights_scale, keep, out, *, wrap, block_t, num_warps):
     bsz, s, h, d = q.shape
     t = k.shape[1]
     sixteen_bit = (torch.bfloat16, torch.float16)
@@ -199,11 +206,11 @@ def _tiled(q, k, weights, scale, weights_scale, keep_arg, keep_strides, has_keep
     block_t = block_t or (128 if dot == "native" else 64)
     kernel = wrap(_index_scores_tiled_kernel) if wrap is not None else _index_scores_tiled_kernel
     kernel[(triton.cdiv(s, block_s), triton.cdiv(t, block_t), bsz)](
-        q, k, weights, keep_arg, out, s, t,
+        q, k, weights, _keep_pointer(keep, q), out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        weights.stride(0), weights.stride(1), weights.stride(2), *keep_strides,
+        weights.stride(0), weights.stride(1), weights.stride(2), *_keep_strides(keep),
         scale, weights_scale,
         H=h, D=d, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t, DOT=dot,
-        HAS_KEEP=has_keep, num_warps=num_warps or 8, num_stages=2,
+        HAS_KEEP=keep is not None, num_warps=num_warps or 8, num_stages=2,
     )  # fmt: skip
     return out
