@@ -127,7 +127,7 @@ def _fused(q, k, weights, softmax_scale):
 
 def _check_args(values: dict[str, Any]) -> str | None:
     try:
-        check_sparse_index_scores_args(values["q"], values["k"], values["weights"])
+        check_sparse_index_scores_args(values["q"], values["k"], values["weights"], values.get("keep"))
     except ValueError as e:
         return str(e).removeprefix("sparse_index_scores: ")
     return None
@@ -232,9 +232,7 @@ def _weights_examples():
 def _check_weights(values: dict[str, Any]) -> str | None:
     if not isinstance(values["weights_scale"], (int, float)):
         return "weights scaled by a tensor, not a number: the op takes a scalar weights_scale"
-    if values["weights"].dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"weights of {values['weights'].dtype}: the op loads fp32, bf16 or fp16"
-    return None
+    return _check_args(values)
 
 
 SPARSE_INDEX_SCORES_WEIGHTS = Fusion(
@@ -281,14 +279,6 @@ def _keep_examples():
                    torch.randn(2, 2, 4, dtype=dtype), mask, SCALE_SENTINEL, WEIGHTS_SCALE_SENTINEL)  # fmt: skip
 
 
-def _check_keep(values: dict[str, Any]) -> str | None:
-    q, k, keep = values["q"], values["k"], values["keep"]
-    want = (q.shape[0], q.shape[1], k.shape[1])
-    if keep.dtype != torch.bool or tuple(keep.shape) != want:
-        return f"a mask of {keep.dtype} {tuple(keep.shape)}, not bool {want}: the op takes a [B, S, T] bool mask"
-    return None
-
-
 SPARSE_INDEX_SCORES_KEEP = Fusion(
     name="sparse_index_scores_keep",
     summary="DeepSeek V3.2 indexer scores' attention mask (masked_fill -inf before the top-k) -> the scores kernel's store",
@@ -303,7 +293,7 @@ SPARSE_INDEX_SCORES_KEEP = Fusion(
     spellings=(Spelling("masked_scores", masked_scores, _keep_folded),),
     example_inputs=_keep_examples,
     scalars=_FOLD_SCALARS,
-    check=_check_keep,
+    check=_check_args,
     requires=("sparse_index_scores",),
     opt_in="measured no faster: in a DeepSeek V3.2 decode step on one H200 Inductor then writes the mask the op reads "
     "in a kernel of its own each layer (0.96 us), in place of the masked_fill's (1.09 us); 22 other kernels a layer "
