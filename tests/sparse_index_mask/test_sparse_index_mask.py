@@ -231,7 +231,9 @@ def test_the_eager_paths_float_mask_is_left_alone():
     out, report = _compile_with(ADDITIVE, eager_float_mask, *args)
     torch.testing.assert_close(out, eager_float_mask(*args))
     assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
-    assert report.ops_after()["fusion_passes.sparse_index_mask.default"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.topk.default"], after["aten.topk.default"]) == (1, 0)
+    assert after["fusion_passes.sparse_index_mask.default"] == 1 and after["fusion_passes.sparse_attention_mask.default"] == 0
 
 
 def test_a_prefills_mask_is_left_to_the_prefill_attention():
@@ -244,3 +246,6 @@ def test_a_prefills_mask_is_left_to_the_prefill_attention():
     torch.testing.assert_close(out, transformers_sdpa_mask(*args))
     assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
     assert not report.rejected
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.bitwise_and.Tensor"], after["aten.bitwise_and.Tensor"]) == (1, 1)  # the boolean mask stays
+    assert after["fusion_passes.sparse_index_mask.default"] == 1 and after["fusion_passes.sparse_attention_mask.default"] == 0
