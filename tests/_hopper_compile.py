@@ -1,16 +1,23 @@
-"""Compile Triton launches for Hopper (sm_90) on a machine without a GPU.
+"""Compile Triton launches for Hopper (sm_90) on a machine without a GPU, and trace them as the
+pass manager inlines them.
 
 The CPU tests run kernels in Triton's interpreter, which accepts code that the compiler rejects
 (a constexpr assigned twice in an unrolled loop, say). ``python -m tests._hopper_compile`` runs
 each case below through its launcher with a ``wrap`` that, instead of launching, compiles the
 kernel with the launch's arguments to a cubin for sm_90: the whole pipeline down to ptxas, no GPU.
+Then it traces the same launch on fake CUDA tensors as ``launch="direct"`` does
+(``direct_launch.trace_launch``): a launch that writes an input its op does not return, or that
+calls an op Inductor cannot lower after its post-grad passes, would stay a dispatcher call on the
+GPU (Python at every step), which the CPU tests never see.
 It must run without TRITON_INTERPRET (the tests' conftest sets it), hence a process of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import types
 
 import torch
 
@@ -156,19 +163,96 @@ def _cases():
     yield "silu_mul_quant_fp8 (bf16 MUFU silu)", lambda *a, wrap: silu_mul_quant_fp8_triton(*a, wrap=wrap, form="bf16_mufu"), mufu
 
 
+# The cases whose launches update a state in place (positions of the launcher's arguments), as
+# their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
+_WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,)}
+
+
+@contextlib.contextmanager
+def _as_one_h200():
+    """The launchers' device queries and Triton's target, answered as on one H200 (132 SMs):
+    the trace runs where no GPU (and no Triton driver) is."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class _Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    props = types.SimpleNamespace(multi_processor_count=132, major=9, minor=0, name="NVIDIA H200")
+    answers = {
+        "get_device_properties": lambda *a, **k: props,
+        "get_device_capability": lambda *a, **k: (9, 0),
+        "get_device_name": lambda *a, **k: props.name,
+        "current_device": lambda: 0,
+    }
+    saved = {name: getattr(torch.cuda, name) for name in answers}
+    for name, answer in answers.items():
+        setattr(torch.cuda, name, answer)
+    triton.runtime.driver.set_active(_Hopper())
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.cuda, name, original)
+        triton.runtime.driver._active = None
+
+
+def _trace_on_fake_cuda(name, launcher, args) -> torch.fx.Graph:
+    """The launch traced as the pass manager inlines it, on fake CUDA tensors of the args' shapes,
+    strides and dtypes (a static FP8 scale, a tensor inside the quant tuple, too)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusion_passes.lowering.common.direct_launch import trace_launch
+    from fusion_passes.lowering.common.fp8 import QuantFP8
+
+    mode = FakeTensorMode()
+
+    def fake(value):
+        if isinstance(value, QuantFP8) and value.scale is not None:
+            return value._replace(scale=fake(value.scale))
+        if not isinstance(value, torch.Tensor):
+            return value
+        with mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda")
+
+    fakes = [fake(a) for a in args]
+    positions = [i for i, a in enumerate(fakes) if isinstance(a, torch.Tensor)]
+    graph = trace_launch(launcher, fakes, positions, _WRITES_INPUTS.get(name, ())).graph
+    if not any(n.target is torch.ops.higher_order.triton_kernel_wrapper_functional for n in graph.nodes):
+        raise RuntimeError("the trace holds no Triton launch")
+    return graph
+
+
+def _report(failed: list[str], check: str, name: str, run) -> None:
+    try:
+        print(f"ok      {check} {name}: {run()}")
+    except Exception as e:  # every case is reported, then the run fails
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        failed.append(f"{check} {name}")
+        print(f"FAILED  {check} {name}: {type(e).__name__}: {first}")
+
+
 def main() -> int:
-    failed = []
-    for name, launcher, args in _cases():
-        try:
-            before = len(_CompileForHopper.compiled)
-            launcher(*args, wrap=_CompileForHopper)
-            if len(_CompileForHopper.compiled) == before:
-                raise RuntimeError("the launcher compiled no kernel")
-            print(f"ok      {name}: {', '.join(_CompileForHopper.compiled[before:])}")
-        except Exception as e:  # every case is reported, then the run fails
-            first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-            failed.append(name)
-            print(f"FAILED  {name}: {type(e).__name__}: {first}")
+    failed: list[str] = []
+
+    def compile_case(launcher, args):
+        before = len(_CompileForHopper.compiled)
+        launcher(*args, wrap=_CompileForHopper)
+        if len(_CompileForHopper.compiled) == before:
+            raise RuntimeError("the launcher compiled no kernel")
+        return ", ".join(_CompileForHopper.compiled[before:])
+
+    def trace_case(name, launcher, args):
+        graph = _trace_on_fake_cuda(name, launcher, args)
+        return f"{sum(n.op == 'call_function' for n in graph.nodes)} nodes"
+
+    cases = list(_cases())
+    for name, launcher, args in cases:
+        _report(failed, "compiled", name, lambda: compile_case(launcher, args))
+    with _as_one_h200():
+        for name, launcher, args in cases:
+            _report(failed, "traced", name, lambda: trace_case(name, launcher, args))
     return 1 if failed else 0
 
 

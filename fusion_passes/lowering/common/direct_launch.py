@@ -76,15 +76,16 @@ def check_lowerable(graph: torch.fx.Graph) -> None:
             raise RuntimeError(f"the traced launch calls {node.target}, which Inductor cannot lower here")
 
 
-def _inline(
-    graph: torch.fx.Graph,
-    node: torch.fx.Node,
+def trace_launch(
     launcher: Callable[..., Any],
     args: list[Any],
+    tensor_positions: list[int],
     writes_inputs: tuple[int, ...] = (),
-) -> None:
-    """Trace ``launcher`` (functionalized) on the node's fake values and splice it in."""
-    tensor_positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
+) -> torch.fx.GraphModule:
+    """``launcher(*args, wrap=torch.library.wrap_triton)`` traced functionalized on ``args`` (the
+    tensors at ``tensor_positions`` become the graph's inputs, in that order): the graph that
+    replaces the op's node. Raises where it could not: a launch that writes an input the op does
+    not return updated, or one that calls an op Inductor cannot lower after its post-grad passes."""
 
     def launch(*tensors):
         full = list(args)
@@ -126,6 +127,19 @@ def _inline(
         raise RuntimeError(f"the traced launch writes its inputs ({mutations[0].format_node()})")
     sub.graph.eliminate_dead_code()
     check_lowerable(sub.graph)
+    return sub
+
+
+def _inline(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    launcher: Callable[..., Any],
+    args: list[Any],
+    writes_inputs: tuple[int, ...] = (),
+) -> None:
+    """Trace ``launcher`` (functionalized) on the node's fake values and splice it in."""
+    tensor_positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
+    sub = trace_launch(launcher, args, tensor_positions, writes_inputs)
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(node.args[i] for i in tensor_positions)
     result: Any = None

@@ -283,7 +283,9 @@ def sparse_index_mask_triton(
         chunk = -(-chunk // 16) * 16
     block = min(2048, max(16, triton.next_power_of_2(chunk))) if isinstance(chunk, int) else 2048
     work_size = passes * (1 << radix) + passes + 1 + split
-    work = (torch.zeros((rows, work_size), dtype=torch.int32, device=scores.device) if split > 1
+    # torch.full, not torch.zeros: Inductor decomposes aten.zeros before its post-grad passes, so
+    # a launch traced with it into the graph (launch="direct") could not be lowered there
+    work = (torch.full((rows, work_size), 0, dtype=torch.int32, device=scores.device) if split > 1
             else torch.empty((1,), dtype=torch.int32, device=scores.device))  # fmt: skip
     num_warps = num_warps or (8 if block >= 2048 or split > 1 else 4)
     # The lowest-key shortcut (rows with fewer than k keys above their lowest take 2 passes, not
