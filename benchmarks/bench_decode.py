@@ -5,7 +5,10 @@ Each point (model, batch, context) prefills a transformers StaticCache with `con
 (eager), then times one decode step (`fusion_passes.models.decode.DecodeStep`) as eager, stock
 Inductor and fusion_passes, each compiled with fullgraph=True and dynamic=False:
 
-  plain     one step launched as torch.compile's default mode launches it (do_bench's median)
+  plain     steps launched back to back as torch.compile's default mode launches them (a decode
+            loop without CUDA graphs: at these sizes mostly the host's cost), wall clock per step;
+            the median of --plain-rounds rounds that alternate the variants (drift on a shared
+            host hits them alike), each round's value kept (plain_rounds_us)
   graph     one step captured in a CUDA graph, the replay's median
   classes   kernels and GPU microseconds per class (gemm, attention, moe, other) from the CUDA
             profiler, per layer (the step's total over --layers)
@@ -33,6 +36,7 @@ import ast
 import contextlib
 import fcntl
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +45,7 @@ import torch
 
 import fusion_passes
 from benchmarks import common
-from benchmarks.timing import time_graph_us, time_plain_us
+from benchmarks.timing import host_us, time_graph_us
 from fusion_passes.kernels import KERNEL_CLASSES, class_times, profile_kernels, what_is_left
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
@@ -103,18 +107,17 @@ def numerics(step: DecodeStep, fn, steps: int, expected, inputs: tuple | None = 
 
 
 def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int | None) -> dict:
-    """Times of one call of ``fn`` (a GPU run), with its kernel classes and what is left when
-    ``layers`` is given; the call was compiled and warmed before."""
+    """CUDA-graph time of one call of ``fn`` (a GPU run), with its kernel classes and what is
+    left when ``layers`` is given; the call was compiled and warmed before."""
     torch.cuda.synchronize()
     with torch.no_grad(), gpu_lock(lock):
         step.restore()
         kernels = profile_kernels(fn, *inputs) if layers else None
-        plain = time_plain_us(lambda: fn(*inputs))
         try:
             graph, graph_error = time_graph_us([lambda: fn(*inputs)]), None
         except Exception as e:  # a step that cannot be captured: say why, keep the rest
             graph, graph_error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    result = {"plain_us": plain, "graph_us": graph}
+    result = {"graph_us": graph}
     if graph_error:
         result["graph_error"] = graph_error
     if kernels is not None:
@@ -127,6 +130,27 @@ def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int |
             "left": what_is_left(kernels, layers)[: Point.left_rows],
         }
     return result
+
+
+PLAIN_ROUNDS = 5  # rounds of the plain-launch measurement (--plain-rounds)
+PLAIN_ROUND_US = 100_000  # the steps of one variant in one round last about this long
+
+
+def plain_rounds(step: DecodeStep, fns: dict, inputs: tuple, rounds: int, lock: str | None) -> dict[str, list[float]]:
+    """Wall-clock microseconds per step of back-to-back steps (one synchronize at the end: the
+    GPU queue never runs dry where the host is the slower), for each variant, in ``rounds``
+    rounds that take the variants in turn. Plain-launch times at decode sizes swing up to 1.5x
+    between runs on a shared host at equal CUDA-graph times; rounds in turn put each variant under
+    the same drift, and the rounds' spread says how far a ratio can be trusted."""
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    with torch.no_grad(), gpu_lock(lock):
+        step.restore()
+        iters = {label: max(3, int(PLAIN_ROUND_US / host_us(lambda f=fn: f(*inputs), iters=3, warmup=2)))
+                 for label, fn in fns.items()}  # fmt: skip
+        for _ in range(rounds):
+            for label, fn in fns.items():
+                times[label].append(host_us(lambda f=fn: f(*inputs), iters=iters[label], warmup=2))
+    return times
 
 
 def compile_variants(
@@ -169,6 +193,7 @@ class Point:
     opt_in: tuple[str, ...] = ()  # opt-in fusions enabled on top of the defaults (main sets it)
     inductor: dict = {}  # torch._inductor.config settings for both compiled variants (main sets it)
     left_rows: int = LEFT_ROWS  # "what is left" rows kept (main sets it)
+    plain_rounds: int = PLAIN_ROUNDS  # rounds of the plain-launch measurement (main sets it)
 
     def __init__(self, name: str, size: str, layers: int, batch: int, context: int, prefill: bool = False):
         self.name, self.size, self.layers, self.batch, self.context = name, size, layers, batch, context
@@ -211,6 +236,9 @@ class Point:
     def time(self, lock: str | None) -> None:
         for label, fn in self.variants.items():
             self.result["variants"][label] |= measure(self.step, fn, self.inputs, lock, self.layers)
+        rounds = plain_rounds(self.step, self.variants, self.inputs, self.plain_rounds, lock)
+        for label, samples in rounds.items():
+            self.result["variants"][label] |= {"plain_us": statistics.median(samples), "plain_rounds_us": samples}
         del self.variants, self.step, self.inputs  # the GPU memory, for the next point
 
 
@@ -311,6 +339,8 @@ def main() -> int:
                         help="torch._inductor.config settings for both compiled variants (e.g. combo_kernels=True)")  # fmt: skip
     parser.add_argument("--left-rows", type=int, default=LEFT_ROWS, metavar="N",
                         help="kernels kept in each point's 'what is left' table, the slowest first")  # fmt: skip
+    parser.add_argument("--plain-rounds", type=int, default=PLAIN_ROUNDS, metavar="N",
+                        help="rounds of back-to-back plain-launch steps, the variants in turn (the median is reported)")  # fmt: skip
     parser.add_argument("--lock", help="a lock file shared by runs on one GPU (held while timing)")
     parser.add_argument("--barrier", metavar="DIR:N", help="wait until N runs sharing DIR have compiled before timing")
     parser.add_argument("--barrier-timeout", type=float, default=420, help="seconds --barrier waits at most")
@@ -334,6 +364,9 @@ def main() -> int:
     except (ValueError, TypeError, fusion_passes.FusionError) as e:
         parser.error(str(e))
     Point.left_rows = args.left_rows
+    if args.plain_rounds < 1:
+        parser.error(f"--plain-rounds must be >= 1, got {args.plain_rounds}")
+    Point.plain_rounds = args.plain_rounds
     decode = [] if args.prefill_only else [
         Point(m, size, args.layers, b, c) for m in args.models for c in args.context for b in args.batch]
     prefill = [Point(m, size, args.layers, 1, n, prefill=True) for m in args.models for n in args.prefill]

@@ -509,6 +509,10 @@ def decode(payloads):
             other = f"{s_o['kernels']:.1f} / {s_o['us']:.0f} -> {o_o['kernels']:.1f} / {o_o['us']:.0f}"
         kernels = pair(stock, ours, "kernels", str) if "kernels" in ours else "-"
         speed = [_x(stock[k] / ours[k] if stock.get(k) and ours.get(k) else None) for k in ("plain_us", "graph_us")]
+        rounds = [stock.get("plain_rounds_us"), ours.get("plain_rounds_us")]
+        if all(rounds) and len(rounds[0]) == len(rounds[1]) > 1:  # the rounds' ratios, low to high
+            ratios = [a / b for a, b in zip(*rounds)]
+            speed[0] += f" ({_x(min(ratios))}-{_x(max(ratios))})"
         errors = "-"
         if ours.get("numerics"):
             errors = f"{stock['numerics']['out_rel_err']:.3f} / {ours['numerics']['out_rel_err']:.3f}"
@@ -520,7 +524,9 @@ def decode(payloads):
         'stock Inductor -> fusion_passes. "other / layer": kernels / GPU us per layer outside GEMM, '
         "attention and MoE. Errors: the largest relative error of a step's output against eager over 16 "
         "teacher-forced steps, Inductor / fusion_passes (MoE routing turns last-bit differences into "
-        'other experts). The ranked "what is left" lists and eager are in the result file.'
+        'other experts). Plain: back-to-back steps, the median of rounds that take the variants in turn '
+        "(in parentheses, where recorded: the lowest and highest round's speedup). "
+        'The ranked "what is left" lists and eager are in the result file.'
     )
     header = ["model (layers)", "step", "kernels", "other / layer", "CUDA graph us",
               "speedup, plain", "speedup, graph", "errors vs eager"]  # fmt: skip

@@ -33,13 +33,14 @@ def host_us(fn, iters: int = 2000, warmup: int = 50) -> float:
     """Mean wall-clock microseconds per call of back-to-back calls with one synchronize at the end:
     where the host is slower than the kernels, the GPU queue never runs dry and this is the host's
     cost per call."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU smoke runs
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / iters * 1e6
 
 

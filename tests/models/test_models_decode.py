@@ -251,3 +251,55 @@ def test_decode_benchmark_takes_inductor_settings_for_both_variants(monkeypatch,
         with pytest.raises(SystemExit) as exit_:
             bench_decode.main()
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plain_rounds_take_the_variants_in_turn(monkeypatch):
+    """Plain-launch timing: every variant once a round, in turn, for the rounds asked; each value
+    a wall-clock time per back-to-back step (a sleep stands in for a step's host cost)."""
+    import time as time_module
+
+    from benchmarks import bench_decode
+
+    monkeypatch.setattr(bench_decode, "PLAIN_ROUND_US", 20_000)
+    calls: list[str] = []
+
+    class Step:
+        restored = 0
+
+        def restore(self):
+            self.restored += 1
+
+    def variant(label: str, seconds: float):
+        def step(*inputs):
+            calls.append(label)
+            time_module.sleep(seconds)
+
+        return step
+
+    step = Step()
+    fns = {"slow": variant("slow", 0.002), "fast": variant("fast", 0.0005)}
+    rounds = bench_decode.plain_rounds(step, fns, (), 3, None)
+    assert step.restored == 1 and list(rounds) == ["slow", "fast"]
+    assert all(len(samples) == 3 for samples in rounds.values())
+    assert all(1900 < us < 6000 for us in rounds["slow"]) and all(450 < us < 3000 for us in rounds["fast"])
+    # after the first estimate (3 + 2 calls each), the rounds alternate: slow's calls, then fast's
+    timed = calls[10:]
+    changes = sum(a != b for a, b in zip(timed, timed[1:]))
+    assert changes == 2 * 3 - 1, changes
+
+
+def test_benchmarks_page_shows_the_plain_rounds_range():
+    """The decode table's plain speedup carries the lowest and highest round's ratio where the
+    result file recorded the rounds."""
+    from benchmarks import render
+
+    def variant(graph, plain, rounds=None):
+        row = {"graph_us": graph, "plain_us": plain}
+        return row | ({"plain_rounds_us": rounds} if rounds else {})
+
+    point = {"model": "m", "layers": 2, "batch": 1, "context": 8,
+             "variants": {"inductor": variant(100.0, 200.0, [190.0, 200.0, 240.0]),
+                          "fusion_passes": variant(80.0, 210.0, [200.0, 210.0, 200.0])}}  # fmt: skip
+    _, table = render.decode([{"points": [point]}])
+    row = next(line for line in table if line.startswith("| m (2)"))
+    assert "0.95x (0.95x-1.20x)" in row and "1.25x" in row, row
