@@ -10,6 +10,9 @@ Inductor and fusion_passes, each compiled with fullgraph=True and dynamic=False:
             the median of --plain-rounds rounds that alternate the variants (drift on a shared
             host hits them alike), each round's value kept (plain_rounds_us)
   graph     one step captured in a CUDA graph, the replay's median
+  host      one step's host side (fusion_passes.kernels.host_costs): launches, calls that block
+            until the GPU is done, and fusion ops reached through the dispatcher instead of
+            launched by Inductor (a warning line names the last two for fusion_passes)
   classes   kernels and GPU microseconds per class (gemm, attention, moe, other) from the CUDA
             profiler, per layer (the step's total over --layers)
   left      every "other" kernel with its GPU time and the region it sits in (the GEMM / attention /
@@ -46,7 +49,7 @@ import torch
 import fusion_passes
 from benchmarks import common
 from benchmarks.timing import host_us, time_graph_us
-from fusion_passes.kernels import KERNEL_CLASSES, class_times, profile_kernels, what_is_left
+from fusion_passes.kernels import KERNEL_CLASSES, class_times, host_costs, profile_kernels, what_is_left
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import tolerance
@@ -113,11 +116,12 @@ def measure(step: DecodeStep, fn, inputs: tuple, lock: str | None, layers: int |
     with torch.no_grad(), gpu_lock(lock):
         step.restore()
         kernels = profile_kernels(fn, *inputs) if layers else None
+        host = host_costs(fn, *inputs)
         try:
             graph, graph_error = time_graph_us([lambda: fn(*inputs)]), None
         except Exception as e:  # a step that cannot be captured: say why, keep the rest
             graph, graph_error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    result = {"graph_us": graph}
+    result = {"graph_us": graph, "host": host}
     if graph_error:
         result["graph_error"] = graph_error
     if kernels is not None:
@@ -236,6 +240,10 @@ class Point:
     def time(self, lock: str | None) -> None:
         for label, fn in self.variants.items():
             self.result["variants"][label] |= measure(self.step, fn, self.inputs, lock, self.layers)
+        host = self.result["variants"]["fusion_passes"]["host"]
+        for what in ("blocking", "dispatched"):
+            if host[what]:
+                print(f"bench_decode: {self.name}: fusion_passes' step has {what} calls: {host[what]}", file=sys.stderr)
         rounds = plain_rounds(self.step, self.variants, self.inputs, self.plain_rounds, lock)
         for label, samples in rounds.items():
             self.result["variants"][label] |= {"plain_us": statistics.median(samples), "plain_rounds_us": samples}

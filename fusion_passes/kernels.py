@@ -122,3 +122,42 @@ def profile_kernel_names(fn, *args) -> list[str]:
 def profile_kernel_classes(fn, *args) -> dict[str, int]:
     """CUDA kernels one call of ``fn`` launches, counted per class (needs a GPU)."""
     return {c: v["kernels"] for c, v in class_times(profile_kernels(fn, *args)).items()}
+
+
+# CUDA runtime / driver calls that make the host wait for the GPU: where a compiled step makes
+# one, plain launches lose their overlap (the step costs host time + GPU time, not the larger).
+_BLOCKING = re.compile(r"^(cuda|cu)(StreamSynchronize|DeviceSynchronize|EventSynchronize|Ctx[sS]ynchronize"
+                       r"|Memcpy(?!Async|Peer)\w*|MemcpyDtoH\w*)$")  # fmt: skip
+_LAUNCH = re.compile(r"^(cudaLaunchKernel\w*|cuLaunchKernel\w*|cudaGraphLaunch)$")
+
+
+def host_costs(fn, *args) -> dict:
+    """What one call of ``fn`` costs the host, from the profiler's CPU side: kernel launches,
+    calls that block until the GPU is done (``blocking``, by name: synchronizes and synchronous
+    copies), and fusion_passes ops reached through the dispatcher (``dispatched``, CPU
+    microseconds by op: on CUDA every fused op should be a launch Inductor emits, none of these).
+    The call before the profiled one compiles and warms."""
+    import torch
+
+    fn(*args)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    blocking: dict[str, int] = {}
+    dispatched: dict[str, float] = {}
+    launches = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        if _LAUNCH.match(e.name):
+            launches += 1
+        elif _BLOCKING.match(e.name):
+            blocking[e.name] = blocking.get(e.name, 0) + 1
+        elif e.name.startswith("fusion_passes::"):
+            dispatched[e.name] = dispatched.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return {"launches": launches, "blocking": blocking, "dispatched": dispatched}

@@ -15,7 +15,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 import fusion_passes
-from fusion_passes.kernels import classify_kernel, count_kernels, what_is_left
+from fusion_passes.kernels import _BLOCKING, classify_kernel, count_kernels, host_costs, what_is_left
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeError, DecodeStep
 from fusion_passes.numerics import compare, tolerance
@@ -158,6 +158,21 @@ def test_what_is_left_ranks_other_kernels_by_region():
         ("triton_poi_fused_rope_1", "gemm -> attention", 1),
     ]
     assert left[0]["per_layer_us"] == 1.5
+
+
+def test_host_costs_name_dispatched_ops_and_blocking_calls():
+    """A step's host side: fusion_passes ops reached through the dispatcher are named with their
+    CPU time (here the CPU reference, as on a CPU); no launch, nothing blocking on a CPU. The
+    blocking names: synchronizes and synchronous copies, not the asynchronous copies or launches."""
+    x, w = torch.randn(4, 64), torch.randn(64)
+    costs = host_costs(lambda: torch.ops.fusion_passes.rms_norm.default(x, w, 1e-6) + 1)
+    assert costs["launches"] == 0 and costs["blocking"] == {}
+    assert list(costs["dispatched"]) == ["fusion_passes::rms_norm"] and costs["dispatched"]["fusion_passes::rms_norm"] > 0
+    assert host_costs(lambda: (x + 1).sum())["dispatched"] == {}
+    blocking = ["cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                "cuMemcpyDtoH_v2", "cuCtxSynchronize"]  # fmt: skip
+    assert all(_BLOCKING.match(n) for n in blocking)
+    assert not any(_BLOCKING.match(n) for n in ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaMemcpyPeerAsync"))
 
 
 def test_inductor_glue_named_after_attention_or_topk_is_other():
