@@ -148,6 +148,10 @@ def _cases():
     ik, iw = torch.randn(2, 3, 128, dtype=bf16), torch.randn(128, dtype=bf16)
     c64, s64 = torch.randn(2, 3, 64, dtype=bf16), torch.randn(2, 3, 64, dtype=bf16)
     yield "mla_indexer_k_norm_rope", mla.mla_indexer_k_norm_rope_triton, (ik, iw, iw.clone(), c64, s64, 1e-6)
+    icache = torch.randn(2, 40, 128, dtype=bf16)
+    for form, slots in (("first slot", torch.tensor(5)), ("slot per token", torch.tensor([7, 0, 9]))):
+        cache_args = (ik, iw, iw.clone(), c64, s64, icache, slots, 1e-6)
+        yield f"mla_indexer_k_norm_rope_cache ({form})", mla.mla_indexer_k_norm_rope_cache_triton, cache_args
     # FP8: per-token, DeepSeek's 128-column groups with power-of-two (UE8M0) scales, a static scale
     norm = RMSNormForm(1e-6, 0.0, False)
     schemes = {"per_token": QuantFP8("per_token"), "per_group": QuantFP8("per_group", None, 128, True),
@@ -165,7 +169,8 @@ def _cases():
 
 # The cases whose launches update a state in place (positions of the launcher's arguments), as
 # their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
-_WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,)}
+_WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
+                  "mla_indexer_k_norm_rope_cache (slot per token)": (5,)}  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -56,3 +56,42 @@ def test_mla_q_and_kv_in_one_launch_on_cuda(interleave, launch):
     graph.replay()
     for a, e in zip(captured, region(*static), strict=True):
         assert compare(a, e).ok
+
+
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+def test_indexer_key_written_into_its_cache_on_cuda(launch):
+    """mla_indexer_k_norm_rope_cache on CUDA: in direct mode Inductor emits the kernel, which
+    writes the cache in place (no copy of it, no index_put kernel); the cache and the write
+    counter bit-equal to the defaults' (the key op, then Inductor's write), and a CUDA-graph
+    replay on new keys writes theirs."""
+    from test_rewrite_mla_rope import _cache_inputs, indexer_key_into_cache
+
+    args = [t.cuda() for t in _cache_inputs(torch.bfloat16, torch.tensor(3))]
+    results = {}
+    for fusions in (["all", "mla_indexer_k_norm_rope_cache"], "all"):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        fn = torch.compile(indexer_key_into_cache, backend=fusion_passes.backend(fusions, report=report, launch=launch))
+        copies = [t.clone() for t in args]
+        _, (code,) = run_and_get_code(fn, *copies)
+        assert not report.errors
+        results[str(fusions)] = (fn, copies, code, report)
+    fn, fused, code, report = results[str(["all", "mla_indexer_k_norm_rope_cache"])]
+    assert report.final()["mla_indexer_k_norm_rope_cache"] == 1
+    if launch == "direct":
+        assert "def _mla_indexer_k_norm_rope_kernel(" in code and "index_put" not in code.split("def call(")[-1]
+    defaults = results[str("all")][1]
+    assert torch.equal(fused[5], defaults[5]) and torch.equal(fused[6], defaults[6])
+    static = [t.clone() for t in args]
+    for _ in range(2):
+        static[6].fill_(3)
+        fn(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*static)
+    static[0].mul_(1.5)  # new keys; the counter back at slot 3
+    static[6].fill_(3)
+    expected_cache, expected_counter = static[5].clone(), static[6].clone()
+    graph.replay()
+    indexer_key_into_cache(*static[:5], expected_cache, expected_counter)
+    assert compare(static[5], expected_cache).ok and torch.equal(static[6], expected_counter)

@@ -7,6 +7,7 @@ ulp of x.dtype: the kernel sums the squares / deviations in another order than t
 """
 
 import os
+import re
 
 import torch  # torch does not import triton
 
@@ -18,11 +19,13 @@ import pytest  # noqa: E402
 
 from fusion_passes.lowering.mla_rope.op import (  # noqa: E402
     mla_indexer_k_norm_rope,
+    mla_indexer_k_norm_rope_cache,
     mla_kv_norm_rope,
     mla_q_kv_rope,
     mla_q_rope,
 )
 from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
+    mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
     mla_kv_norm_rope_reference,
     mla_q_kv_rope_reference,
@@ -30,6 +33,7 @@ from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
     rope_reference,
 )
 from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
+    mla_indexer_k_norm_rope_cache_triton,
     mla_indexer_k_norm_rope_triton,
     mla_kv_norm_rope_triton,
     mla_q_kv_rope_triton,
@@ -154,6 +158,72 @@ def test_indexer_k_norm_rope(dtype, interleave, dims):
     torch.testing.assert_close(out[..., :p].double(), exact, rtol=8 * tol, atol=8 * tol)
 
 
+def _indexer_k_inputs(b, s, d, p, t, dtype, interleave, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = (3 * torch.randn(b, s, d, generator=g) + 1).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    bias = (0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    cos, sin = _cos_sin((b, s), p // 2 if interleave else p, dtype, g)
+    cache = torch.randn(b, t, d, generator=g).to(DEVICE, dtype)
+    return k, weight, bias, cos, sin, cache
+
+
+# (B, S, D, P, T, positions): a decode step at slot 9 (one position, 0-d), one at a [1] position,
+# a 3-token step from slot 4 (consecutive slots from one value), and tokens at their own slots
+POSITION_CASES = [(2, 1, 128, 64, 12, [9]), (3, 1, 32, 16, 5, 4), (1, 3, 40, 8, 9, 4), (2, 4, 32, 16, 11, [7, 0, 10, 3])]
+
+
+@pytest.mark.parametrize("case", POSITION_CASES, ids=str)
+@pytest.mark.parametrize("interleave", [False, True], ids=["rotate_half", "interleave"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_indexer_k_into_the_cache_is_the_kernel_and_index_copy(dtype, interleave, case):
+    """The cache variant writes exactly the plain kernel's rows at the slots (every other slot
+    untouched), as index_copy would; the plain kernel is tested against the reference above."""
+    b, s, d, p, t, positions = case
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, t, dtype, interleave, seed=d + s)
+    positions = torch.tensor(positions, device=DEVICE)
+    out = mla_indexer_k_norm_rope_cache_triton(k, weight, bias, cos, sin, cache, positions, 1e-6, interleave)
+    assert out.data_ptr() != cache.data_ptr()  # a dispatcher call is functional
+    rows = mla_indexer_k_norm_rope_triton(k, weight, bias, cos, sin, 1e-6, interleave)
+    slots = positions.reshape(-1) + (torch.arange(s, device=DEVICE) if positions.numel() == 1 else 0)
+    assert torch.equal(out, cache.index_copy(1, slots, rows))
+    ref = mla_indexer_k_norm_rope_cache_reference(k, weight, bias, cos, sin, cache, positions, 1e-6, interleave)
+    torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+
+
+def test_indexer_k_cache_in_place_when_inlined_and_slots_past_the_cache_unwritten():
+    """Given wrap (Inductor's inlined launch), the cache itself is written and returned; a slot
+    outside the cache writes nothing (no memory outside it), where torch's index_copy raises."""
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(2, 2, 32, 16, 6, torch.float32, False, seed=5)
+    before = cache.clone()
+    out = mla_indexer_k_norm_rope_cache_triton(k, weight, bias, cos, sin, cache, torch.tensor(2), 1e-6,
+                                               wrap=lambda kernel: kernel)  # fmt: skip
+    assert out is cache and not torch.equal(cache, before)
+    assert torch.equal(cache[:, [0, 1, 4, 5]], before[:, [0, 1, 4, 5]])
+    out = mla_indexer_k_norm_rope_cache_triton(k, weight, bias, cos, sin, before, torch.tensor([5, 6]), 1e-6)
+    rows = mla_indexer_k_norm_rope_triton(k, weight, bias, cos, sin, 1e-6)
+    assert torch.equal(out[:, 5], rows[:, 0]) and torch.equal(out[:, :5], before[:, :5])
+    with pytest.raises(IndexError):
+        mla_indexer_k_norm_rope_cache_reference(k, weight, bias, cos, sin, before, torch.tensor([5, 6]), 1e-6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [("cache", lambda c: c.to(torch.float16), "cache [2, T, 32] torch.float32 expected"),
+     ("cache", lambda c: c[:1], "cache [2, T, 32]"),
+     ("positions", lambda p: p.float(), "positions must be 2 or 1 int64 / int32 values"),
+     ("positions", lambda p: torch.tensor([1, 2, 3]), "positions must be 2 or 1")],  # fmt: skip
+    ids=["dtype", "batch", "float positions", "three positions"],
+)
+def test_indexer_k_cache_bad_arguments_raise(case):
+    what, change, message = case
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(2, 2, 32, 16, 6, torch.float32, False, seed=1)
+    args = {"cache": cache, "positions": torch.tensor([0, 1])}
+    args[what] = change(args[what])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mla_indexer_k_norm_rope_cache(k, weight, bias, cos, sin, args["cache"], args["positions"], 1e-6)
+
+
 def test_ops_opcheck_and_dispatch():
     """Schemas, fakes (shapes, strides) and dispatch checked by opcheck; outputs are the reference's."""
     g = torch.Generator().manual_seed(3)
@@ -170,6 +240,10 @@ def test_ops_opcheck_and_dispatch():
         torch.library.opcheck(mla_q_rope, (q, cos, sin, *flags))
     k_cos, k_sin = _cos_sin((2, 3), 16, dt, g)
     torch.library.opcheck(mla_indexer_k_norm_rope, (k, w[:24].clone().fill_(1), b, k_cos, k_sin, 1e-6, False))
+    cache = torch.randn(2, 7, 24, generator=g).to(DEVICE, dt)
+    for positions in (torch.tensor(3), torch.tensor([6, 0, 2])):
+        args = (k, w[:24].clone().fill_(1), b, k_cos, k_sin, cache, positions.to(DEVICE), 1e-6, False)
+        torch.library.opcheck(mla_indexer_k_norm_rope_cache, args)
     out = mla_q_rope(q, cos, sin, False, True, True)
     assert torch.equal(out, mla_q_rope_reference(q, cos, sin, False, True, True))
 

@@ -276,3 +276,102 @@ def test_mla_fusions_are_in_all_after_rms_norm():
     assert names.index("rms_norm") < names.index("mla_kv_norm_rope")
     requested = [f.name for f in fusion_passes.registry.get_fusions(["mla_kv_norm_rope"])]
     assert requested == ["rms_norm", "mla_kv_norm_rope"]
+
+
+# --- the indexer key written into its cache (opt-in) ---
+
+CACHE_SLOTS = 9
+
+
+def indexer_key_into_cache(k, weight, bias, cos, sin, indexer_keys, length):
+    """DeepseekV32Indexer's key, then transformers' DeepseekV32 cache layer (update_indexer): the
+    rows go to arange(S) + the layer's write counter, in place (the counter advanced too)."""
+    d = 2 * ROPE
+    k = F.layer_norm(k, (d,), weight, bias, 1e-6).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [ROPE, d - ROPE], dim=-1)
+    k_rot = apply_rotary_pos_emb(k_rot, k_rot, cos, sin, unsqueeze_dim=2)[1]
+    key = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    positions = torch.arange(key.shape[1], device=key.device) + length
+    length.add_(key.shape[1])
+    indexer_keys.index_copy_(1, positions, key)
+    return indexer_keys
+
+
+def indexer_key_at_slots(k, weight, bias, cos, sin, indexer_keys, slots):
+    """The same key stored at a slot per token, as an engine's slot mapping (and transformers'
+    fallback where index_copy_ is missing) writes it: ``cache[:, slots] = key``."""
+    d = 2 * ROPE
+    k = F.layer_norm(k, (d,), weight, bias, 1e-6).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [ROPE, d - ROPE], dim=-1)
+    k_rot = apply_rotary_pos_emb(k_rot, k_rot, cos, sin, unsqueeze_dim=2)[1]
+    indexer_keys[:, slots] = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    return indexer_keys
+
+
+def _cache_inputs(dtype, slots):
+    _, k, w, b, cos, sin = _indexer_inputs(dtype)
+    cache = torch.randn(B, CACHE_SLOTS, 2 * ROPE, generator=torch.Generator().manual_seed(2)).to(dtype)
+    return k, w, b, cos, sin, cache, slots
+
+
+def _run_on_caches(fn, args, fusions):
+    """fn compiled with ``fusions`` and with the defaults, each on its own copy of the cache (and
+    counter): (cache with fusions, cache with the defaults, report)."""
+    results = []
+    for names in (fusions, "all"):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.no_grad():
+            torch.compile(fn, backend=fusion_passes.backend(names, report=report), fullgraph=True)(*copies)
+        results.append((copies, report))
+    return results[0][0], results[1][0], results[0][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "fn,slots",
+    [(indexer_key_into_cache, torch.tensor(3)), (indexer_key_at_slots, torch.tensor([8, 0, 4, 5, 1]))],
+    ids=["from_write_counter", "slot_per_token"],
+)
+def test_indexer_key_is_written_into_its_cache_by_the_kernel(fn, slots, dtype):
+    """Both spellings become one op writing the cache; the cache holds what the defaults (the key
+    op, then Inductor's index_put) write there, bit for bit, and eager's within the LayerNorm's
+    tolerance; the counter still advances."""
+    args = _cache_inputs(dtype, slots)
+    fused, defaults, report = _run_on_caches(fn, args, ["all", "mla_indexer_k_norm_rope_cache"])
+    assert _matched(report) == {"mla_indexer_k_norm_rope": 1, "mla_indexer_k_norm_rope_cache": 1}
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.index_put.default"] == 1 and "aten.index_put.default" not in after
+    assert after["fusion_passes.mla_indexer_k_norm_rope_cache.default"] == 1
+    assert "fusion_passes.mla_indexer_k_norm_rope.default" not in after
+    assert torch.equal(fused[5], defaults[5]) and torch.equal(fused[6], defaults[6])
+    eager = [a.clone() for a in args]
+    fn(*eager)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(fused[5], eager[5], rtol=tol, atol=tol)
+    assert torch.equal(fused[6], eager[6])  # the counter (or the slots, untouched)
+
+
+def test_a_key_written_into_a_cache_of_another_dtype_is_not_fused():
+    """bf16 keys stored into an fp32 cache (the store casts them): the key op stays, the write
+    stays Inductor's."""
+
+    def fn(k, weight, bias, cos, sin, cache, slots):
+        d = 2 * ROPE
+        k = F.layer_norm(k, (d,), weight, bias, 1e-6).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [ROPE, d - ROPE], dim=-1)
+        k_rot = apply_rotary_pos_emb(k_rot, k_rot, cos, sin, unsqueeze_dim=2)[1]
+        cache = cache.to(torch.float32)
+        cache[:, slots] = torch.cat([k_rot, k_pass], dim=-1).squeeze(2).to(cache.dtype)
+        return cache
+
+    args = _cache_inputs(torch.bfloat16, torch.tensor([8, 0, 4, 5, 1]))
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(["all", "mla_indexer_k_norm_rope_cache"],
+                                                              report=report), fullgraph=True)(*args)  # fmt: skip
+    assert report.matches["mla_indexer_k_norm_rope_cache"] == 0 and report.matches["mla_indexer_k_norm_rope"] == 1
+    assert "aten.index_put.default" in report.ops_after()
+    torch.testing.assert_close(out, fn(*args), rtol=2e-2, atol=2e-2)  # fn writes a copy of the cache

@@ -18,8 +18,11 @@ the GEMM's output once. The kv op keeps both of kv's slices in one kernel (the l
 kv_b_proj, k_pe the key); the q op serves MLA's q_pe (rope last, written [B, H, S, D] as SDPA
 reads it) and the indexer's q (rope first, [B, S, H, D]) with two flags; the indexer key needs its
 own op because its norm is a LayerNorm whose output is rotated. The key assembly
-(cat(k_nope, k_pe.expand(H))) after kv_b_proj stays one Inductor copy kernel; no KV cache write is
-in these graphs (use_cache=False), so none is fused.
+(cat(k_nope, k_pe.expand(H))) after kv_b_proj stays one Inductor copy kernel, fused with the KV
+cache write. The indexer key goes into its own cache at decode:
+    indexer_keys = mla_indexer_k_norm_rope_cache(k, w, b, cos, sin, indexer_keys, positions, eps, interleave)
+one kernel writing the rows into the cache's slots instead of a new tensor that a second kernel
+copies there.
 
 The math lives in ``mla_rope_reference``; CUDA tensors go to the kernels of ``mla_rope_triton``.
 """
@@ -31,6 +34,8 @@ import torch
 from fusion_passes.lowering.common.direct_launch import register_launcher
 from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.mla_rope.reference import (
+    check_indexer_k_cache_args,
+    mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
     mla_kv_norm_rope_reference,
     mla_q_kv_rope_reference,
@@ -45,10 +50,15 @@ from fusion_passes.lowering.mla_rope.reference import (
 #   mla_q_kv_rope             (query [..., H, S, D], normed [..., R], k_pe [..., P]): mla_q_rope
 #                             (MLA's form) and mla_kv_norm_rope in one launch
 #   mla_indexer_k_norm_rope   LayerNorm of k, then RoPE on its first P dims
+#   mla_indexer_k_norm_rope_cache   the same keys written into the indexer's key cache (the new
+#                             cache returned; on CUDA, launched by Inductor, written in place)
 mla_kv_norm_rope = op_from_reference("mla_kv_norm_rope", mla_kv_norm_rope_reference)
 mla_q_rope = op_from_reference("mla_q_rope", mla_q_rope_reference)
 mla_q_kv_rope = op_from_reference("mla_q_kv_rope", mla_q_kv_rope_reference)
 mla_indexer_k_norm_rope = op_from_reference("mla_indexer_k_norm_rope", mla_indexer_k_norm_rope_reference)
+mla_indexer_k_norm_rope_cache = op_from_reference(
+    "mla_indexer_k_norm_rope_cache", mla_indexer_k_norm_rope_cache_reference
+)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
@@ -84,6 +94,16 @@ def _mla_indexer_k_norm_rope_cuda(*args, wrap=None):
     return mla_indexer_k_norm_rope_triton(*args, wrap=wrap)
 
 
+# The cache (argument 5) is written in place only when the launch is inlined (wrap given), else
+# into a copy (a dispatcher call is functional).
+@mla_indexer_k_norm_rope_cache.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_indexer_k_norm_rope_cache.default, writes_inputs=(5,))
+def _mla_indexer_k_norm_rope_cache_cuda(*args, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_indexer_k_norm_rope_cache_triton
+
+    return mla_indexer_k_norm_rope_cache_triton(*args, wrap=wrap)
+
+
 @mla_kv_norm_rope.register_fake
 def _mla_kv_norm_rope_fake(kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True):
     p = rope_dim(cos, interleave)
@@ -108,3 +128,9 @@ def _mla_q_kv_rope_fake(q, kv, weight, cos, sin, eps, weight_offset=0.0, cast_be
 @mla_indexer_k_norm_rope.register_fake
 def _mla_indexer_k_norm_rope_fake(k, *args):
     return k.new_empty(k.shape)
+
+
+@mla_indexer_k_norm_rope_cache.register_fake
+def _mla_indexer_k_norm_rope_cache_fake(k, weight, bias, cos, sin, cache, positions, eps, interleave=False):
+    check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
+    return torch.empty_like(cache, memory_format=torch.contiguous_format)

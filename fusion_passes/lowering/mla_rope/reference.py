@@ -197,3 +197,50 @@ def mla_indexer_k_norm_rope_reference(
     p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
     y = F.layer_norm(k, (k.shape[-1],), weight, bias, eps)
     return torch.cat([rope_reference(y[..., :p], cos, sin, interleave), y[..., p:]], dim=-1)
+
+
+def check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave) -> int:
+    """Raise ValueError for inputs mla_indexer_k_norm_rope_cache does not define; returns P."""
+    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
+    if k.dim() != 3:
+        raise ValueError(f"mla_indexer_k_norm_rope_cache: k [B, S, D] expected, got {tuple(k.shape)}")
+    b, s, d = k.shape
+    if cache.dim() != 3 or cache.shape[0] != b or cache.shape[2] != d or cache.dtype != k.dtype:
+        raise ValueError(
+            f"mla_indexer_k_norm_rope_cache: cache [{b}, T, {d}] {k.dtype} expected, "
+            f"got {tuple(cache.shape)} {cache.dtype}"
+        )
+    if positions.dtype not in (torch.int64, torch.int32) or positions.numel() not in (1, s) or positions.dim() > 1:
+        raise ValueError(
+            f"mla_indexer_k_norm_rope_cache: positions must be {s} or 1 int64 / int32 values (0-d or 1-d), "
+            f"got {tuple(positions.shape)} {positions.dtype}"
+        )
+    return p
+
+
+def cache_positions(positions: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The cache slots of ``tokens`` new tokens: ``positions`` itself (one per token), or, given
+    one value, the consecutive slots from it (transformers' StaticLayer: ``arange(S) + length``)."""
+    positions = positions.reshape(-1).to(torch.int64)
+    if positions.numel() == tokens:
+        return positions
+    return positions + torch.arange(tokens, device=positions.device)
+
+
+def mla_indexer_k_norm_rope_cache_reference(
+    k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    interleave: bool = False,
+) -> torch.Tensor:
+    """The indexer key cache [B, T, D] with mla_indexer_k_norm_rope(k, ...) [B, S, D] written at
+    the slots ``cache_positions(positions, S)`` of dim 1 (transformers' DeepseekV32 cache layer:
+    ``indexer_keys.index_copy_(1, arange(S) + length, key)``), as a new tensor."""
+    check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
+    key = mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave)
+    return cache.index_copy(1, cache_positions(positions, k.shape[1]), key)

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
+    check_indexer_k_cache_args,
     check_mla_kv_args,
     check_mla_q_args,
     check_mla_q_kv_pair,
@@ -273,11 +274,16 @@ def _mla_indexer_k_norm_rope_kernel(
     bias_ptr,  # *dtype [D]: LayerNorm bias
     cos_ptr,  # *dtype [M, C]
     sin_ptr,  # *dtype [M, C]
-    out_ptr,  # *dtype [M, D] contiguous
+    out_ptr,  # *dtype: row (b, s) of k, M = B * S rows, goes to out_ptr + b * stride_ob + slot * stride_os
+    pos_ptr,  # POSITIONS 1: *int the first slot (slot = it + s); 2: *int [S] each token's slot
     M,  # rows
+    S,  # tokens per sequence
+    T,  # slots per sequence (POSITIONS > 0: rows whose slot is outside [0, T) are not written)
     stride_k,  # elements between rows of k
     stride_cos,
     stride_sin,
+    stride_ob,  # elements between sequences of out
+    stride_os,  # elements between slots of out
     eps,  # LayerNorm eps
     D: tl.constexpr,  # row width
     HALF: tl.constexpr,  # P / 2
@@ -286,14 +292,25 @@ def _mla_indexer_k_norm_rope_kernel(
     BLOCK_PASS: tl.constexpr,  # next_power_of_2(D - P) (>= 1)
     BLOCK_HALF: tl.constexpr,
     ROWS: tl.constexpr,
+    POSITIONS: tl.constexpr,  # 0: slot = s (a new tensor); 1: the first slot given; 2: a slot per token
 ):
     eps = tl.cast(eps, tl.float32)
     dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_mask = (rows < M)[:, None]
-    rows = rows.to(tl.int64)[:, None]
+    row_mask = rows < M
+    rows = rows.to(tl.int64)
+    seq = rows // S
+    slot = rows - seq * S
+    if POSITIONS == 1:
+        slot += tl.load(pos_ptr).to(tl.int64)
+    elif POSITIONS == 2:
+        slot = tl.load(pos_ptr + slot, mask=row_mask, other=0).to(tl.int64)
+    if POSITIONS > 0:  # a slot past the cache is no memory of it (torch's index_copy raises there)
+        row_mask = row_mask & (slot >= 0) & (slot < T)
+    row_mask = row_mask[:, None]
+    dst = out_ptr + (seq * stride_ob + slot * stride_os)[:, None]
+    rows = rows[:, None]
     src = k_ptr + rows * stride_k
-    dst = out_ptr + rows * D
     # Statistics over the whole row (biased variance, as layer_norm), in fp32.
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = row_mask & (cols < D)
@@ -467,12 +484,39 @@ def mla_indexer_k_norm_rope_triton(
     cos_rows, sin_rows = _rows(cos, lead), _rows(sin, lead)
     m = k_rows.shape[0]
     out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, None, m, m, m, 0, d, eps, p, interleave, wrap)
+    return out
+
+
+def mla_indexer_k_norm_rope_cache_triton(
+    k, weight, bias, cos, sin, cache, positions, eps, interleave=False, *, wrap: Callable | None = None
+):
+    """The cache with the indexer keys written at their slots, as
+    mla_indexer_k_norm_rope_cache_reference: in place when ``wrap`` is given (Inductor inlines the
+    launch; the op's output is the cache), else into a copy."""
+    p = check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
+    b, s, d = k.shape
+    k_rows = _rows(k, (b, s))
+    cos_rows, sin_rows = _rows(cos, (b, s)), _rows(sin, (b, s))
+    out = cache if wrap is not None else cache.clone()
+    if out.stride(-1) != 1:  # a cache the kernel cannot address by rows: written through a copy
+        raise ValueError(f"mla_indexer_k_norm_rope_cache: the cache's last dim must be contiguous, got strides {out.stride()}")
+    positions = positions.reshape(-1)
+    _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, b * s, s, cache.shape[1],
+                      out.stride(0), out.stride(1), eps, p, interleave, wrap)  # fmt: skip
+    return out
+
+
+def _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, m, s, t, stride_ob, stride_os,
+                      eps, p, interleave, wrap):  # fmt: skip
+    d = k_rows.shape[-1]
+    mode = 0 if positions is None else (1 if positions.numel() == 1 and s > 1 else 2)
     rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
     (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[(triton.cdiv(m, rows),)](
         k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out,
-        m, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), eps,
+        out if positions is None else positions, m, s, t, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0),
+        stride_ob, stride_os, eps,
         D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2),
-        ROWS=rows, num_warps=4,
+        ROWS=rows, POSITIONS=mode, num_warps=4,
     )  # fmt: skip
-    return out
