@@ -152,6 +152,13 @@ def _cases():
     for form, slots in (("first slot", torch.tensor(5)), ("slot per token", torch.tensor([7, 0, 9]))):
         cache_args = (ik, iw, iw.clone(), c64, s64, icache, slots, 1e-6)
         yield f"mla_indexer_k_norm_rope_cache ({form})", mla.mla_indexer_k_norm_rope_cache_triton, cache_args
+    # DeepSeek V3.2's key (128 + 64) and value (128) of 4 heads into the KV cache: k_nope and value
+    # strided splits of kv_b_proj's output
+    kv = torch.randn(2, 3, 4, 256, dtype=bf16).transpose(1, 2)
+    kv_caches = (torch.randn(2, 4, 40, 192, dtype=bf16), torch.randn(2, 4, 40, 128, dtype=bf16))
+    for form, slots in (("first slot", torch.tensor(5)), ("slot per token", torch.tensor([7, 0, 9]))):
+        write_args = (kv[..., :128], torch.randn(2, 1, 3, 64, dtype=bf16), kv[..., 128:], *kv_caches, slots)
+        yield f"mla_kv_cache_write ({form})", mla.mla_kv_cache_write_triton, write_args
     # FP8: per-token, DeepSeek's 128-column groups with power-of-two (UE8M0) scales, a static scale
     norm = RMSNormForm(1e-6, 0.0, False)
     schemes = {"per_token": QuantFP8("per_token"), "per_group": QuantFP8("per_group", None, 128, True),
@@ -170,7 +177,8 @@ def _cases():
 # The cases whose launches update a state in place (positions of the launcher's arguments), as
 # their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
 _WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
-                  "mla_indexer_k_norm_rope_cache (slot per token)": (5,)}  # fmt: skip
+                  "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
+                  "mla_kv_cache_write (slot per token)": (3, 4)}  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -95,3 +95,44 @@ def test_indexer_key_written_into_its_cache_on_cuda(launch):
     graph.replay()
     indexer_key_into_cache(*static[:5], expected_cache, expected_counter)
     assert compare(static[5], expected_cache).ok and torch.equal(static[6], expected_counter)
+
+
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+def test_mla_key_and_value_written_into_the_cache_on_cuda(launch):
+    """mla_kv_cache_write on CUDA: in direct mode Inductor emits the kernel, which writes both
+    caches in place (no index_put kernel left); the caches bit-equal the defaults' and eager's,
+    and a CUDA-graph replay on new inputs writes theirs."""
+    from test_rewrite_mla_rope import _kv_write_inputs, expand_kv_into_cache
+
+    args = [t.cuda() for t in _kv_write_inputs(torch.bfloat16, torch.tensor(3))]
+    results = {}
+    for name, fusions in (("fused", ["all", "mla_kv_cache_write"]), ("defaults", "all")):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        fn = torch.compile(expand_kv_into_cache, backend=fusion_passes.backend(fusions, report=report, launch=launch))
+        copies = [t.clone() for t in args]
+        _, (code,) = run_and_get_code(fn, *copies)
+        assert not report.errors
+        results[name] = (fn, copies, code, report)
+    fn, fused, code, report = results["fused"]
+    assert report.final()["mla_kv_cache_write"] == 1
+    if launch == "direct":
+        assert "def _mla_kv_cache_write_kernel(" in code and "index_put" not in code.split("def call(")[-1]
+    eager = [t.clone() for t in args]
+    expand_kv_into_cache(*eager)
+    for i in (3, 4, 5):
+        assert torch.equal(fused[i], results["defaults"][1][i]) and torch.equal(fused[i], eager[i])
+    static = [t.clone() for t in args]
+    for _ in range(2):
+        static[5].fill_(3)
+        fn(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*static)
+    static[2].mul_(1.5)  # a new rotated key part; the counter back at slot 3
+    static[5].fill_(3)
+    expected = [t.clone() for t in static]
+    graph.replay()
+    expand_kv_into_cache(*expected)
+    for i in (3, 4, 5):
+        assert torch.equal(static[i], expected[i])

@@ -18,6 +18,7 @@ if DEVICE == "cpu":
 import pytest  # noqa: E402
 
 from fusion_passes.lowering.mla_rope.op import (  # noqa: E402
+    mla_kv_cache_write,
     mla_indexer_k_norm_rope,
     mla_indexer_k_norm_rope_cache,
     mla_kv_norm_rope,
@@ -25,6 +26,7 @@ from fusion_passes.lowering.mla_rope.op import (  # noqa: E402
     mla_q_rope,
 )
 from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
+    mla_kv_cache_write_reference,
     mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
     mla_kv_norm_rope_reference,
@@ -33,6 +35,7 @@ from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
     rope_reference,
 )
 from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
+    mla_kv_cache_write_triton,
     mla_indexer_k_norm_rope_cache_triton,
     mla_indexer_k_norm_rope_triton,
     mla_kv_norm_rope_triton,
@@ -224,6 +227,65 @@ def test_indexer_k_cache_bad_arguments_raise(case):
         mla_indexer_k_norm_rope_cache(k, weight, bias, cos, sin, args["cache"], args["positions"], 1e-6)
 
 
+def _kv_write_inputs(b, h, s, nope, r, v, t, dtype, seed, shared_pe=True):
+    """k_nope and value as transformers' expand_kv makes them: splits of kv_b_proj's output
+    viewed [B, S, H, NOPE + V] and transposed (strided views), k_pe [B, 1, S, R]."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(b, s, h * (nope + v), generator=g).to(DEVICE, dtype)
+    k_nope, value = kv.view(b, s, h, nope + v).transpose(1, 2).split([nope, v], dim=-1)
+    k_pe = torch.randn(b, 1 if shared_pe else h, s, r, generator=g).to(DEVICE, dtype)
+    k_cache = torch.randn(b, h, t, nope + r, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(b, h, t, v, generator=g).to(DEVICE, dtype)
+    return k_nope, k_pe, value, k_cache, v_cache
+
+
+# (B, H, S, NOPE, R, V, T, positions, k_pe shared): DeepSeek V3.2's widths at a decode step, a
+# 3-token step from slot 4, odd widths with a slot per token, k_pe per head
+KV_WRITE_CASES = [(1, 4, 1, 128, 64, 128, 9, [5], True), (2, 3, 3, 32, 16, 24, 11, 4, True),
+                  (2, 2, 4, 20, 8, 12, 10, [9, 0, 3, 6], True), (1, 5, 2, 16, 8, 16, 6, [1, 4], False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", KV_WRITE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_kv_cache_write_is_the_reference(dtype, case):
+    """A copy: the caches bit-equal the reference's (index_copy of cat(k_nope, k_pe) and value)."""
+    b, h, s, nope, r, v, t, positions, shared = case
+    args = _kv_write_inputs(b, h, s, nope, r, v, t, dtype, seed=nope + s, shared_pe=shared)
+    positions = torch.tensor(positions, device=DEVICE)
+    k_out, v_out = mla_kv_cache_write_triton(*args, positions)
+    k_ref, v_ref = mla_kv_cache_write_reference(*args, positions)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+    assert not torch.equal(k_out, args[3])  # something was written (and the inputs left alone)
+
+
+def test_mla_kv_cache_write_in_place_when_inlined_and_slots_past_the_cache_unwritten():
+    k_nope, k_pe, value, k_cache, v_cache = _kv_write_inputs(1, 2, 2, 16, 8, 16, 5, torch.float32, seed=3)
+    before = (k_cache.clone(), v_cache.clone())
+    out = mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, torch.tensor(1), wrap=lambda f: f)
+    assert out[0] is k_cache and out[1] is v_cache
+    ref = mla_kv_cache_write_reference(k_nope, k_pe, value, *before, torch.tensor(1))
+    assert torch.equal(k_cache, ref[0]) and torch.equal(v_cache, ref[1])
+    k_out, v_out = mla_kv_cache_write_triton(k_nope, k_pe, value, *before, torch.tensor([4, 5]))
+    assert torch.equal(k_out[:, :, :4], before[0][:, :, :4]) and torch.equal(v_out[:, :, :4], before[1][:, :, :4])
+    assert torch.equal(v_out[:, :, 4], value[:, :, 0])
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [(lambda a: {**a, "v_cache": a["v_cache"][:, :, :3]}, "the caches hold 5 and 3 slots"),
+     (lambda a: {**a, "k_cache": a["k_cache"][..., :-1]}, "k_cache [1, 2, T, 24] expected"),
+     (lambda a: {**a, "value": a["value"].to(torch.float16)}, "value is torch.float16"),
+     (lambda a: {**a, "positions": torch.tensor([1, 2, 3])}, "positions must be 2 or 1")],  # fmt: skip
+    ids=["slots", "key width", "dtype", "positions"],
+)
+def test_mla_kv_cache_write_bad_arguments_raise(change, message):
+    names = ("k_nope", "k_pe", "value", "k_cache", "v_cache")
+    args = dict(zip(names, _kv_write_inputs(1, 2, 2, 16, 8, 16, 5, torch.float32, seed=4)))
+    args = change({**args, "positions": torch.tensor(0)})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mla_kv_cache_write(*args.values())
+
+
 def test_ops_opcheck_and_dispatch():
     """Schemas, fakes (shapes, strides) and dispatch checked by opcheck; outputs are the reference's."""
     g = torch.Generator().manual_seed(3)
@@ -244,6 +306,9 @@ def test_ops_opcheck_and_dispatch():
     for positions in (torch.tensor(3), torch.tensor([6, 0, 2])):
         args = (k, w[:24].clone().fill_(1), b, k_cos, k_sin, cache, positions.to(DEVICE), 1e-6, False)
         torch.library.opcheck(mla_indexer_k_norm_rope_cache, args)
+    kv_args = _kv_write_inputs(2, 3, 2, 16, 8, 12, 6, dt, seed=7)
+    for positions in (torch.tensor(2), torch.tensor([5, 1])):
+        torch.library.opcheck(mla_kv_cache_write, (*kv_args, positions.to(DEVICE)))
     out = mla_q_rope(q, cos, sin, False, True, True)
     assert torch.equal(out, mla_q_rope_reference(q, cos, sin, False, True, True))
 

@@ -84,10 +84,11 @@ def test_q_and_kv_branches_merge_into_one_launch_per_layer():
 
 
 @pytest.mark.slow  # two whole-model compiles
-def test_deepseek_v32_decode_writes_the_indexer_keys_into_the_cache_in_the_kernel():
-    """A real decode step on transformers' StaticCache: each layer's indexer key goes into the
-    indexer cache through mla_indexer_k_norm_rope_cache (the write's index_put gone), and every
-    step's output and every cache tensor equal the default fusions' bit for bit."""
+def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
+    """A real decode step on transformers' StaticCache with the two cache-write fusions: each
+    layer's indexer key goes into the indexer cache through mla_indexer_k_norm_rope_cache, and its
+    key and value into the KV cache through one mla_kv_cache_write (every cache write's index_put
+    gone); every step's output and every cache tensor equal the default fusions' bit for bit."""
     import fusion_passes
     from fusion_passes.models import build_model
     from fusion_passes.models.decode import DecodeStep
@@ -95,7 +96,8 @@ def test_deepseek_v32_decode_writes_the_indexer_keys_into_the_cache_in_the_kerne
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
     runs = {}
-    for name, fusions in (("defaults", "all"), ("cache", ["all", "mla_indexer_k_norm_rope_cache"])):
+    opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write"]
+    for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in])):
         report = fusion_passes.Report()
         torch._dynamo.reset()
         compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
@@ -104,13 +106,13 @@ def test_deepseek_v32_decode_writes_the_indexer_keys_into_the_cache_in_the_kerne
             outs = [compiled(*step.inputs(i)).clone() for i in range(2)]
         runs[name] = (outs, [t.clone() for t in step.cache_tensors()], report)
     report = runs["cache"][2]
-    assert report.final()["mla_indexer_k_norm_rope_cache"] == 2 and not report.errors
-    before, after = report.ops_before(), report.ops_after()
+    assert {f: report.final()[f] for f in opt_in} == {f: 2 for f in opt_in} and not report.errors
+    after = report.ops_after()
     assert after["fusion_passes.mla_indexer_k_norm_rope_cache.default"] == 2
+    assert after["fusion_passes.mla_kv_cache_write.default"] == 2
     assert "fusion_passes.mla_indexer_k_norm_rope.default" not in after
-    # per layer: the k and v cache writes stay, the indexer key's goes (the defaults keep all three)
-    defaults_after = runs["defaults"][2].ops_after()
-    assert (defaults_after["aten.index_put.default"], after["aten.index_put.default"]) == (6, 4)
-    assert before["aten.index_put.default"] == runs["defaults"][2].ops_before()["aten.index_put.default"]
+    # per layer the defaults keep three cache writes (key, value, indexer key); none is left
+    assert runs["defaults"][2].ops_after()["aten.index_put.default"] == 6 and "aten.index_put.default" not in after
+    assert report.ops_before()["aten.index_put.default"] == runs["defaults"][2].ops_before()["aten.index_put.default"]
     for ours, theirs in zip(runs["cache"][0] + runs["cache"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
         assert torch.equal(ours, theirs)

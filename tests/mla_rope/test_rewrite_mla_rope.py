@@ -375,3 +375,84 @@ def test_a_key_written_into_a_cache_of_another_dtype_is_not_fused():
     assert report.matches["mla_indexer_k_norm_rope_cache"] == 0 and report.matches["mla_indexer_k_norm_rope"] == 1
     assert "aten.index_put.default" in report.ops_after()
     torch.testing.assert_close(out, fn(*args), rtol=2e-2, atol=2e-2)  # fn writes a copy of the cache
+
+
+# --- MLA's key and value written into the KV cache in one kernel (opt-in) ---
+
+NOPE_KV, V_KV = 16, 12
+
+
+def expand_kv_into_cache(kv_latent, kv_b, k_rot, k_cache, v_cache, length):
+    """DeepseekV32Attention.expand_kv (kv_b_proj as the weight kv_b), then transformers'
+    StaticLayer.update: both caches written at arange(S) + the layer's counter, in place."""
+    b, _, s, _ = kv_latent.shape
+    kv = (kv_latent @ kv_b).view(b, s, -1, NOPE_KV + V_KV).transpose(1, 2)
+    k_nope, value_states = torch.split(kv, [NOPE_KV, V_KV], dim=-1)
+    k_rot = k_rot.expand(-1, k_nope.shape[1], -1, -1)
+    key_states = kv.new_empty(*kv.shape[:-1], NOPE_KV + ROPE)
+    key_states[..., :NOPE_KV].copy_(k_nope)
+    key_states[..., NOPE_KV:].copy_(k_rot)
+    positions = torch.arange(s, device=kv.device) + length
+    length.add_(s)
+    k_cache.index_copy_(2, positions, key_states)
+    v_cache.index_copy_(2, positions, value_states)
+    return k_cache, v_cache
+
+
+def cat_kv_at_slots(kv_latent, kv_b, k_rot, k_cache, v_cache, slots):
+    """The key as a cat (vLLM's and SGLang's torch paths), the caches written at a slot per
+    token by indexing (an engine's slot mapping)."""
+    b, _, s, _ = kv_latent.shape
+    kv = (kv_latent @ kv_b).view(b, s, -1, NOPE_KV + V_KV).transpose(1, 2)
+    k_nope, value = torch.split(kv, [NOPE_KV, V_KV], dim=-1)
+    k_cache[:, :, slots] = torch.cat([k_nope, k_rot.expand(-1, H, -1, -1)], dim=-1)
+    v_cache[:, :, slots] = value
+    return k_cache, v_cache
+
+
+def _kv_write_inputs(dtype, slots):
+    g = torch.Generator().manual_seed(4)
+    kv_latent = torch.randn(B, 1, S, R, generator=g).to(dtype)
+    kv_b = (0.2 * torch.randn(R, H * (NOPE_KV + V_KV), generator=g)).to(dtype)
+    k_rot = torch.randn(B, 1, S, ROPE, generator=g).to(dtype)
+    k_cache = torch.randn(B, H, CACHE_SLOTS, NOPE_KV + ROPE, generator=g).to(dtype)
+    v_cache = torch.randn(B, H, CACHE_SLOTS, V_KV, generator=g).to(dtype)
+    return kv_latent, kv_b, k_rot, k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "fn,slots",
+    [(expand_kv_into_cache, torch.tensor(3)), (cat_kv_at_slots, torch.tensor([8, 0, 4, 5, 1]))],
+    ids=["transformers_v32", "cat_slot_per_token"],
+)
+def test_mla_key_and_value_go_into_the_cache_in_one_kernel(fn, slots, dtype):
+    """Both spellings become one mla_kv_cache_write (both index_puts, the key's assembly gone);
+    the caches equal the defaults' and eager's bit for bit (the write is a copy)."""
+    args = _kv_write_inputs(dtype, slots)
+    fused, defaults, report = _run_on_caches(fn, args, ["all", "mla_kv_cache_write"])
+    assert _matched(report) == {"mla_kv_cache_write": 1}
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.index_put.default"] == 2 and "aten.index_put.default" not in after
+    assert not {"aten.slice_scatter.default", "aten.cat.default"} & set(after)
+    assert after["fusion_passes.mla_kv_cache_write.default"] == 1
+    eager = [a.clone() for a in args]
+    fn(*eager)
+    for i in (3, 4, 5):  # k cache, v cache, counter / slots
+        assert torch.equal(fused[i], defaults[i]) and torch.equal(fused[i], eager[i])
+
+
+def test_a_key_write_without_its_value_write_is_not_fused():
+    """Only the key goes into a cache (the value elsewhere): no mla_kv_cache_write."""
+
+    def fn(kv_latent, kv_b, k_rot, k_cache, v_cache, slots):
+        b, _, s, _ = kv_latent.shape
+        kv = (kv_latent @ kv_b).view(b, s, -1, NOPE_KV + V_KV).transpose(1, 2)
+        k_nope, value = torch.split(kv, [NOPE_KV, V_KV], dim=-1)
+        k_cache[:, :, slots] = torch.cat([k_nope, k_rot.expand(-1, H, -1, -1)], dim=-1)
+        return k_cache, value * 2
+
+    args = _kv_write_inputs(torch.bfloat16, torch.tensor([8, 0, 4, 5, 1]))
+    fused, defaults, report = _run_on_caches(fn, args, ["all", "mla_kv_cache_write"])
+    assert report.matches["mla_kv_cache_write"] == 0 and "aten.index_put.default" in report.ops_after()
+    assert torch.equal(fused[3], defaults[3])

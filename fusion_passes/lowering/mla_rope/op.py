@@ -22,7 +22,9 @@ own op because its norm is a LayerNorm whose output is rotated. The key assembly
 cache write. The indexer key goes into its own cache at decode:
     indexer_keys = mla_indexer_k_norm_rope_cache(k, w, b, cos, sin, indexer_keys, positions, eps, interleave)
 one kernel writing the rows into the cache's slots instead of a new tensor that a second kernel
-copies there.
+copies there. And V3.2's key (k_nope from kv_b_proj, k_pe shared by the heads) and value go into
+the KV cache in one kernel, not a kernel per cache:
+    k_cache, v_cache = mla_kv_cache_write(k_nope, k_pe, value, k_cache, v_cache, positions)
 
 The math lives in ``mla_rope_reference``; CUDA tensors go to the kernels of ``mla_rope_triton``.
 """
@@ -35,8 +37,10 @@ from fusion_passes.lowering.common.direct_launch import register_launcher
 from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_cache_args,
+    check_mla_kv_cache_write_args,
     mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
+    mla_kv_cache_write_reference,
     mla_kv_norm_rope_reference,
     mla_q_kv_rope_reference,
     mla_q_rope_reference,
@@ -59,6 +63,9 @@ mla_indexer_k_norm_rope = op_from_reference("mla_indexer_k_norm_rope", mla_index
 mla_indexer_k_norm_rope_cache = op_from_reference(
     "mla_indexer_k_norm_rope_cache", mla_indexer_k_norm_rope_cache_reference
 )
+#   mla_kv_cache_write        MLA's key (cat of k_nope and the shared k_pe) and value written into
+#                             the KV cache (both caches returned; on CUDA, inlined, in place)
+mla_kv_cache_write = op_from_reference("mla_kv_cache_write", mla_kv_cache_write_reference)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
@@ -104,6 +111,14 @@ def _mla_indexer_k_norm_rope_cache_cuda(*args, wrap=None):
     return mla_indexer_k_norm_rope_cache_triton(*args, wrap=wrap)
 
 
+@mla_kv_cache_write.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_kv_cache_write.default, writes_inputs=(3, 4))
+def _mla_kv_cache_write_cuda(*args, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_kv_cache_write_triton
+
+    return mla_kv_cache_write_triton(*args, wrap=wrap)
+
+
 @mla_kv_norm_rope.register_fake
 def _mla_kv_norm_rope_fake(kv, weight, cos, sin, eps, weight_offset=0.0, cast_before_weight=True, interleave=True):
     p = rope_dim(cos, interleave)
@@ -134,3 +149,10 @@ def _mla_indexer_k_norm_rope_fake(k, *args):
 def _mla_indexer_k_norm_rope_cache_fake(k, weight, bias, cos, sin, cache, positions, eps, interleave=False):
     check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
     return torch.empty_like(cache, memory_format=torch.contiguous_format)
+
+
+@mla_kv_cache_write.register_fake
+def _mla_kv_cache_write_fake(k_nope, k_pe, value, k_cache, v_cache, positions):
+    check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions)
+    return (torch.empty_like(k_cache, memory_format=torch.contiguous_format),
+            torch.empty_like(v_cache, memory_format=torch.contiguous_format))  # fmt: skip

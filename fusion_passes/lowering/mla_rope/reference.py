@@ -244,3 +244,44 @@ def mla_indexer_k_norm_rope_cache_reference(
     check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
     key = mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave)
     return cache.index_copy(1, cache_positions(positions, k.shape[1]), key)
+
+
+def check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions) -> None:
+    """Raise ValueError for inputs mla_kv_cache_write does not define."""
+    name = "mla_kv_cache_write"
+    if k_nope.dim() != 4 or value.dim() != 4 or k_pe.dim() != 4:
+        raise ValueError(f"{name}: k_nope, value [B, H, S, *] and k_pe [B, 1, S, R] expected, got "
+                         f"{tuple(k_nope.shape)}, {tuple(value.shape)}, {tuple(k_pe.shape)}")  # fmt: skip
+    b, h, s, nope = k_nope.shape
+    r, v = k_pe.shape[-1], value.shape[-1]
+    if tuple(value.shape[:3]) != (b, h, s) or tuple(k_pe.shape[:3]) not in ((b, 1, s), (b, h, s)):
+        raise ValueError(f"{name}: value {tuple(value.shape)} and k_pe {tuple(k_pe.shape)} do not go with "
+                         f"k_nope {tuple(k_nope.shape)}")  # fmt: skip
+    for what, t in (("k_pe", k_pe), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != k_nope.dtype:
+            raise ValueError(f"{name}: {what} is {t.dtype}, k_nope {k_nope.dtype}: one dtype expected")
+    for what, cache, width in (("k_cache", k_cache, nope + r), ("v_cache", v_cache, v)):
+        if cache.dim() != 4 or cache.shape[0] != b or cache.shape[1] != h or cache.shape[3] != width:
+            raise ValueError(f"{name}: {what} [{b}, {h}, T, {width}] expected, got {tuple(cache.shape)}")
+    if k_cache.shape[2] != v_cache.shape[2]:
+        raise ValueError(f"{name}: the caches hold {k_cache.shape[2]} and {v_cache.shape[2]} slots")
+    if positions.dtype not in (torch.int64, torch.int32) or positions.numel() not in (1, s) or positions.dim() > 1:
+        raise ValueError(f"{name}: positions must be {s} or 1 int64 / int32 values (0-d or 1-d), "
+                         f"got {tuple(positions.shape)} {positions.dtype}")  # fmt: skip
+
+
+def mla_kv_cache_write_reference(
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) [B, H, T, *] with key = cat(k_nope, k_pe over every head) and value
+    [B, H, S, *] written at the slots ``cache_positions(positions, S)`` of dim 2, as new tensors
+    (transformers' DeepSeek V3.2 attention: expand_kv's key, then the StaticLayer's index_copy_)."""
+    check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions)
+    key = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    slots = cache_positions(positions, k_nope.shape[2])
+    return k_cache.index_copy(2, slots, key), v_cache.index_copy(2, slots, value)

@@ -26,6 +26,7 @@ import triton.language as tl
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
     check_indexer_k_cache_args,
+    check_mla_kv_cache_write_args,
     check_mla_kv_args,
     check_mla_q_args,
     check_mla_q_kv_pair,
@@ -520,3 +521,89 @@ def _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, 
         BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2),
         ROWS=rows, POSITIONS=mode, num_warps=4,
     )  # fmt: skip
+
+
+@triton.jit
+def _mla_kv_cache_write_kernel(
+    k_nope_ptr,  # *dtype [B, H, S, NOPE] (strides kn_*; unit column stride)
+    k_pe_ptr,  # *dtype [B, 1 or H, S, R]: the rotated key part every head shares (strides kp_*)
+    v_ptr,  # *dtype [B, H, S, V] (strides v_*)
+    k_cache_ptr,  # *dtype [B, H, T, NOPE + R] (strides kc_*)
+    v_cache_ptr,  # *dtype [B, H, T, V] (strides vc_*)
+    pos_ptr,  # SLOTS 1: *int the first slot (token s at it + s); 2: *int [S] each token's slot
+    n_rows,  # B * H * S: (sequence, head, token) rows, tokens fastest
+    S,
+    T,  # cache slots: a row whose slot is outside [0, T) is not written
+    kn_stride_b, kn_stride_h, kn_stride_s,
+    kp_stride_b, kp_stride_h, kp_stride_s,  # kp_stride_h 0 where k_pe is shared
+    v_stride_b, v_stride_h, v_stride_s,
+    kc_stride_b, kc_stride_h, kc_stride_t,
+    vc_stride_b, vc_stride_h, vc_stride_t,
+    H: tl.constexpr,
+    NOPE: tl.constexpr,
+    R: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ROWS: tl.constexpr,
+    SLOTS: tl.constexpr,  # 1: consecutive slots from one; 2: a slot per token
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)
+    s = rows % S
+    bh = rows // S
+    b = bh // H
+    h = bh % H
+    if SLOTS == 1:
+        slot = s + tl.load(pos_ptr).to(tl.int64)
+    else:
+        slot = tl.load(pos_ptr + s, mask=row_mask, other=0).to(tl.int64)
+    row_mask = (row_mask & (slot >= 0) & (slot < T))[:, None]  # a slot past the cache: no memory of it
+    k_row = (k_cache_ptr + b * kc_stride_b + h * kc_stride_h + slot * kc_stride_t)[:, None]
+    cols = tl.arange(0, BLOCK_NOPE)[None, :]
+    src = (k_nope_ptr + b * kn_stride_b + h * kn_stride_h + s * kn_stride_s)[:, None]
+    tl.store(k_row + cols, tl.load(src + cols, mask=row_mask & (cols < NOPE)), mask=row_mask & (cols < NOPE))
+    cols = tl.arange(0, BLOCK_R)[None, :]
+    src = (k_pe_ptr + b * kp_stride_b + h * kp_stride_h + s * kp_stride_s)[:, None]
+    tl.store(k_row + NOPE + cols, tl.load(src + cols, mask=row_mask & (cols < R)), mask=row_mask & (cols < R))
+    cols = tl.arange(0, BLOCK_V)[None, :]
+    src = (v_ptr + b * v_stride_b + h * v_stride_h + s * v_stride_s)[:, None]
+    v_row = (v_cache_ptr + b * vc_stride_b + h * vc_stride_h + slot * vc_stride_t)[:, None]
+    tl.store(v_row + cols, tl.load(src + cols, mask=row_mask & (cols < V)), mask=row_mask & (cols < V))
+
+
+# Rows (a head of a token) a program copies: 2048 elements of key and value (DeepSeek V3.2: 192 +
+# 128 a row, so 4 rows; a decode step's 128 heads take 32 programs).
+_KV_WRITE_ELEMENTS = 2048
+
+
+def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, *, wrap: Callable | None = None):
+    """(k_cache, v_cache) as mla_kv_cache_write_reference: written in place when ``wrap`` is
+    given (Inductor inlines the launch; the op's outputs are the caches), else into copies."""
+    check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions)
+    b, h, s, nope = k_nope.shape
+    r, v = k_pe.shape[-1], value.shape[-1]
+    k_nope, k_pe, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_nope, k_pe, value))
+    k_out, v_out = (k_cache, v_cache) if wrap is not None else (k_cache.clone(), v_cache.clone())
+    for name, cache in (("k_cache", k_out), ("v_cache", v_out)):
+        if cache.stride(-1) != 1:
+            raise ValueError(f"mla_kv_cache_write: the {name}'s last dim must be contiguous, got strides {cache.stride()}")
+    positions = positions.reshape(-1)
+    slots = 1 if positions.numel() == 1 and s > 1 else 2
+    padded = triton.next_power_of_2(nope) + triton.next_power_of_2(r) + triton.next_power_of_2(v)
+    rows = max(1, triton.next_power_of_2(max(1, _KV_WRITE_ELEMENTS // padded)) // 2) if padded > 0 else 1
+    n_rows = b * h * s
+    kp_stride_h = k_pe.stride(1) if k_pe.shape[1] > 1 else 0
+    (wrap or _identity)(_mla_kv_cache_write_kernel)[(triton.cdiv(n_rows, rows),)](
+        k_nope, k_pe, value, k_out, v_out, positions, n_rows, s, k_cache.shape[2],
+        k_nope.stride(0), k_nope.stride(1), k_nope.stride(2),
+        k_pe.stride(0), kp_stride_h, k_pe.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        v_out.stride(0), v_out.stride(1), v_out.stride(2),
+        H=h, NOPE=nope, R=r, V=v, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_V=triton.next_power_of_2(v), ROWS=rows, SLOTS=slots, num_warps=4,
+    )  # fmt: skip
+    return k_out, v_out
