@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusion_passes.lowering.common.cache_slots import cache_slots, check_positions
 from fusion_passes.lowering.rms_norm.reference import SUPPORTED_DTYPES, rms_norm_reference
 
 
@@ -210,21 +211,8 @@ def check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, inte
             f"mla_indexer_k_norm_rope_cache: cache [{b}, T, {d}] {k.dtype} expected, "
             f"got {tuple(cache.shape)} {cache.dtype}"
         )
-    if positions.dtype not in (torch.int64, torch.int32) or positions.numel() not in (1, s) or positions.dim() > 1:
-        raise ValueError(
-            f"mla_indexer_k_norm_rope_cache: positions must be {s} or 1 int64 / int32 values (0-d or 1-d), "
-            f"got {tuple(positions.shape)} {positions.dtype}"
-        )
+    check_positions("mla_indexer_k_norm_rope_cache", positions, s)
     return p
-
-
-def cache_positions(positions: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The cache slots of ``tokens`` new tokens: ``positions`` itself (one per token), or, given
-    one value, the consecutive slots from it (transformers' StaticLayer: ``arange(S) + length``)."""
-    positions = positions.reshape(-1).to(torch.int64)
-    if positions.numel() == tokens:
-        return positions
-    return positions + torch.arange(tokens, device=positions.device)
 
 
 def mla_indexer_k_norm_rope_cache_reference(
@@ -239,11 +227,11 @@ def mla_indexer_k_norm_rope_cache_reference(
     interleave: bool = False,
 ) -> torch.Tensor:
     """The indexer key cache [B, T, D] with mla_indexer_k_norm_rope(k, ...) [B, S, D] written at
-    the slots ``cache_positions(positions, S)`` of dim 1 (transformers' DeepseekV32 cache layer:
+    the slots ``cache_slots(positions, S)`` of dim 1 (transformers' DeepseekV32 cache layer:
     ``indexer_keys.index_copy_(1, arange(S) + length, key)``), as a new tensor."""
     check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
     key = mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave)
-    return cache.index_copy(1, cache_positions(positions, k.shape[1]), key)
+    return cache.index_copy(1, cache_slots(positions, k.shape[1]), key)
 
 
 def check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions) -> None:
@@ -265,9 +253,7 @@ def check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positio
             raise ValueError(f"{name}: {what} [{b}, {h}, T, {width}] expected, got {tuple(cache.shape)}")
     if k_cache.shape[2] != v_cache.shape[2]:
         raise ValueError(f"{name}: the caches hold {k_cache.shape[2]} and {v_cache.shape[2]} slots")
-    if positions.dtype not in (torch.int64, torch.int32) or positions.numel() not in (1, s) or positions.dim() > 1:
-        raise ValueError(f"{name}: positions must be {s} or 1 int64 / int32 values (0-d or 1-d), "
-                         f"got {tuple(positions.shape)} {positions.dtype}")  # fmt: skip
+    check_positions(name, positions, s)
 
 
 def mla_kv_cache_write_reference(
@@ -279,9 +265,9 @@ def mla_kv_cache_write_reference(
     positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache) [B, H, T, *] with key = cat(k_nope, k_pe over every head) and value
-    [B, H, S, *] written at the slots ``cache_positions(positions, S)`` of dim 2, as new tensors
+    [B, H, S, *] written at the slots ``cache_slots(positions, S)`` of dim 2, as new tensors
     (transformers' DeepSeek V3.2 attention: expand_kv's key, then the StaticLayer's index_copy_)."""
     check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions)
     key = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-    slots = cache_positions(positions, k_nope.shape[2])
+    slots = cache_slots(positions, k_nope.shape[2])
     return k_cache.index_copy(2, slots, key), v_cache.index_copy(2, slots, value)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_passes.lowering.common.cache_slots import slots_mode
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
     check_indexer_k_cache_args,
@@ -511,7 +512,7 @@ def mla_indexer_k_norm_rope_cache_triton(
 def _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, m, s, t, stride_ob, stride_os,
                       eps, p, interleave, wrap):  # fmt: skip
     d = k_rows.shape[-1]
-    mode = 0 if positions is None else (1 if positions.numel() == 1 and s > 1 else 2)
+    mode = 0 if positions is None else slots_mode(positions, s)
     rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
     (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[(triton.cdiv(m, rows),)](
         k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out,
@@ -591,7 +592,7 @@ def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, 
         if cache.stride(-1) != 1:
             raise ValueError(f"mla_kv_cache_write: the {name}'s last dim must be contiguous, got strides {cache.stride()}")
     positions = positions.reshape(-1)
-    slots = 1 if positions.numel() == 1 and s > 1 else 2
+    slots = slots_mode(positions, s)
     padded = triton.next_power_of_2(nope) + triton.next_power_of_2(r) + triton.next_power_of_2(v)
     rows = max(1, triton.next_power_of_2(max(1, _KV_WRITE_ELEMENTS // padded)) // 2) if padded > 0 else 1
     n_rows = b * h * s
