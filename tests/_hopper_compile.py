@@ -89,7 +89,7 @@ def _cases():
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
     from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
-    from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_triton
+    from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_cache_triton, qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
     from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
     from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton
@@ -139,6 +139,14 @@ def _cases():
     row_q, row_k = torch.randn(256, dtype=bf16), torch.randn(128, dtype=bf16)
     partial = (q, k, row_q, row_k, cos[..., :32], sin[..., :32], 1e-6, 0.0, True, False)
     yield "qk_norm_rope (whole row, partial)", qk_norm_rope_triton, partial
+    # the same, k and v into the KV cache [B, H, 40, D]: per head from a first slot, whole row at a
+    # slot per token
+    v, caches = torch.randn(2, 3, 2, 64, dtype=bf16), (torch.randn(2, 2, 40, 64, dtype=bf16), torch.randn(2, 2, 40, 64, dtype=bf16))
+    cache_args = (q, k, v, head_w, head_w, cos, sin, *caches, torch.tensor(5), 1e-6)
+    yield "qk_norm_rope_cache (per head, first slot)", qk_norm_rope_cache_triton, cache_args
+    cache_args = (q, k, v, row_q, row_k, cos[..., :32], sin[..., :32], *caches, torch.tensor([7, 0, 9]), 1e-6, 0.0,
+                  True, False)  # fmt: skip
+    yield "qk_norm_rope_cache (whole row, slot per token)", qk_norm_rope_cache_triton, cache_args
     # DeepSeek V3 MLA: 512 latent + 64 RoPE dims, 4 heads of 128 + 64; the V3.2 indexer's keys
     mq, kv = torch.randn(2, 3, 4, 192, dtype=bf16), torch.randn(2, 3, 576, dtype=bf16)
     latent_w, c32, s32 = torch.randn(512, dtype=bf16), torch.randn(2, 3, 32, dtype=bf16), torch.randn(2, 3, 32, dtype=bf16)
@@ -178,7 +186,8 @@ def _cases():
 # their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
 _WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
-                  "mla_kv_cache_write (slot per token)": (3, 4)}  # fmt: skip
+                  "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
+                  "qk_norm_rope_cache (whole row, slot per token)": (7, 8)}  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -20,11 +20,15 @@ from _params import by_str, grid  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fusion_passes.lowering.qk_norm_rope.op import qk_norm_rope  # noqa: E402
-from fusion_passes.lowering.qk_norm_rope.reference import qk_norm_rope_reference  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope.op import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
+from fusion_passes.lowering.qk_norm_rope.reference import (  # noqa: E402
+    qk_norm_rope_cache_reference,
+    qk_norm_rope_reference,
+)
 from fusion_passes.lowering.qk_norm_rope.triton import (  # noqa: E402
     SPLIT_MAX_STEPS,
     WHOLE_ROW_WIDE_MAX_TOKENS,
+    qk_norm_rope_cache_triton,
     qk_norm_rope_triton,
     whole_row_step_rows,
 )
@@ -307,3 +311,98 @@ def test_bad_arguments_raise(change):
         with pytest.raises(ValueError) as raised:
             call(q, k, wq, wk, cos, sin, 1e-6, 0.0, cast, True)
         assert "\n" not in str(raised.value)
+
+
+# --- qk_norm_rope_cache: k and v written into the KV cache by the same launch ---
+
+
+def _cache_inputs(config, dtype, tokens, slots, seed, dv=None):
+    hq, hk, d, r, per_head = config
+    b, s = tokens
+    g = torch.Generator().manual_seed(seed + 100)
+    dv = dv or d
+    v = torch.randn(b, s, hk, dv, generator=g).to(DEVICE, dtype)
+    k_cache = torch.randn(b, hk, slots, d, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(b, hk, slots, dv, generator=g).to(DEVICE, dtype)
+    return v, k_cache, v_cache
+
+
+# (config, (B, S), cache slots, positions): decode steps at batch 1 (one sequence) and 3 from a
+# first slot, a 3-token step from slot 4 (consecutive slots), and tokens at a slot each
+CACHE_CASES = [
+    ("qwen3", (1, 1), 7, [5]),
+    ("qwen3_5", (3, 1), 6, 2),
+    ("minimax_m2", (2, 3), 9, 4),
+    ("odd", (2, 2), 5, [4, 0]),
+    ("odd_whole_row", (1, 3), 8, [7, 2, 5]),
+]
+
+
+@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cache_variant_is_the_kernel_and_index_copy(dtype, case):
+    """q_out and the key rows bit-equal qk_norm_rope_triton's split tiles (the same code), written
+    at their slots with v transposed into the value cache (every other slot untouched), as
+    index_copy would; within the reference's bound as qk_norm_rope_triton is tested above."""
+    name, tokens, slots, positions = case
+    config = CONFIGS[name]
+    per_head = config[4]
+    args = _inputs(config, dtype, "llama", tokens, seed=slots)
+    v, k_cache, v_cache = _cache_inputs(config, dtype, tokens, slots, seed=slots, dv=config[2] + 4)
+    positions = torch.tensor(positions, device=DEVICE)
+    q, k, wq, wk, cos, sin = args
+    q_out, k_new, v_new = qk_norm_rope_cache_triton(q, k, v, wq, wk, cos, sin, k_cache, v_cache, positions, 1e-6,
+                                                    0.0, True, per_head)  # fmt: skip
+    assert k_new.data_ptr() != k_cache.data_ptr()  # a dispatcher call is functional
+    plain_q, plain_k = qk_norm_rope_triton(*args, 1e-6, 0.0, True, per_head, whole_head_tile=False)
+    s = tokens[1]
+    index = positions.reshape(-1) + (torch.arange(s, device=DEVICE) if positions.numel() == 1 else 0)
+    assert torch.equal(q_out, plain_q) and q_out.stride() == plain_q.stride()
+    assert torch.equal(k_new, k_cache.index_copy(2, index, plain_k))
+    assert torch.equal(v_new, v_cache.index_copy(2, index, v.transpose(1, 2)))
+    ref = qk_norm_rope_cache_reference(q, k, v, wq, wk, cos, sin, k_cache, v_cache, positions, 1e-6, 0.0, True,
+                                       per_head)  # fmt: skip
+    _assert_close(k_new[:, :, index], ref[1][:, :, index], dtype)
+
+
+def test_cache_variant_in_place_when_inlined_and_slots_past_the_cache_unwritten():
+    config = CONFIGS["minimax_m2"]
+    q, k, wq, wk, cos, sin = _inputs(config, torch.float32, "llama", (2, 2), seed=3)
+    v, k_cache, v_cache = _cache_inputs(config, torch.float32, (2, 2), 5, seed=3)
+    before = (k_cache.clone(), v_cache.clone())
+    out = qk_norm_rope_cache_triton(q, k, v, wq, wk, cos, sin, k_cache, v_cache, torch.tensor(1), 1e-6, 0.0, True,
+                                    False, wrap=lambda kernel: kernel)  # fmt: skip
+    assert out[1] is k_cache and out[2] is v_cache
+    assert torch.equal(v_cache[:, :, 1:3], v.transpose(1, 2)) and torch.equal(k_cache[:, :, 3:], before[0][:, :, 3:])
+    _, k_new, v_new = qk_norm_rope_cache_triton(q, k, v, wq, wk, cos, sin, *before, torch.tensor([4, 5]), 1e-6, 0.0,
+                                                True, False)  # fmt: skip
+    assert torch.equal(k_new[:, :, :4], before[0][:, :, :4]) and torch.equal(v_new[:, :, 4], v[:, 0])
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [(lambda a: {**a, "v": a["v"][:, :, :1]}, "v [2, 2, 2, Dv]"),
+     (lambda a: {**a, "v_cache": a["v_cache"][:, :, :3]}, "the caches hold 5 and 3 slots"),
+     (lambda a: {**a, "k_cache": a["k_cache"].to(torch.float16)}, "k_cache [2, 2, T, 32] torch.float32 expected"),
+     (lambda a: {**a, "positions": torch.tensor([1, 2, 3])}, "positions must be 2 or 1")],  # fmt: skip
+    ids=["v heads", "slots", "cache dtype", "positions"],
+)
+def test_cache_variant_bad_arguments_raise(change, message):
+    import re
+
+    config = CONFIGS["qwen3"]
+    q, k, wq, wk, cos, sin = _inputs(config, torch.float32, "llama", (2, 2), seed=4)
+    v, k_cache, v_cache = _cache_inputs(config, torch.float32, (2, 2), 5, seed=4)
+    args = change({"v": v, "k_cache": k_cache, "v_cache": v_cache, "positions": torch.tensor(0)})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        qk_norm_rope_cache(q, k, args["v"], wq, wk, cos, sin, args["k_cache"], args["v_cache"], args["positions"],
+                           1e-6)  # fmt: skip
+
+
+def test_cache_op_opcheck():
+    config = CONFIGS["qwen3_5"]
+    q, k, wq, wk, cos, sin = _inputs(config, torch.bfloat16, "offset", (2, 1), seed=5)
+    v, k_cache, v_cache = _cache_inputs(config, torch.bfloat16, (2, 1), 4, seed=5)
+    for positions in (torch.tensor(2), torch.tensor([3])):
+        args = (q, k, v, wq, wk, cos, sin, k_cache, v_cache, positions.to(DEVICE), 1e-6, 1.0, False, True, False)
+        torch.library.opcheck(qk_norm_rope_cache, args)

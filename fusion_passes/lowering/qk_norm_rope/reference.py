@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_passes.lowering.common.cache_slots import cache_slots, check_positions
 from fusion_passes.lowering.rope.reference import rope_reference
 from fusion_passes.lowering.rms_norm.reference import (
     SUPPORTED_DTYPES,
@@ -119,3 +120,50 @@ def qk_norm_rope_reference(
     )
     args = (cos, sin, eps, weight_offset, cast_before_weight, norm_per_head, interleaved)
     return _branch(q, q_weight, *args), _branch(k, k_weight, *args)
+
+
+def check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, positions,
+                                  weight_offset=0.0, cast_before_weight=True, norm_per_head=True,
+                                  interleaved=False) -> None:  # fmt: skip
+    """Raise ValueError (one line) for inputs qk_norm_rope_cache does not define."""
+    check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head,
+                            interleaved)  # fmt: skip
+    name = "qk_norm_rope_cache"
+    b, s, hk, d = k.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (b, s, hk) or v.dtype != k.dtype:
+        raise ValueError(f"{name}: v [{b}, {s}, {hk}, Dv] {k.dtype} expected, got {tuple(v.shape)} {v.dtype}")
+    for what, cache, width in (("k_cache", k_cache, d), ("v_cache", v_cache, v.shape[3])):
+        if cache.dim() != 4 or tuple(cache.shape[:2]) != (b, hk) or cache.shape[3] != width or cache.dtype != k.dtype:
+            raise ValueError(f"{name}: {what} [{b}, {hk}, T, {width}] {k.dtype} expected, "
+                             f"got {tuple(cache.shape)} {cache.dtype}")  # fmt: skip
+    if k_cache.shape[2] != v_cache.shape[2]:
+        raise ValueError(f"{name}: the caches hold {k_cache.shape[2]} and {v_cache.shape[2]} slots")
+    check_positions(name, positions, s)
+
+
+def qk_norm_rope_cache_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    norm_per_head: bool = True,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_out, k_cache, v_cache): qk_norm_rope's q_out, and the caches [B, Hk, T, *] with its k_out
+    and v [B, S, Hk, Dv] (transposed) written at the slots ``cache_slots(positions, S)`` of dim 2,
+    as new tensors (transformers' StaticLayer.update: index_copy_ of both)."""
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, positions,
+                                  weight_offset, cast_before_weight, norm_per_head, interleaved)  # fmt: skip
+    q_out, k_out = qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, weight_offset,
+                                          cast_before_weight, norm_per_head, interleaved)  # fmt: skip
+    slots = cache_slots(positions, k.shape[1])
+    return q_out, k_cache.index_copy(2, slots, k_out), v_cache.index_copy(2, slots, v.transpose(1, 2))

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
+from fusion_passes.lowering.common.cache_slots import slots_mode
+from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args, check_qk_norm_rope_cache_args
 from fusion_passes.lowering.common.norm_triton import scale_by_weight
 
 # Per-head mode: elements one program handles (ROWS heads of D). Small enough that a decode step
@@ -116,6 +117,12 @@ def _norm_rope_rows(
     CAST_BEFORE_WEIGHT: tl.constexpr,  # Llama form (see rms_norm_triton.scale_by_weight)
     ONE_SEQ: tl.constexpr,  # B == 1 (see _token_offset)
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (see _pair_cols)
+    cache_stride_b=0,  # SLOTS > 0: out_ptr is a cache [B, H, T, D] with these strides
+    cache_stride_h=0,
+    cache_stride_t=0,
+    pos_ptr=None,  # SLOTS > 0: the slots (see _seq_and_token)
+    T=0,
+    SLOTS: tl.constexpr = 0,  # 0: out_ptr a new [B, S, H, D] tensor; 1 / 2: a cache (see _seq_and_token)
 ):
     D: tl.constexpr = 2 * HALF + PASS
     lanes = tl.arange(0, ROWS)
@@ -177,11 +184,68 @@ def _norm_rope_rows(
         rstd = tl.rsqrt(squares / D + eps)[:, None]
     else:
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / (H * D) + eps)
+    if SLOTS > 0:  # rows into the cache [B, H, T, D] at their tokens' slots (see _seq_and_token)
+        seq, s = _seq_and_token(token, S, ONE_SEQ)
+        if SLOTS == 1:
+            slot = s + tl.load(pos_ptr).to(tl.int64)
+        else:
+            slot = tl.load(pos_ptr + s, mask=row_mask, other=0).to(tl.int64)
+        in_cache = (row_mask & (slot >= 0) & (slot < T))[:, None]
+        out_row = (out_ptr + seq * cache_stride_b + head.to(tl.int64) * cache_stride_h + slot * cache_stride_t)[:, None]
+        half_mask = half_mask & in_cache
+        pass_mask = pass_mask & in_cache
+    else:
+        out_row = out_ptr + rows[:, None] * D
     _rope_store(
-        x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_ptr + rows[:, None] * D,
+        x1, x2, xp, w1, w2, wp, c1, c2, s1, s2, rstd, weight_offset, out_row,
         lo[None, :], hi[None, :], pcols[None, :], half_mask, pass_mask, HALF, PASS,
         CAST_BEFORE_WEIGHT, cos_ptr.dtype.element_ty,
     )  # fmt: skip
+
+
+@triton.jit
+def _seq_and_token(token, S, ONE_SEQ: tl.constexpr):
+    """(sequence, token within it) of flat token indices, int64."""
+    if ONE_SEQ:
+        return (token * 0).to(tl.int64), token.to(tl.int64)
+    return (token // S).to(tl.int64), (token % S).to(tl.int64)
+
+
+# A cache row's slot is loaded where the row is stored (_norm_rope_rows, _copy_rows_to_cache), not
+# in a helper: Inductor's analysis of which tensors a launch writes follows a stored pointer back
+# through every argument of a call that made it, and would take the slots' tensor for written.
+# SLOTS 1: pos_ptr holds the first slot, token s of a sequence goes to it + s; 2: pos_ptr holds a
+# slot per token (lowering/common/cache_slots.py). A slot outside [0, T) writes nothing (torch's
+# index_copy raises there).
+
+
+@triton.jit
+def _copy_rows_to_cache(
+    v_ptr, cache_ptr, local_pid, n_rows, S, H: tl.constexpr, v_stride_b, v_stride_s, v_stride_h,
+    cache_stride_b, cache_stride_h, cache_stride_t, pos_ptr, T, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ROWS: tl.constexpr, NORM_PER_HEAD: tl.constexpr, SLOTS: tl.constexpr, ONE_SEQ: tl.constexpr,
+):  # fmt: skip
+    """v [B, S, H, DV] copied into its cache [B, H, T, DV] at the tokens' slots: the head rows a k
+    program of _norm_rope_rows takes (ROWS of them per head, a token's H per whole row)."""
+    lanes = tl.arange(0, ROWS)
+    if NORM_PER_HEAD:
+        rows = local_pid * ROWS + lanes
+        row_mask = rows < n_rows
+    else:
+        rows = local_pid * H + lanes
+        row_mask = lanes < H
+    head = rows % H
+    token = rows // H
+    src = (v_ptr + _token_offset(token, S, v_stride_b, v_stride_s, ONE_SEQ) + head * v_stride_h)[:, None]
+    seq, s = _seq_and_token(token, S, ONE_SEQ)
+    if SLOTS == 1:
+        slot = s + tl.load(pos_ptr).to(tl.int64)
+    else:
+        slot = tl.load(pos_ptr + s, mask=row_mask, other=0).to(tl.int64)
+    dst = (cache_ptr + seq * cache_stride_b + head.to(tl.int64) * cache_stride_h + slot * cache_stride_t)[:, None]
+    cols = tl.arange(0, BLOCK_DV)[None, :]
+    mask = (row_mask & (slot >= 0) & (slot < T))[:, None] & (cols < DV)
+    tl.store(dst + cols, tl.load(src + cols, mask=mask, other=0.0), mask=mask)
 
 
 @triton.jit
@@ -472,6 +536,24 @@ def _qk_norm_rope_kernel(
     K_STEPS: tl.constexpr,  # the same for k
     ONE_SEQ: tl.constexpr,  # B == 1: token offsets without a division by S
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2j, 2j + 1), else rotate_half's (j, j + R/2)
+    # qk_norm_rope_cache (SLOTS > 0; the launcher takes _norm_rope_rows then, one step a token):
+    # k_out_ptr is the key cache [B, HK, T, D], and the k programs copy v into the value cache
+    kc_stride_b=0,
+    kc_stride_h=0,
+    kc_stride_t=0,
+    pos_ptr=None,  # the slots (see _seq_and_token)
+    T=0,  # cache slots
+    v_ptr=None,  # *dtype [B, S, HK, DV]
+    v_stride_b=0,
+    v_stride_s=0,
+    v_stride_h=0,
+    v_cache_ptr=None,  # *dtype [B, HK, T, DV]
+    vc_stride_b=0,
+    vc_stride_h=0,
+    vc_stride_t=0,
+    SLOTS: tl.constexpr = 0,
+    DV: tl.constexpr = 1,
+    BLOCK_DV: tl.constexpr = 1,
 ):
     # Inductor's launches pass Python floats as fp64: pin them to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
@@ -519,7 +601,14 @@ def _qk_norm_rope_kernel(
             k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
             NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
+            kc_stride_b, kc_stride_h, kc_stride_t, pos_ptr, T, SLOTS,
         )  # fmt: skip
+        if SLOTS > 0:
+            _copy_rows_to_cache(
+                v_ptr, v_cache_ptr, pid - q_programs, n_k_rows, S, HK, v_stride_b, v_stride_s, v_stride_h,
+                vc_stride_b, vc_stride_h, vc_stride_t, pos_ptr, T, DV, BLOCK_DV, ROWS_K, NORM_PER_HEAD,
+                SLOTS, ONE_SEQ,
+            )  # fmt: skip
 
 
 def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool, whole_head_tile: bool):
@@ -585,13 +674,86 @@ def qk_norm_rope_triton(
         q, k, q_weight, k_weight, cos, sin, weight_offset, cast_before_weight, norm_per_head,
         interleaved,
     )
+    b, s, hq, d = q.shape
+    q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((b, s, k.shape[2], d), dtype=k.dtype, device=k.device)
+    form = (eps, weight_offset, cast_before_weight, norm_per_head, interleaved)
+    _launch(q, k, q_weight, k_weight, cos, sin, form, q_out, k_out, {}, wrap, whole_head_tile, rows, num_warps)
+    # permute, not transpose: inlined as a direct launch, this lands in Inductor's post-grad graph,
+    # where torch 2.11 has no lowering for aten.transpose.int (its decomposition runs earlier).
+    return q_out.permute(0, 2, 1, 3), k_out.permute(0, 2, 1, 3)
+
+
+def qk_norm_rope_cache_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    norm_per_head: bool = True,
+    interleaved: bool = False,
+    *,
+    wrap: Callable | None = None,
+    rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_out, k_cache, v_cache) as qk_norm_rope_cache_reference, in one launch: q_out as
+    qk_norm_rope_triton's; k_out stored straight into the key cache at its slots, and v copied into
+    the value cache by the k programs. The caches are written in place when ``wrap`` is given
+    (Inductor inlines the launch; the op's outputs are the caches), else into copies. A token's
+    norm is one step of the split tiles (_norm_rope_rows) whatever the token count: the op is a
+    decode step's (the pattern takes at most CACHE_MAX_TOKENS tokens)."""
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, positions,
+                                  weight_offset, cast_before_weight, norm_per_head, interleaved)  # fmt: skip
+    b, s, hq, d = q.shape
+    v = _unit_columns(v)
+    k_out, v_out = (k_cache, v_cache) if wrap is not None else (k_cache.clone(), v_cache.clone())
+    for name, cache in (("k_cache", k_out), ("v_cache", v_out)):
+        if cache.stride(-1) != 1:
+            raise ValueError(f"qk_norm_rope_cache: the {name}'s last dim must be contiguous, got strides {cache.stride()}")
+    positions = positions.reshape(-1)
+    q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
+    cache = dict(
+        kc_stride_b=k_out.stride(0), kc_stride_h=k_out.stride(1), kc_stride_t=k_out.stride(2), pos_ptr=positions,
+        T=k_out.shape[2], v_ptr=v, v_stride_b=v.stride(0), v_stride_s=v.stride(1), v_stride_h=v.stride(2),
+        v_cache_ptr=v_out, vc_stride_b=v_out.stride(0), vc_stride_h=v_out.stride(1), vc_stride_t=v_out.stride(2),
+        SLOTS=slots_mode(positions, s), DV=v.shape[3], BLOCK_DV=triton.next_power_of_2(v.shape[3]),
+    )  # fmt: skip
+    form = (eps, weight_offset, cast_before_weight, norm_per_head, interleaved)
+    _launch(q, k, q_weight, k_weight, cos, sin, form, q_out, k_out, cache, wrap, False, rows, num_warps)
+    return q_out.permute(0, 2, 1, 3), k_out, v_out
+
+
+# The most tokens qk_norm_rope_cache takes (patterns/qk_norm_rope: the cache fusion's check): its
+# one-step whole-row tiles are the decode form (see WHOLE_ROW_WIDE_MAX_TOKENS).
+CACHE_MAX_TOKENS = WHOLE_ROW_WIDE_MAX_TOKENS
+
+
+# The kernel's cache arguments where it writes no cache (qk_norm_rope).
+_NO_CACHE = dict(
+    kc_stride_b=0, kc_stride_h=0, kc_stride_t=0, pos_ptr=None, T=0, v_ptr=None, v_stride_b=0, v_stride_s=0,
+    v_stride_h=0, v_cache_ptr=None, vc_stride_b=0, vc_stride_h=0, vc_stride_t=0, SLOTS=0, DV=1, BLOCK_DV=1,
+)  # fmt: skip
+
+
+def _launch(q, k, q_weight, k_weight, cos, sin, form, q_out, k_out, cache: dict, wrap, whole_head_tile, rows,
+            num_warps):  # fmt: skip
+    """One launch of _qk_norm_rope_kernel writing q_out and k_out ([B, S, H, D], or with ``cache``
+    the kernel's cache arguments: the key cache, and v into the value cache)."""
+    eps, weight_offset, cast_before_weight, norm_per_head, interleaved = form
     q, k, cos, sin = (_unit_columns(t) for t in (q, k, cos, sin))
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     b, s, hq, d = q.shape
     hk = k.shape[2]
     rotary_dim = cos.shape[-1]
-    q_out = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
     tokens = b * s
     static_tokens = tokens if isinstance(tokens, int) else None
     if whole_head_tile is None:  # see launch_config's timings
@@ -602,7 +764,7 @@ def qk_norm_rope_triton(
     block_half, block_pass, default_rows, default_warps = launch_config(
         d, rotary_dim, max(hq, hk), norm_per_head, whole_head_tile
     )
-    wide = static_tokens is not None and static_tokens <= WHOLE_ROW_WIDE_MAX_TOKENS
+    wide = bool(cache) or (static_tokens is not None and static_tokens <= WHOLE_ROW_WIDE_MAX_TOKENS)
     if not (norm_per_head or whole_head_tile or wide):
         default_rows, default_warps = whole_row_step_rows(max(hq, hk)), _WHOLE_ROW_SPLIT_WARPS
     # Overrides (tools/tune_qk_norm_rope.py). A whole-row norm of the split tiles takes its
@@ -614,6 +776,8 @@ def qk_norm_rope_triton(
         raise ValueError(
             f"qk_norm_rope: split tiles take {max(hq, hk)} heads in at most {SPLIT_MAX_STEPS} steps, not of {rows}"
         )
+    if cache and not norm_per_head and steps > 1:
+        raise ValueError(f"qk_norm_rope_cache: a token's {max(hq, hk)} heads take one step, not rows of {rows}")
     num_warps = num_warps or default_warps
     n_q, n_k = b * s * hq, b * s * hk
     if norm_per_head:
@@ -623,6 +787,9 @@ def qk_norm_rope_triton(
     # A batch of one broadcast over the batch: stride 0 reads the same positions for every sequence.
     cos_stride_b = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_stride_b = sin.stride(0) if sin.shape[0] > 1 else 0
+    # Every argument passed (defaults too): Inductor's analysis of which tensors a launch writes
+    # takes the arguments as given, and assumes every input written when any is missing.
+    cache = {**_NO_CACHE, **cache}
     kernel = (wrap or (lambda fn: fn))(_qk_norm_rope_kernel)
     kernel[(q_programs + k_programs,)](
         q, k, q_weight, k_weight, cos, sin, q_out, k_out,
@@ -645,7 +812,5 @@ def qk_norm_rope_triton(
         ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
         INTERLEAVED=interleaved,
         num_warps=num_warps,
+        **cache,
     )  # fmt: skip
-    # permute, not transpose: inlined as a direct launch, this lands in Inductor's post-grad graph,
-    # where torch 2.11 has no lowering for aten.transpose.int (its decomposition runs earlier).
-    return q_out.permute(0, 2, 1, 3), k_out.permute(0, 2, 1, 3)
