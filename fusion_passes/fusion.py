@@ -275,6 +275,25 @@ def match_handler(handler: MatchHandler):
         _match_handler.reset(token)
 
 
+_enabled: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("fusion_passes_enabled", default=frozenset())
+
+
+@contextlib.contextmanager
+def enabled_fusions(names: Iterable[str]):
+    """The fusions the running pass applies, for a check whose answer depends on another fusion
+    being enabled (a site left to Inductor unless a later fusion takes it further)."""
+    token = _enabled.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+def is_enabled(name: str) -> bool:
+    """Whether the running pass applies fusion ``name`` (see enabled_fusions)."""
+    return name in _enabled.get()
+
+
 def _on_match(fusion: Fusion, spelling: Spelling, match: Match) -> bool:
     handler = _match_handler.get()
     return True if handler is None else handler(fusion, spelling, match)

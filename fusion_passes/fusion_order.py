@@ -27,6 +27,7 @@ from fusion_passes.patterns import (
     moe_route,
     moe_sort_by_expert,
     qk_norm_rope,
+    qk_norm_rope_cache,
     quant_fp8,
     rms_norm,
     rms_norm_quant_fp8,
@@ -69,6 +70,7 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "and before qk_norm_rope, which starts from the canonical rope op",
     ),
     (qk_norm_rope, "after the norms and before that elimination, as mla_rope"),
+    (qk_norm_rope_cache, "after qk_norm_rope, whose op it starts from, and before gqa_decode_attention, which reads the caches"),
     (
         quant_fp8,
         "before the FP8 region fusions, which start from the canonical quant_fp8 it raises; "

@@ -40,6 +40,7 @@ from fusion_passes.fusion import (
     Fusion,
     NotASite,
     Spelling,
+    enabled_fusions,
     match_handler,
     pattern_pass,
     trace_functional,
@@ -108,7 +109,7 @@ class FusionPassManager(CustomGraphPass):
         first_error = len(self.report.errors)
         before = op_counts(graph)
         deduplicated = False
-        with match_handler(self._on_match):
+        with match_handler(self._on_match), enabled_fusions(f.name for f in self.fusions):
             for fusion in self.fusions:
                 if fusion.cse_before and not deduplicated and _holds_any(graph, fusion.cse_when):
                     # Identical subgraphs computed twice (an activation quantized once per

@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_args
-from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, NotASite, Spelling
+from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, NotASite, Spelling, is_enabled
 from fusion_passes.patterns.rope import FAMILY as ROPE_FAMILY
 
 # The whole-row spellings' head dim is traced with this sentinel: no other int of their traced
@@ -336,7 +336,10 @@ def decode_cache_write_refusal(match) -> str | None:
     sin from the positions), both norms, both rotations and the k cache write into one kernel,
     and the fused op would add the write's kernel. Measured on one H200 (Qwen3-30B-A3B width, 2
     layers, after 1024 tokens): 71 vs 70 kernels at batch 1, 69 vs 68 at 64, step time equal. The
-    whole-row form (MiniMax-M2) is not refused: there the fused op is 1.05x at batch 1."""
+    whole-row form (MiniMax-M2) is not refused: there the fused op is 1.05x at batch 1. Nor is any
+    site while qk_norm_rope_cache is enabled, which moves the cache writes into the op."""
+    if is_enabled("qk_norm_rope_cache"):  # that fusion takes the site further, with the cache writes
+        return None
     q = match.kwargs.get("q")
     val = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.shape[1] != 1:

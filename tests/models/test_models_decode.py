@@ -318,3 +318,25 @@ def test_benchmarks_page_shows_the_plain_rounds_range():
     _, table = render.decode([{"points": [point]}])
     row = next(line for line in table if line.startswith("| m (2)"))
     assert "0.95x (0.95x-1.20x)" in row and "1.25x" in row, row
+
+
+@pytest.mark.slow  # a whole-model compile per model
+@pytest.mark.parametrize("name,sites", [("qwen3", 2), ("minimax-m2", 2), ("qwen3.5-moe", 1)])
+def test_decode_steps_write_the_kv_cache_from_the_prologue_kernel(name, sites):
+    """With the opt-in qk_norm_rope_cache fusions every full-attention layer's q/k norm, RoPE and
+    both cache writes are one op (no index_put left for them); outputs and caches stay within
+    bf16's tolerance of eager over the steps."""
+    step = _step(name)
+    report = fusion_passes.Report()
+    fusions = ["all", "qk_norm_rope_cache", "qk_norm_rope_whole_row_cache"]
+    compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True, dynamic=False)
+    outs, cache = _run(step, compiled)
+    expected_outs, expected_cache = _run(step, step)
+    final = report.final()
+    assert final["qk_norm_rope_cache"] + final["qk_norm_rope_whole_row_cache"] == sites and not report.errors
+    after = report.ops_after()
+    assert after["fusion_passes.qk_norm_rope_cache.default"] == sites and "aten.index_put.default" not in after
+    bound = tolerance(torch.bfloat16).rel_norm
+    assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected_outs, strict=True))
+    for a, e in zip(cache, expected_cache, strict=True):
+        assert compare(a, e).rel_norm <= bound if e.is_floating_point() else torch.equal(a, e)

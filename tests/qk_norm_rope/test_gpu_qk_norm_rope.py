@@ -64,3 +64,43 @@ def test_spelling_fused_on_cuda(name, launch):
     graph.replay()
     for a, e in zip(captured, fn(*static), strict=True):
         assert compare(a, e).ok
+
+
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+@pytest.mark.parametrize("spelling", ["qwen3", "minimax_m2"])
+def test_prologue_writes_the_kv_cache_on_cuda(spelling, launch):
+    """qk_norm_rope_cache on CUDA: in direct mode Inductor emits the kernel, which writes both
+    caches in place (no index_put kernel left); query and caches within bf16's tolerance of
+    eager, and a CUDA-graph replay on new inputs writes theirs."""
+    from test_rewrite_qk_norm_rope import NORMS, SPELLINGS, _attention_prelude
+    from test_rewrite_qk_norm_rope_cache import FORMS, OPT_IN, _inputs, static_layer_update
+
+    fusion, per_head, rope, _, gate = SPELLINGS[spelling]
+    fn = static_layer_update(_attention_prelude(NORMS[FORMS[spelling]], per_head, rope, gate))
+    args = [t.cuda() for t in _inputs(spelling, (2, 1), torch.tensor(5))]
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusion_passes.backend(OPT_IN, report=report, launch=launch))
+    ours = [t.clone() for t in args]
+    (q, _, _), (code,) = run_and_get_code(compiled, *ours)
+    assert report.final()[f"{fusion}_cache"] == 1 and not report.errors
+    if launch == "direct":
+        assert "def _qk_norm_rope_kernel(" in code and "index_put" not in code.split("def call(")[-1]
+    eager = [t.clone() for t in args]
+    expected_q = fn(*eager)[0]
+    for a, e in zip((q, ours[7], ours[8], ours[9]), (expected_q, eager[7], eager[8], eager[9]), strict=True):
+        assert compare(a, e).ok
+    static = [t.clone() for t in args]
+    for _ in range(2):
+        static[9].fill_(5)
+        compiled(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compiled(*static)
+    static[1].mul_(1.5)  # new keys; the counter back at slot 5
+    static[9].fill_(5)
+    expected = [t.clone() for t in static]
+    graph.replay()
+    fn(*expected)
+    for i in (7, 8, 9):
+        assert compare(static[i], expected[i]).ok
