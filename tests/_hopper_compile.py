@@ -160,6 +160,11 @@ def _cases():
     for form, slots in (("first slot", torch.tensor(5)), ("slot per token", torch.tensor([7, 0, 9]))):
         cache_args = (ik, iw, iw.clone(), c64, s64, icache, slots, 1e-6)
         yield f"mla_indexer_k_norm_rope_cache ({form})", mla.mla_indexer_k_norm_rope_cache_triton, cache_args
+    # the indexer's query (4 heads of 128) and key in one launch, the key as such or into its cache
+    iq4 = torch.randn(2, 3, 4, 128, dtype=bf16)
+    yield "mla_indexer_qk_rope", mla.mla_indexer_qk_rope_triton, (iq4, ik, iw, iw.clone(), c64, s64, None, None, 1e-6)
+    qk_cache_args = (iq4, ik, iw, iw.clone(), c64, s64, icache, torch.tensor(5), 1e-6)
+    yield "mla_indexer_qk_rope (into the cache)", mla.mla_indexer_qk_rope_triton, qk_cache_args
     # DeepSeek V3.2's key (128 + 64) and value (128) of 4 heads into the KV cache: k_nope and value
     # strided splits of kv_b_proj's output
     kv = torch.randn(2, 3, 4, 256, dtype=bf16).transpose(1, 2)
@@ -187,7 +192,7 @@ def _cases():
 _WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
                   "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
-                  "qk_norm_rope_cache (whole row, slot per token)": (7, 8)}  # fmt: skip
+                  "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,)}  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
     check_indexer_k_cache_args,
+    check_mla_indexer_qk_args,
     check_mla_kv_cache_write_args,
     check_mla_kv_args,
     check_mla_q_args,
@@ -540,6 +541,100 @@ MLA_KV_CACHE_WRITE = Fusion(
     builtin=True,
 )
 
+# --- mla_indexer_qk_rope: the indexer's two RoPE ops (they share cos and sin) in one launch ---
+
+
+def _indexer_qk_spelling(interleave: bool, into_cache: bool):
+    def query(q, cos, sin):
+        # As the indexer fusions leave them: each op squeezes the indexer's cos / sin.
+        return torch.ops.fusion_passes.mla_q_rope.default(q, cos.squeeze(2), sin.squeeze(2), True, interleave, False)
+
+    def check_merge(q, k, weight, bias, cos, sin, cache, positions) -> str | None:
+        try:
+            check_mla_indexer_qk_args(q, k, weight, bias, cos.squeeze(2), sin.squeeze(2), cache, positions, interleave)
+        except ValueError as e:
+            return str(e)
+        tokens = q.shape[0] * q.shape[1]
+        if isinstance(tokens, int) and tokens >= ONE_LAUNCH_MAX_TOKENS:
+            return f"{tokens} tokens: left as two launches (as mla_q_kv_rope, from {ONE_LAUNCH_MAX_TOKENS} tokens)"
+        return None
+
+    if into_cache:
+
+        def pattern(q, k, weight, bias, cos, sin, cache, positions, eps):
+            keys = torch.ops.fusion_passes.mla_indexer_k_norm_rope_cache.default(
+                k, weight, bias, cos.squeeze(2), sin.squeeze(2), cache, positions, eps, interleave
+            )
+            return query(q, cos, sin), keys
+
+        def replacement(q, k, weight, bias, cos, sin, cache, positions, eps):
+            return torch.ops.fusion_passes.mla_indexer_qk_rope.default(
+                q, k, weight, bias, cos.squeeze(2), sin.squeeze(2), cache, positions, eps, interleave
+            )
+
+        def check(values: dict[str, Any]) -> str | None:
+            return check_merge(*(values[n] for n in ("q", "k", "weight", "bias", "cos", "sin", "cache", "positions")))
+
+    else:
+
+        def pattern(q, k, weight, bias, cos, sin, eps):
+            keys = torch.ops.fusion_passes.mla_indexer_k_norm_rope.default(
+                k, weight, bias, cos.squeeze(2), sin.squeeze(2), eps, interleave
+            )
+            return query(q, cos, sin), keys
+
+        def replacement(q, k, weight, bias, cos, sin, eps):
+            return torch.ops.fusion_passes.mla_indexer_qk_rope.default(
+                q, k, weight, bias, cos.squeeze(2), sin.squeeze(2), None, None, eps, interleave
+            )
+
+        def check(values: dict[str, Any]) -> str | None:
+            return check_merge(*(values[n] for n in ("q", "k", "weight", "bias", "cos", "sin")), None, None)
+
+    return Spelling("interleave" if interleave else "rotate_half", pattern, replacement, check)
+
+
+def _indexer_qk_examples(into_cache: bool):
+    """Indexer q (4 heads of 12) and key of width 12, rope 4 rotate_half / 8 interleaved (cos width
+    4); into the cache: a cache of 7 slots from slot 2."""
+
+    def example_inputs():
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k = torch.randn(2, 3, 4, 12, dtype=dtype), torch.randn(2, 3, 12, dtype=dtype)
+            w, b = torch.randn(12, dtype=dtype), torch.randn(12, dtype=dtype)
+            cos = torch.randn(2, 3, 1, 4, dtype=dtype)
+            cache = (torch.randn(2, 7, 12, dtype=dtype), torch.tensor(2)) if into_cache else ()
+            yield q, k, w, b, cos, torch.randn_like(cos), *cache, DEFAULT_SCALAR_SENTINEL
+
+    return example_inputs
+
+
+def _indexer_qk_fusion(into_cache: bool) -> Fusion:
+    key_op = "mla_indexer_k_norm_rope_cache" if into_cache else "mla_indexer_k_norm_rope"
+    return Fusion(
+        name="mla_indexer_qk_rope_cache" if into_cache else "mla_indexer_qk_rope",
+        summary=f"V3.2 indexer q RoPE + {key_op} (two kernels sharing cos/sin) -> one mla_indexer_qk_rope launch",
+        doc=f"""The DSA indexer's two pre-score branches, already fused one kernel each, in one launch.
+
+        Unfused: query = fusion_passes.mla_q_rope(q, cos, sin, rope_first=True, ...)
+                 key = fusion_passes.{key_op}(k, w, b, cos, sin, ...)
+                 (two launches: at decode each is mostly launch latency)
+        Fused:   query, key = fusion_passes.mla_indexer_qk_rope(q, k, w, b, cos, sin, cache, positions, eps, ...)
+
+        Below ONE_LAUNCH_MAX_TOKENS tokens (or a symbolic count), as mla_q_kv_rope.""",
+        spellings=tuple(_indexer_qk_spelling(il, into_cache) for il in (False, True)),
+        example_inputs=_indexer_qk_examples(into_cache),
+        scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+        requires=("mla_indexer_q_rope", key_op),
+        opt_in="not yet timed on a GPU: the two kernels it merges take 1.4 and 2.3 us per layer on one H200 at "
+               "batch 1 (mla_q_kv_rope, the same merge for MLA, took 4.6 -> 2.7 us at 1 token)",  # fmt: skip
+        builtin=True,
+    )
+
+
+MLA_INDEXER_QK_ROPE = _indexer_qk_fusion(into_cache=False)
+MLA_INDEXER_QK_ROPE_CACHE = _indexer_qk_fusion(into_cache=True)
+
 FUSIONS = (
     MLA_KV_NORM_ROPE,
     MLA_KV_NORM_ROPE_ROTATE_HALF,
@@ -553,4 +648,7 @@ FUSIONS = (
     # After the indexer key's op, which its patterns start from.
     MLA_INDEXER_K_NORM_ROPE_CACHE,
     MLA_KV_CACHE_WRITE,
+    # After the indexer's q and key ops, and the key's cache fold, which their spellings start from.
+    MLA_INDEXER_QK_ROPE,
+    MLA_INDEXER_QK_ROPE_CACHE,
 )

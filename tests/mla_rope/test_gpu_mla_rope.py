@@ -136,3 +136,28 @@ def test_mla_key_and_value_written_into_the_cache_on_cuda(launch):
     expand_kv_into_cache(*expected)
     for i in (3, 4, 5):
         assert torch.equal(static[i], expected[i])
+
+
+@pytest.mark.parametrize("launch", ["direct", "dispatch"])
+def test_indexer_query_and_key_in_one_launch_on_cuda(launch):
+    """mla_indexer_qk_rope_cache on CUDA: one kernel for the indexer's query and its key into the
+    cache (in direct mode emitted by Inductor), bit-equal to the two-launch compile."""
+    from test_rewrite_mla_rope import B, CACHE_SLOTS, ROPE, _indexer_inputs, indexer_q_and_key_into_cache
+
+    q, k, w, b, cos, sin = (t.cuda() for t in _indexer_inputs(torch.bfloat16))
+    cache = torch.randn(B, CACHE_SLOTS, 2 * ROPE, device="cuda", dtype=torch.bfloat16)
+    args = (q, k, w, b, cos, sin, cache, torch.tensor(3, device="cuda"))
+    results = {}
+    for name, fusions in (("one", ["all", "mla_indexer_qk_rope_cache"]), ("two", ["all", "mla_indexer_k_norm_rope_cache"])):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        fn = torch.compile(indexer_q_and_key_into_cache, backend=fusion_passes.backend(fusions, report=report, launch=launch))
+        copies = [t.clone() for t in args]
+        out, (code,) = run_and_get_code(fn, *copies)
+        assert not report.errors
+        results[name] = (out, code, report)
+    out, code, report = results["one"]
+    assert report.final()["mla_indexer_qk_rope_cache"] == 1
+    if launch == "direct":
+        assert "def _mla_indexer_qk_rope_kernel(" in code and "def _mla_q_rope_kernel(" not in code
+    assert all(torch.equal(a, e) for a, e in zip(out, results["two"][0], strict=True))

@@ -18,6 +18,7 @@ if DEVICE == "cpu":
 import pytest  # noqa: E402
 
 from fusion_passes.lowering.mla_rope.op import (  # noqa: E402
+    mla_indexer_qk_rope,
     mla_kv_cache_write,
     mla_indexer_k_norm_rope,
     mla_indexer_k_norm_rope_cache,
@@ -26,6 +27,7 @@ from fusion_passes.lowering.mla_rope.op import (  # noqa: E402
     mla_q_rope,
 )
 from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
+    mla_indexer_qk_rope_reference,
     mla_kv_cache_write_reference,
     mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
@@ -35,6 +37,7 @@ from fusion_passes.lowering.mla_rope.reference import (  # noqa: E402
     rope_reference,
 )
 from fusion_passes.lowering.mla_rope.triton import (  # noqa: E402
+    mla_indexer_qk_rope_triton,
     mla_kv_cache_write_triton,
     mla_indexer_k_norm_rope_cache_triton,
     mla_indexer_k_norm_rope_triton,
@@ -286,6 +289,49 @@ def test_mla_kv_cache_write_bad_arguments_raise(change, message):
         mla_kv_cache_write(*args.values())
 
 
+# (B, S, H, D, P, cache slots or None, positions): a decode step with and without the cache, a
+# 3-token step from slot 4, odd widths at a slot per token
+INDEXER_QK_CASES = [(2, 1, 4, 128, 64, None, None), (1, 1, 3, 128, 64, 12, [9]), (2, 3, 5, 32, 16, 11, 4),
+                    (1, 2, 3, 40, 8, 6, [5, 0])]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", INDEXER_QK_CASES, ids=str)
+@pytest.mark.parametrize("interleave", [False, True], ids=["rotate_half", "interleave"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_indexer_q_and_k_in_one_launch_are_the_two_kernels(dtype, interleave, case):
+    """The merged launch's query and key (or cache) bit-equal the two kernels' (each tested
+    against its reference above), and the reference's within their bounds."""
+    b, s, h, d, p, slots, positions = case
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, slots or 1, dtype, interleave, seed=h + d)
+    q = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(s)).to(DEVICE, dtype).view(b, s, h, d)
+    cache = None if slots is None else cache
+    positions = None if positions is None else torch.tensor(positions, device=DEVICE)
+    query, keys = mla_indexer_qk_rope_triton(q, k, weight, bias, cos, sin, cache, positions, 1e-6, interleave)
+    assert torch.equal(query, mla_q_rope_triton(q, cos, sin, True, interleave, False))
+    if cache is None:
+        assert torch.equal(keys, mla_indexer_k_norm_rope_triton(k, weight, bias, cos, sin, 1e-6, interleave))
+    else:
+        assert keys.data_ptr() != cache.data_ptr()
+        expected = mla_indexer_k_norm_rope_cache_triton(k, weight, bias, cos, sin, cache, positions, 1e-6, interleave)
+        assert torch.equal(keys, expected)
+    ref = mla_indexer_qk_rope_reference(q, k, weight, bias, cos, sin, cache, positions, 1e-6, interleave)
+    assert torch.equal(query, ref[0])  # RoPE alone: bit-exact
+    torch.testing.assert_close(keys, ref[1], rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+
+
+@pytest.mark.parametrize(
+    "cache,positions,message",
+    [(True, None, "a cache without positions"), (False, torch.tensor(1), "positions without a cache")],
+)
+def test_indexer_qk_bad_arguments_raise(cache, positions, message):
+    k, weight, bias, cos, sin, kcache = _indexer_k_inputs(2, 2, 32, 16, 6, torch.float32, False, seed=1)
+    q = torch.randn(2, 2, 3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        mla_indexer_qk_rope(q, k, weight, bias, cos, sin, kcache if cache else None, positions, 1e-6)
+    with pytest.raises(ValueError, match=re.escape("q [B, S, H, D] and k [B, S, D] of one dtype expected")):
+        mla_indexer_qk_rope(q[..., :16].contiguous(), k, weight, bias, cos, sin, None, None, 1e-6)  # another head dim
+
+
 def test_ops_opcheck_and_dispatch():
     """Schemas, fakes (shapes, strides) and dispatch checked by opcheck; outputs are the reference's."""
     g = torch.Generator().manual_seed(3)
@@ -306,6 +352,10 @@ def test_ops_opcheck_and_dispatch():
     for positions in (torch.tensor(3), torch.tensor([6, 0, 2])):
         args = (k, w[:24].clone().fill_(1), b, k_cos, k_sin, cache, positions.to(DEVICE), 1e-6, False)
         torch.library.opcheck(mla_indexer_k_norm_rope_cache, args)
+    iq = torch.randn(2, 3, 4, 24, generator=g).to(DEVICE, dt)
+    for cache_args in ((None, None), (torch.randn(2, 7, 24, generator=g).to(DEVICE, dt), torch.tensor(3).to(DEVICE))):
+        qk_args = (iq, k, w[:24].clone().fill_(1), b, k_cos, k_sin, *cache_args, 1e-6, False)
+        torch.library.opcheck(mla_indexer_qk_rope, qk_args)
     kv_args = _kv_write_inputs(2, 3, 2, 16, 8, 12, 6, dt, seed=7)
     for positions in (torch.tensor(2), torch.tensor([5, 1])):
         torch.library.opcheck(mla_kv_cache_write, (*kv_args, positions.to(DEVICE)))

@@ -85,10 +85,11 @@ def test_q_and_kv_branches_merge_into_one_launch_per_layer():
 
 @pytest.mark.slow  # two whole-model compiles
 def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
-    """A real decode step on transformers' StaticCache with the two cache-write fusions: each
-    layer's indexer key goes into the indexer cache through mla_indexer_k_norm_rope_cache, and its
-    key and value into the KV cache through one mla_kv_cache_write (every cache write's index_put
-    gone); every step's output and every cache tensor equal the default fusions' bit for bit."""
+    """A real decode step on transformers' StaticCache with the cache-write fusions: each layer's
+    indexer key goes into the indexer cache (mla_indexer_k_norm_rope_cache) in the launch of the
+    indexer's query (mla_indexer_qk_rope_cache), and its key and value into the KV cache through
+    one mla_kv_cache_write (every cache write's index_put gone); every step's output and every
+    cache tensor equal the default fusions' bit for bit."""
     import fusion_passes
     from fusion_passes.models import build_model
     from fusion_passes.models.decode import DecodeStep
@@ -96,7 +97,7 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
     runs = {}
-    opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write"]
+    opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache"]
     for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in])):
         report = fusion_passes.Report()
         torch._dynamo.reset()
@@ -106,11 +107,14 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
             outs = [compiled(*step.inputs(i)).clone() for i in range(2)]
         runs[name] = (outs, [t.clone() for t in step.cache_tensors()], report)
     report = runs["cache"][2]
-    assert {f: report.final()[f] for f in opt_in} == {f: 2 for f in opt_in} and not report.errors
+    # the key's cache fold is merged on with the indexer's query: its op is gone from the final graph
+    final = report.final()
+    assert (final["mla_indexer_qk_rope_cache"], final["mla_kv_cache_write"], report.matches["mla_indexer_k_norm_rope_cache"]) == (2, 2, 2)
+    assert not report.errors
     after = report.ops_after()
-    assert after["fusion_passes.mla_indexer_k_norm_rope_cache.default"] == 2
-    assert after["fusion_passes.mla_kv_cache_write.default"] == 2
-    assert "fusion_passes.mla_indexer_k_norm_rope.default" not in after
+    assert after["fusion_passes.mla_indexer_qk_rope.default"] == 2 and after["fusion_passes.mla_kv_cache_write.default"] == 2
+    assert not {"fusion_passes.mla_indexer_k_norm_rope.default", "fusion_passes.mla_indexer_k_norm_rope_cache.default",
+                "fusion_passes.mla_q_rope.default"} & set(after)  # fmt: skip
     # per layer the defaults keep three cache writes (key, value, indexer key); none is left
     assert runs["defaults"][2].ops_after()["aten.index_put.default"] == 6 and "aten.index_put.default" not in after
     assert report.ops_before()["aten.index_put.default"] == runs["defaults"][2].ops_before()["aten.index_put.default"]

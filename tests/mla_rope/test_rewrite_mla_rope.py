@@ -456,3 +456,63 @@ def test_a_key_write_without_its_value_write_is_not_fused():
     fused, defaults, report = _run_on_caches(fn, args, ["all", "mla_kv_cache_write"])
     assert report.matches["mla_kv_cache_write"] == 0 and "aten.index_put.default" in report.ops_after()
     assert torch.equal(fused[3], defaults[3])
+
+
+# --- the indexer's query and key in one launch (opt-in) ---
+
+
+def indexer_q_and_key_into_cache(q, k, weight, bias, cos, sin, indexer_keys, length):
+    """DeepseekV32Indexer's query and key up to the scores (one RoPE call for both), the key into
+    transformers' indexer cache (update_indexer); returns the query and the cache."""
+    query, key = indexer_pre_scores(q, k, weight, bias, cos, sin)
+    positions = torch.arange(key.shape[1], device=key.device) + length
+    length.add_(key.shape[1])
+    indexer_keys.index_copy_(1, positions, key)
+    return query, indexer_keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("into_cache", [False, True], ids=["keys", "into_cache"])
+def test_indexer_query_and_key_merge_into_one_launch(into_cache, dtype):
+    """The indexer's q RoPE op and key op (or the key's cache fold) become one mla_indexer_qk_rope;
+    its outputs are the two ops' bit for bit (the defaults', or the cache fold's)."""
+    q, k, w, b, cos, sin = _indexer_inputs(dtype)
+    if into_cache:  # requires enables the key's cache fold along with it
+        fn, base = indexer_q_and_key_into_cache, ["all", "mla_indexer_k_norm_rope_cache"]
+        cache = torch.randn(B, CACHE_SLOTS, 2 * ROPE, generator=torch.Generator().manual_seed(2)).to(dtype)
+        args = (q, k, w, b, cos, sin, cache, torch.tensor(3))
+    else:
+        fn, base, args = indexer_pre_scores, "all", (q, k, w, b, cos, sin)
+    runs = {}
+    merge = "mla_indexer_qk_rope_cache" if into_cache else "mla_indexer_qk_rope"
+    for name, fusions in (("merged", ["all", merge]), ("two", base)):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        copies = [a.clone() for a in args]
+        with torch.no_grad():
+            out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*copies)
+        runs[name] = (out, copies, report)
+    out, _, report = runs["merged"]
+    assert report.final()[merge] == 1 and not report.errors
+    after = report.ops_after()
+    assert after["fusion_passes.mla_indexer_qk_rope.default"] == 1
+    assert not {"fusion_passes.mla_q_rope.default", "fusion_passes.mla_indexer_k_norm_rope.default",
+                "fusion_passes.mla_indexer_k_norm_rope_cache.default"} & set(after)  # fmt: skip
+    for a, e in zip(out, runs["two"][0], strict=True):
+        assert torch.equal(a, e)
+
+
+def test_indexer_query_and_key_with_their_own_cos_stay_two_launches():
+    """The query and the key rotated by two RoPE calls (each unsqueezing cos / sin itself): the
+    merge needs the one cos / sin both ops read, so the two ops stay."""
+
+    def fn(q, k, weight, bias, cos, sin, indexer_keys, length):
+        query, _ = indexer_pre_scores(q, k, weight, bias, cos, sin)
+        return query, indexer_key_into_cache(k, weight, bias, cos, sin, indexer_keys, length)
+
+    q, k, w, b, cos, sin = _indexer_inputs(torch.bfloat16)
+    cache = torch.randn(B, CACHE_SLOTS, 2 * ROPE, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    args = (q, k, w, b, cos, sin, cache, torch.tensor(3))
+    merged, two, report = _run_on_caches(fn, args, ["all", "mla_indexer_qk_rope_cache"])
+    assert report.matches["mla_indexer_qk_rope_cache"] == 0 and report.final()["mla_indexer_k_norm_rope_cache"] == 1
+    assert torch.equal(merged[6], _run_on_caches(fn, args, ["all", "mla_indexer_k_norm_rope_cache"])[0][6])

@@ -25,6 +25,9 @@ one kernel writing the rows into the cache's slots instead of a new tensor that 
 copies there. And V3.2's key (k_nope from kv_b_proj, k_pe shared by the heads) and value go into
 the KV cache in one kernel, not a kernel per cache:
     k_cache, v_cache = mla_kv_cache_write(k_nope, k_pe, value, k_cache, v_cache, positions)
+The indexer's two RoPE branches (they share cos and sin) go in one launch too:
+    query, k = mla_indexer_qk_rope(q, k, w, b, cos, sin, cache, positions, eps, interleave)
+(with a cache: the cache with the key written, as mla_indexer_k_norm_rope_cache)
 
 The math lives in ``mla_rope_reference``; CUDA tensors go to the kernels of ``mla_rope_triton``.
 """
@@ -37,9 +40,11 @@ from fusion_passes.lowering.common.direct_launch import register_launcher
 from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_cache_args,
+    check_mla_indexer_qk_args,
     check_mla_kv_cache_write_args,
     mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
+    mla_indexer_qk_rope_reference,
     mla_kv_cache_write_reference,
     mla_kv_norm_rope_reference,
     mla_q_kv_rope_reference,
@@ -66,6 +71,8 @@ mla_indexer_k_norm_rope_cache = op_from_reference(
 #   mla_kv_cache_write        MLA's key (cat of k_nope and the shared k_pe) and value written into
 #                             the KV cache (both caches returned; on CUDA, inlined, in place)
 mla_kv_cache_write = op_from_reference("mla_kv_cache_write", mla_kv_cache_write_reference)
+#   mla_indexer_qk_rope       the indexer's query RoPE and key (or key into its cache) in one launch
+mla_indexer_qk_rope = op_from_reference("mla_indexer_qk_rope", mla_indexer_qk_rope_reference)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
@@ -109,6 +116,15 @@ def _mla_indexer_k_norm_rope_cache_cuda(*args, wrap=None):
     from fusion_passes.lowering.mla_rope.triton import mla_indexer_k_norm_rope_cache_triton
 
     return mla_indexer_k_norm_rope_cache_triton(*args, wrap=wrap)
+
+
+# The cache (argument 6), where given, is written in place only when the launch is inlined.
+@mla_indexer_qk_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_indexer_qk_rope.default, writes_inputs=(6,))
+def _mla_indexer_qk_rope_cuda(*args, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_triton
+
+    return mla_indexer_qk_rope_triton(*args, wrap=wrap)
 
 
 @mla_kv_cache_write.register_kernel("cuda")
@@ -156,3 +172,10 @@ def _mla_kv_cache_write_fake(k_nope, k_pe, value, k_cache, v_cache, positions):
     check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions)
     return (torch.empty_like(k_cache, memory_format=torch.contiguous_format),
             torch.empty_like(v_cache, memory_format=torch.contiguous_format))  # fmt: skip
+
+
+@mla_indexer_qk_rope.register_fake
+def _mla_indexer_qk_rope_fake(q, k, weight, bias, cos, sin, cache, positions, eps, interleave=False):
+    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
+    keys = k.new_empty(k.shape) if cache is None else torch.empty_like(cache, memory_format=torch.contiguous_format)
+    return q.new_empty(q.shape), keys

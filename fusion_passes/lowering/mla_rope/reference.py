@@ -271,3 +271,41 @@ def mla_kv_cache_write_reference(
     key = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
     slots = cache_slots(positions, k_nope.shape[2])
     return k_cache.index_copy(2, slots, key), v_cache.index_copy(2, slots, value)
+
+
+def check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave) -> None:
+    """Raise ValueError for inputs mla_indexer_qk_rope does not define."""
+    check_mla_q_args(q, cos, sin, interleave)
+    if cache is None:
+        check_indexer_k_args(k, weight, bias, cos, sin, interleave)
+        if positions is not None:
+            raise ValueError("mla_indexer_qk_rope: positions without a cache")
+    else:
+        if positions is None:
+            raise ValueError("mla_indexer_qk_rope: a cache without positions")
+        check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
+    if q.dim() != 4 or tuple(q.shape[:2]) != tuple(k.shape[:2]) or q.shape[-1] != k.shape[-1] or q.dtype != k.dtype:
+        raise ValueError(f"mla_indexer_qk_rope: q [B, S, H, D] and k [B, S, D] of one dtype expected, got "
+                         f"{tuple(q.shape)} {q.dtype} and {tuple(k.shape)} {k.dtype}")  # fmt: skip
+
+
+def mla_indexer_qk_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    eps: float,
+    interleave: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DSA indexer's query and key in one op: (mla_q_rope(q, cos, sin, rope first, [B, S, H, D]),
+    mla_indexer_k_norm_rope(k, ...)), or, given the indexer's key cache, the cache with the key
+    written at its slots (mla_indexer_k_norm_rope_cache) in place of the key."""
+    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
+    query = mla_q_rope_reference(q, cos, sin, True, interleave, False)
+    if cache is None:
+        return query, mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave)
+    return query, mla_indexer_k_norm_rope_cache_reference(k, weight, bias, cos, sin, cache, positions, eps, interleave)

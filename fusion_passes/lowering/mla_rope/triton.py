@@ -27,6 +27,7 @@ from fusion_passes.lowering.common.cache_slots import slots_mode
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
     check_indexer_k_cache_args,
+    check_mla_indexer_qk_args,
     check_mla_kv_cache_write_args,
     check_mla_kv_args,
     check_mla_q_args,
@@ -271,6 +272,52 @@ def _mla_q_kv_rope_kernel(
 
 @triton.jit
 def _mla_indexer_k_norm_rope_kernel(
+    k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k, stride_cos, stride_sin,
+    stride_ob, stride_os, eps, D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr,
+    POSITIONS: tl.constexpr,
+):  # fmt: skip
+    """mla_indexer_k_norm_rope(_cache): each program ROWS rows (_indexer_k_rows)."""
+    _indexer_k_rows(
+        tl.program_id(0), k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
+        stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS, BLOCK_HALF,
+        ROWS, POSITIONS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mla_indexer_qk_rope_kernel(
+    q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S, T, stride_k,
+    stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps,
+    k_programs,  # programs of the key branch (the first ones); the rest work on q
+    head_blocks,  # q programs per token
+    D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, POSITIONS: tl.constexpr,
+    BLOCK_H: tl.constexpr, Q_BLOCK_PASS: tl.constexpr,
+):  # fmt: skip
+    """mla_indexer_qk_rope: the indexer's key (LayerNorm + RoPE, into its cache where POSITIONS)
+    and query (RoPE first, [B, S, H, D]) in one launch, sharing cos and sin; each program does the
+    work of one program of _mla_indexer_k_norm_rope_kernel or of _mla_q_rope_kernel, so the
+    outputs are theirs bit for bit."""
+    program = tl.program_id(0)
+    if program < k_programs:
+        _indexer_k_rows(
+            program, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
+            stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS,
+            BLOCK_HALF, ROWS, POSITIONS,
+        )  # fmt: skip
+    else:
+        q_program = program - k_programs
+        _q_rope_heads(
+            (q_program // head_blocks).to(tl.int64), q_program % head_blocks, q_ptr, cos_ptr, sin_ptr, q_out_ptr,
+            H, S, stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, True, INTERLEAVE, False, BLOCK_H,
+            Q_BLOCK_PASS, BLOCK_HALF,
+        )  # fmt: skip
+
+
+@triton.jit
+def _indexer_k_rows(
+    program,  # this program's rows: [program * ROWS, (program + 1) * ROWS)
     k_ptr,  # *dtype [M, D]: indexer keys (wk's output); column stride 1
     weight_ptr,  # *dtype [D]: LayerNorm weight
     bias_ptr,  # *dtype [D]: LayerNorm bias
@@ -298,7 +345,7 @@ def _mla_indexer_k_norm_rope_kernel(
 ):
     eps = tl.cast(eps, tl.float32)
     dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = program * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     rows = rows.to(tl.int64)
     seq = rows // S
@@ -608,3 +655,40 @@ def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, 
         BLOCK_V=triton.next_power_of_2(v), ROWS=rows, SLOTS=slots, num_warps=4,
     )  # fmt: skip
     return k_out, v_out
+
+
+def mla_indexer_qk_rope_triton(
+    q, k, weight, bias, cos, sin, cache, positions, eps, interleave=False, *, wrap: Callable | None = None
+):
+    """(q_out, k_out or the cache) as mla_indexer_qk_rope_reference, in one launch: the key
+    programs of mla_indexer_k_norm_rope(_cache)_triton, then the q programs of mla_q_rope_triton
+    (the indexer's form: rope first, [B, S, H, D]), each with its launch shape; one warp count
+    for both (4, the key kernel's: the two were timed apart only). The cache, given, is written in
+    place when ``wrap`` is given, else into a copy."""
+    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
+    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
+    b, s, d = k.shape
+    k_rows = _rows(k, (b, s))
+    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
+    cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
+    if cache is None:
+        out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        pos, mode, t, stride_ob, stride_os = out, 0, b * s, 0, d
+        s_rows = b * s  # a new tensor: row r at slot r of one "sequence"
+    else:
+        out = cache if wrap is not None else cache.clone()
+        if out.stride(-1) != 1:
+            raise ValueError(f"mla_indexer_qk_rope: the cache's last dim must be contiguous, got strides {out.stride()}")
+        pos = positions.reshape(-1)
+        mode, t, stride_ob, stride_os, s_rows = slots_mode(pos, s), cache.shape[1], out.stride(0), out.stride(1), s
+    rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
+    k_programs = triton.cdiv(b * s, rows)
+    (wrap or _identity)(_mla_indexer_qk_rope_kernel)[(k_programs + tokens * head_blocks,)](
+        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, pos,
+        b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
+        cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks,
+        D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2), ROWS=rows,
+        POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], num_warps=4,
+    )  # fmt: skip
+    return query, out
