@@ -276,7 +276,7 @@ def test_mla_kv_cache_write_in_place_when_inlined_and_slots_past_the_cache_unwri
 @pytest.mark.parametrize(
     "change,message",
     [(lambda a: {**a, "v_cache": a["v_cache"][:, :, :3]}, "the caches hold 5 and 3 slots"),
-     (lambda a: {**a, "k_cache": a["k_cache"][..., :-1]}, "k_cache [1, 2, T, 24] expected"),
+     (lambda a: {**a, "k_cache": a["k_cache"][..., :-1]}, "k_cache [1, 2, T, 24] torch.float32 expected"),
      (lambda a: {**a, "value": a["value"].to(torch.float16)}, "value is torch.float16"),
      (lambda a: {**a, "positions": torch.tensor([1, 2, 3])}, "positions must be 2 or 1")],  # fmt: skip
     ids=["slots", "key width", "dtype", "positions"],

@@ -33,3 +33,16 @@ def cache_slots(positions: torch.Tensor, tokens: int) -> torch.Tensor:
 def slots_mode(positions: torch.Tensor, tokens) -> int:
     """The kernels' SLOTS constexpr: 1 for one first slot of several tokens, else 2 (a slot per token)."""
     return 1 if positions.numel() == 1 and tokens != 1 else 2
+
+
+def check_kv_caches(op: str, k_cache, v_cache, batch: int, heads: int, k_width: int, v_width: int, dtype,
+                    positions: torch.Tensor, tokens: int) -> None:  # fmt: skip
+    """Raise a one-line ValueError unless k_cache / v_cache are [batch, heads, T, width] of dtype
+    with one T (a StaticCache layer's pair), and positions fit ``tokens`` (check_positions)."""
+    for what, cache, width in (("k_cache", k_cache, k_width), ("v_cache", v_cache, v_width)):
+        if cache.dim() != 4 or tuple(cache.shape[:2]) != (batch, heads) or cache.shape[3] != width or cache.dtype != dtype:
+            raise ValueError(f"{op}: {what} [{batch}, {heads}, T, {width}] {dtype} expected, "
+                             f"got {tuple(cache.shape)} {cache.dtype}")  # fmt: skip
+    if k_cache.shape[2] != v_cache.shape[2]:
+        raise ValueError(f"{op}: the caches hold {k_cache.shape[2]} and {v_cache.shape[2]} slots")
+    check_positions(op, positions, tokens)

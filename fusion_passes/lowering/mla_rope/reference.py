@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusion_passes.lowering.common.cache_slots import cache_slots, check_positions
+from fusion_passes.lowering.common.cache_slots import cache_slots, check_kv_caches, check_positions
 from fusion_passes.lowering.rms_norm.reference import SUPPORTED_DTYPES, rms_norm_reference
 
 
@@ -245,15 +245,10 @@ def check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positio
     if tuple(value.shape[:3]) != (b, h, s) or tuple(k_pe.shape[:3]) not in ((b, 1, s), (b, h, s)):
         raise ValueError(f"{name}: value {tuple(value.shape)} and k_pe {tuple(k_pe.shape)} do not go with "
                          f"k_nope {tuple(k_nope.shape)}")  # fmt: skip
-    for what, t in (("k_pe", k_pe), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for what, t in (("k_pe", k_pe), ("value", value)):
         if t.dtype != k_nope.dtype:
             raise ValueError(f"{name}: {what} is {t.dtype}, k_nope {k_nope.dtype}: one dtype expected")
-    for what, cache, width in (("k_cache", k_cache, nope + r), ("v_cache", v_cache, v)):
-        if cache.dim() != 4 or cache.shape[0] != b or cache.shape[1] != h or cache.shape[3] != width:
-            raise ValueError(f"{name}: {what} [{b}, {h}, T, {width}] expected, got {tuple(cache.shape)}")
-    if k_cache.shape[2] != v_cache.shape[2]:
-        raise ValueError(f"{name}: the caches hold {k_cache.shape[2]} and {v_cache.shape[2]} slots")
-    check_positions(name, positions, s)
+    check_kv_caches(name, k_cache, v_cache, b, h, nope + r, v, k_nope.dtype, positions, s)
 
 
 def mla_kv_cache_write_reference(

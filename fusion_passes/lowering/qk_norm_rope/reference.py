@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_passes.lowering.common.cache_slots import cache_slots, check_positions
+from fusion_passes.lowering.common.cache_slots import cache_slots, check_kv_caches
 from fusion_passes.lowering.rope.reference import rope_reference
 from fusion_passes.lowering.rms_norm.reference import (
     SUPPORTED_DTYPES,
@@ -132,13 +132,7 @@ def check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache
     b, s, hk, d = k.shape
     if v.dim() != 4 or tuple(v.shape[:3]) != (b, s, hk) or v.dtype != k.dtype:
         raise ValueError(f"{name}: v [{b}, {s}, {hk}, Dv] {k.dtype} expected, got {tuple(v.shape)} {v.dtype}")
-    for what, cache, width in (("k_cache", k_cache, d), ("v_cache", v_cache, v.shape[3])):
-        if cache.dim() != 4 or tuple(cache.shape[:2]) != (b, hk) or cache.shape[3] != width or cache.dtype != k.dtype:
-            raise ValueError(f"{name}: {what} [{b}, {hk}, T, {width}] {k.dtype} expected, "
-                             f"got {tuple(cache.shape)} {cache.dtype}")  # fmt: skip
-    if k_cache.shape[2] != v_cache.shape[2]:
-        raise ValueError(f"{name}: the caches hold {k_cache.shape[2]} and {v_cache.shape[2]} slots")
-    check_positions(name, positions, s)
+    check_kv_caches(name, k_cache, v_cache, b, hk, d, v.shape[3], k.dtype, positions, s)
 
 
 def qk_norm_rope_cache_reference(
