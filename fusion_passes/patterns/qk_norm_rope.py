@@ -336,18 +336,20 @@ def decode_cache_write_refusal(match) -> str | None:
     sin from the positions), both norms, both rotations and the k cache write into one kernel,
     and the fused op would add the write's kernel. Measured on one H200 (Qwen3-30B-A3B width, 2
     layers, after 1024 tokens): 71 vs 70 kernels at batch 1, 69 vs 68 at 64, step time equal. The
-    whole-row form (MiniMax-M2) is not refused: there the fused op is 1.05x at batch 1. Nor is any
-    site while qk_norm_rope_cache is enabled, which moves the cache writes into the op."""
-    if is_enabled("qk_norm_rope_cache"):  # that fusion takes the site further, with the cache writes
-        return None
+    whole-row form (MiniMax-M2) is not refused: there the fused op is 1.05x at batch 1. Nor is a
+    site whose k goes into the cache as it is (no view between: the write qk_norm_rope_cache
+    takes) while that fusion is enabled: it moves the cache writes into the op."""
     q = match.kwargs.get("q")
     val = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.shape[1] != 1:
         return None
-    if any(_written_to_cache(out) for out in match.output_nodes() if out is not None):
-        return ("a decode step's k goes into the KV cache: stock Inductor fuses the RoPE table, "
-                "the norms, the rotations and the cache write into one kernel there")  # fmt: skip
-    return None
+    written = [out for out in match.output_nodes() if out is not None and _written_to_cache(out)]
+    if not written:
+        return None
+    if is_enabled("qk_norm_rope_cache") and all(_written_to_cache(out, depth=0) for out in written):
+        return None  # that fusion takes the site further, with the cache writes
+    return ("a decode step's k goes into the KV cache: stock Inductor fuses the RoPE table, "
+            "the norms, the rotations and the cache write into one kernel there")  # fmt: skip
 
 
 FAMILY = ("qk_norm_rope", "qk_norm_rope_whole_row")

@@ -139,3 +139,20 @@ def test_values_stored_in_another_layout_are_not_fused():
     eager = [a.clone() for a in args]
     fn(*eager)
     assert torch.equal(after_call[8], eager[8])
+
+
+def test_a_per_head_site_whose_keys_are_reshaped_before_the_store_stays_stock():
+    """A batch of one stored by indexing (torch.compile drops the batch dim with a reshape before
+    the store): the cache fusion cannot take the write, so the per-head decode prologue stays
+    Inductor's even with it enabled (never more kernels than stock)."""
+    fusion, per_head, rope, _, gate = SPELLINGS["qwen3"]
+    fn = slot_mapping_store(_attention_prelude(NORMS["llama"], per_head, rope, gate))
+    args = _inputs("qwen3", (1, 1), torch.tensor([4]))
+    out, after_call, report = _compiled(fn, args, OPT_IN)
+    assert report.matches["qk_norm_rope"] == 0 and report.matches["qk_norm_rope_cache"] == 0
+    assert "goes into the KV cache" in report.rejected[0].reason
+    eager = [a.clone() for a in args]
+    expected = fn(*eager)
+    tol = tolerance(torch.bfloat16)
+    torch.testing.assert_close(out[0], expected[0], rtol=tol.rtol, atol=tol.atol)
+    torch.testing.assert_close(after_call[7], eager[7], rtol=tol.rtol, atol=tol.atol)
