@@ -85,7 +85,7 @@ def test_prologue_writes_the_kv_cache_on_cuda(spelling, launch):
     (q, _, _), (code,) = run_and_get_code(compiled, *ours)
     assert report.final()[f"{fusion}_cache"] == 1 and not report.errors
     if launch == "direct":
-        assert "def _qk_norm_rope_kernel(" in code and "index_put" not in code.split("def call(")[-1]
+        assert "def _qk_norm_rope_cache_kernel(" in code and "index_put" not in code.split("def call(")[-1]
     eager = [t.clone() for t in args]
     expected_q = fn(*eager)[0]
     for a, e in zip((q, ours[7], ours[8], ours[9]), (expected_q, eager[7], eager[8], eager[9]), strict=True):

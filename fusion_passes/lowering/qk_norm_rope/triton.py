@@ -536,24 +536,6 @@ def _qk_norm_rope_kernel(
     K_STEPS: tl.constexpr,  # the same for k
     ONE_SEQ: tl.constexpr,  # B == 1: token offsets without a division by S
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2j, 2j + 1), else rotate_half's (j, j + R/2)
-    # qk_norm_rope_cache (SLOTS > 0; the launcher takes _norm_rope_rows then, one step a token):
-    # k_out_ptr is the key cache [B, HK, T, D], and the k programs copy v into the value cache
-    kc_stride_b=0,
-    kc_stride_h=0,
-    kc_stride_t=0,
-    pos_ptr=None,  # the slots (see _seq_and_token)
-    T=0,  # cache slots
-    v_ptr=None,  # *dtype [B, S, HK, DV]
-    v_stride_b=0,
-    v_stride_s=0,
-    v_stride_h=0,
-    v_cache_ptr=None,  # *dtype [B, HK, T, DV]
-    vc_stride_b=0,
-    vc_stride_h=0,
-    vc_stride_t=0,
-    SLOTS: tl.constexpr = 0,
-    DV: tl.constexpr = 1,
-    BLOCK_DV: tl.constexpr = 1,
 ):
     # Inductor's launches pass Python floats as fp64: pin them to fp32 (see rms_norm_triton).
     eps = tl.cast(eps, tl.float32)
@@ -601,14 +583,52 @@ def _qk_norm_rope_kernel(
             k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
             NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
+        )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(
+    q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr,
+    k_cache_ptr,  # *dtype [B, HK, T, D]: k_out goes here, at the tokens' slots
+    S, HQ: tl.constexpr, HK: tl.constexpr, n_q_rows, n_k_rows, q_programs,
+    q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h,
+    cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps, weight_offset,
+    kc_stride_b, kc_stride_h, kc_stride_t,
+    pos_ptr,  # the slots (see _seq_and_token)
+    T,  # cache slots
+    v_ptr,  # *dtype [B, S, HK, DV]: copied into v_cache_ptr [B, HK, T, DV] by the k programs
+    v_stride_b, v_stride_s, v_stride_h, v_cache_ptr, vc_stride_b, vc_stride_h, vc_stride_t,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_K: tl.constexpr, NORM_PER_HEAD: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    ONE_SEQ: tl.constexpr, INTERLEAVED: tl.constexpr, SLOTS: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """qk_norm_rope_cache: _qk_norm_rope_kernel's split tiles, one step a token (a decode step's
+    form), with k_out stored into the key cache and v copied into the value cache by the k
+    programs. A kernel of its own: the plain op's launch takes none of these arguments."""
+    eps = tl.cast(eps, tl.float32)
+    weight_offset = tl.cast(weight_offset, tl.float32)
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _norm_rope_rows(
+            q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
+            q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
+            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
+        )  # fmt: skip
+    else:
+        _norm_rope_rows(
+            k_ptr, k_weight_ptr, k_cache_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
+            k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
+            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
+            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
             kc_stride_b, kc_stride_h, kc_stride_t, pos_ptr, T, SLOTS,
         )  # fmt: skip
-        if SLOTS > 0:
-            _copy_rows_to_cache(
-                v_ptr, v_cache_ptr, pid - q_programs, n_k_rows, S, HK, v_stride_b, v_stride_s, v_stride_h,
-                vc_stride_b, vc_stride_h, vc_stride_t, pos_ptr, T, DV, BLOCK_DV, ROWS_K, NORM_PER_HEAD,
-                SLOTS, ONE_SEQ,
-            )  # fmt: skip
+        _copy_rows_to_cache(
+            v_ptr, v_cache_ptr, pid - q_programs, n_k_rows, S, HK, v_stride_b, v_stride_s, v_stride_h,
+            vc_stride_b, vc_stride_h, vc_stride_t, pos_ptr, T, DV, BLOCK_DV, ROWS_K, NORM_PER_HEAD,
+            SLOTS, ONE_SEQ,
+        )  # fmt: skip
 
 
 def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool, whole_head_tile: bool):
@@ -737,17 +757,10 @@ def qk_norm_rope_cache_triton(
 CACHE_MAX_TOKENS = WHOLE_ROW_WIDE_MAX_TOKENS
 
 
-# The kernel's cache arguments where it writes no cache (qk_norm_rope).
-_NO_CACHE = dict(
-    kc_stride_b=0, kc_stride_h=0, kc_stride_t=0, pos_ptr=None, T=0, v_ptr=None, v_stride_b=0, v_stride_s=0,
-    v_stride_h=0, v_cache_ptr=None, vc_stride_b=0, vc_stride_h=0, vc_stride_t=0, SLOTS=0, DV=1, BLOCK_DV=1,
-)  # fmt: skip
-
-
 def _launch(q, k, q_weight, k_weight, cos, sin, form, q_out, k_out, cache: dict, wrap, whole_head_tile, rows,
             num_warps):  # fmt: skip
-    """One launch of _qk_norm_rope_kernel writing q_out and k_out ([B, S, H, D], or with ``cache``
-    the kernel's cache arguments: the key cache, and v into the value cache)."""
+    """One launch writing q_out and k_out: _qk_norm_rope_kernel's ([B, S, H, D]), or, with ``cache``
+    (its cache arguments), _qk_norm_rope_cache_kernel's (k_out the key cache, v into the value cache)."""
     eps, weight_offset, cast_before_weight, norm_per_head, interleaved = form
     q, k, cos, sin = (_unit_columns(t) for t in (q, k, cos, sin))
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
@@ -787,16 +800,14 @@ def _launch(q, k, q_weight, k_weight, cos, sin, form, q_out, k_out, cache: dict,
     # A batch of one broadcast over the batch: stride 0 reads the same positions for every sequence.
     cos_stride_b = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_stride_b = sin.stride(0) if sin.shape[0] > 1 else 0
-    # Every argument passed (defaults too): Inductor's analysis of which tensors a launch writes
-    # takes the arguments as given, and assumes every input written when any is missing.
-    cache = {**_NO_CACHE, **cache}
-    kernel = (wrap or (lambda fn: fn))(_qk_norm_rope_kernel)
-    kernel[(q_programs + k_programs,)](
+    args = (
         q, k, q_weight, k_weight, cos, sin, q_out, k_out,
         s, hq, hk, n_q, n_k, q_programs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos_stride_b, cos.stride(1), sin_stride_b, sin.stride(1),
         eps, weight_offset,
+    )  # fmt: skip
+    form = dict(
         HALF=rotary_dim // 2,
         PASS=d - rotary_dim,
         BLOCK_HALF=block_half,
@@ -805,12 +816,19 @@ def _launch(q, k, q_weight, k_weight, cos, sin, form, q_out, k_out, cache: dict,
         ROWS_K=rows_k,
         NORM_PER_HEAD=norm_per_head,
         CAST_BEFORE_WEIGHT=cast_before_weight,
+        ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
+        INTERLEAVED=interleaved,
+        num_warps=num_warps,
+    )
+    if cache:
+        kernel = (wrap or (lambda fn: fn))(_qk_norm_rope_cache_kernel)
+        kernel[(q_programs + k_programs,)](*args, **cache, **form)
+        return
+    kernel = (wrap or (lambda fn: fn))(_qk_norm_rope_kernel)
+    kernel[(q_programs + k_programs,)](
+        *args, **form,
         WHOLE_HEAD_TILE=whole_head_tile,
         BLOCK_R=triton.next_power_of_2(rotary_dim),
         Q_STEPS=1 if norm_per_head else triton.cdiv(hq, rows),  # a whole-row norm's steps, either body
         K_STEPS=1 if norm_per_head else triton.cdiv(hk, rows_k),
-        ONE_SEQ=isinstance(b, int) and b == 1,  # a symbolic batch is >= 2 (Dynamo specialises 1)
-        INTERLEAVED=interleaved,
-        num_warps=num_warps,
-        **cache,
     )  # fmt: skip
