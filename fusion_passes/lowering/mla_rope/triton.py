@@ -272,12 +272,27 @@ def _mla_q_kv_rope_kernel(
 
 @triton.jit
 def _mla_indexer_k_norm_rope_kernel(
+    k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr,
+    out_ptr,  # *dtype [M, D] contiguous
+    M, stride_k, stride_cos, stride_sin, eps, D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """mla_indexer_k_norm_rope: each program ROWS rows (_indexer_k_rows) into a new tensor."""
+    _indexer_k_rows(
+        tl.program_id(0), k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, None, M, M, M, stride_k,
+        stride_cos, stride_sin, 0, D, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS, BLOCK_HALF, ROWS, 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mla_indexer_k_norm_rope_cache_kernel(
     k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k, stride_cos, stride_sin,
     stride_ob, stride_os, eps, D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr,
     POSITIONS: tl.constexpr,
 ):  # fmt: skip
-    """mla_indexer_k_norm_rope(_cache): each program ROWS rows (_indexer_k_rows)."""
+    """mla_indexer_k_norm_rope_cache: each program ROWS rows (_indexer_k_rows) into the cache at
+    their slots. A kernel of its own: the plain op's launch takes none of the cache's arguments."""
     _indexer_k_rows(
         tl.program_id(0), k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
         stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS, BLOCK_HALF,
@@ -348,16 +363,18 @@ def _indexer_k_rows(
     rows = program * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     rows = rows.to(tl.int64)
-    seq = rows // S
-    slot = rows - seq * S
-    if POSITIONS == 1:
-        slot += tl.load(pos_ptr).to(tl.int64)
-    elif POSITIONS == 2:
-        slot = tl.load(pos_ptr + slot, mask=row_mask, other=0).to(tl.int64)
-    if POSITIONS > 0:  # a slot past the cache is no memory of it (torch's index_copy raises there)
-        row_mask = row_mask & (slot >= 0) & (slot < T)
+    if POSITIONS == 0:  # a new [M, D] tensor: row r at r (stride_os: D)
+        dst = out_ptr + (rows * stride_os)[:, None]
+    else:
+        seq = rows // S
+        slot = rows - seq * S
+        if POSITIONS == 1:
+            slot += tl.load(pos_ptr).to(tl.int64)
+        else:
+            slot = tl.load(pos_ptr + slot, mask=row_mask, other=0).to(tl.int64)
+        row_mask = row_mask & (slot >= 0) & (slot < T)  # a slot past the cache: no memory of it
+        dst = out_ptr + (seq * stride_ob + slot * stride_os)[:, None]
     row_mask = row_mask[:, None]
-    dst = out_ptr + (seq * stride_ob + slot * stride_os)[:, None]
     rows = rows[:, None]
     src = k_ptr + rows * stride_k
     # Statistics over the whole row (biased variance, as layer_norm), in fp32.
@@ -559,15 +576,20 @@ def mla_indexer_k_norm_rope_cache_triton(
 def _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, m, s, t, stride_ob, stride_os,
                       eps, p, interleave, wrap):  # fmt: skip
     d = k_rows.shape[-1]
-    mode = 0 if positions is None else slots_mode(positions, s)
     rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
-    (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[(triton.cdiv(m, rows),)](
-        k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out,
-        out if positions is None else positions, m, s, t, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0),
-        stride_ob, stride_os, eps,
-        D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2),
-        ROWS=rows, POSITIONS=mode, num_warps=4,
+    form = dict(D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
+                BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2),
+                ROWS=rows, num_warps=4)  # fmt: skip
+    head = (k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out)
+    grid = (triton.cdiv(m, rows),)
+    if positions is None:
+        (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[grid](
+            *head, m, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), eps, **form
+        )
+        return
+    (wrap or _identity)(_mla_indexer_k_norm_rope_cache_kernel)[grid](
+        *head, positions, m, s, t, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os,
+        eps, POSITIONS=slots_mode(positions, s), **form,
     )  # fmt: skip
 
 
