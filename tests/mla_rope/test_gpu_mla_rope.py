@@ -79,7 +79,7 @@ def test_indexer_key_written_into_its_cache_on_cuda(launch):
     fn, fused, code, report = results[str(["all", "mla_indexer_k_norm_rope_cache"])]
     assert report.final()["mla_indexer_k_norm_rope_cache"] == 1
     if launch == "direct":
-        assert "def _mla_indexer_k_norm_rope_kernel(" in code and "index_put" not in code.split("def call(")[-1]
+        assert "def _mla_indexer_k_norm_rope_cache_kernel(" in code and "index_put" not in code.split("def call(")[-1]
     defaults = results[str("all")][1]
     assert torch.equal(fused[5], defaults[5]) and torch.equal(fused[6], defaults[6])
     static = [t.clone() for t in args]
