@@ -142,6 +142,12 @@ class Fusion:
     # skipped there. For fusions whose patterns are large and anchored at common ops (the chunked
     # rule's, at a reshape): the matcher would try each of them at every such node of every graph.
     applies_to: Callable[[torch.fx.Graph], bool] | None = None
+    # Ops whose nodes in the spellings may have users outside the match (the causal mask's expand,
+    # which the attention reads too): matched whatever their users, where the matcher otherwise
+    # wants a node's users in the graph to be its users in the pattern. Such spellings match as
+    # traced with the literal ints ignored (the matcher's first pass) and are not re-traced on the
+    # candidate's values: a match_check must then check the ints that decide the numerics.
+    shared_nodes: tuple[Any, ...] = ()
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
     _traced: set = field(default_factory=set, repr=False)
@@ -177,7 +183,7 @@ class Fusion:
         h.update(
             repr(
                 (sorted(self.scalars.items()), self.cse_before, self.cse_when, sorted(self.string_args.items()),
-                 self.dtypes)
+                 self.dtypes, [str(op) for op in self.shared_nodes])
             ).encode()
         )
         return h.hexdigest()
@@ -361,6 +367,8 @@ def _register(fusion: Fusion, matcher: PatternMatcherPass, example: list[Any], e
             )
         elif fusion.string_args:
             pretraced["search_fn_pattern"] = _pattern_with_string_args(fusion, spelling, list(example))
+        elif fusion.shared_nodes:
+            pretraced["search_fn_pattern"] = _pattern_with_shared_nodes(fusion, spelling, list(example))
         register_replacement(
             spelling.pattern,
             spelling.replacement,
@@ -410,6 +418,33 @@ def _pattern_with_string_args(fusion: Fusion, spelling: Spelling, example: list)
             raise RuntimeError(f"{fusion.name}.{spelling.name}: no traced use of {name}={sentinel!r}")
     gm.graph.eliminate_dead_code()
     return fx_to_pattern(gm, ignore_types=(), argnames=argnames, scalar_workaround=fusion.scalars)
+
+
+def _pattern_with_shared_nodes(fusion: Fusion, spelling: Spelling, example: list) -> Any:
+    """The spelling's pattern as register_replacement traces it (ints, floats, lists, devices and
+    dtypes ignored), its nodes of ``fusion.shared_nodes`` accepting any number of users."""
+    from torch._inductor.pattern_matcher import MULTIPLE, CallFunction
+
+    argnames = list(inspect.signature(spelling.pattern).parameters)
+    gm = trace_functional(spelling.pattern, example)
+    pattern = fx_to_pattern(
+        gm, ignore_types=(int, float, list, torch.device, torch.dtype), argnames=argnames,
+        scalar_workaround=fusion.scalars,
+    )  # fmt: skip
+    shared, seen, stack = set(fusion.shared_nodes), set(), [pattern]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)):
+            stack.extend(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, CallFunction) and shared & set(node.fns):
+            node.users = MULTIPLE
+        stack.extend(getattr(node, "args", ()))
+        stack.extend(getattr(node, "outputs", ()) or ())
+    return pattern
 
 
 def _pattern_name(name: str) -> dict[str, str]:

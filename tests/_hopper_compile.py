@@ -115,6 +115,8 @@ def _cases():
         keep = torch.ones(1, s, 300, dtype=torch.bool).expand(2, s, 300)
         iargs = (iq, icache, torch.randn(2, s, 64, dtype=bf16), 128**-0.5, 0.125, keep)
         yield f"sparse_index_scores ({s} tokens, weights scale, keep mask)", sparse_index_scores_triton, iargs
+        cargs = (iq, icache, torch.randn(2, s, 64, dtype=bf16), 128**-0.5, 0.125, None, torch.tensor(250))
+        yield f"sparse_index_scores ({s} tokens, causal from the first position)", sparse_index_scores_triton, cargs
     yield "moe_sort_by_expert", moe_sort_by_expert_triton, (torch.randint(0, 64, (64,)), 64)
     logits = torch.randn(3, 256)
     yield "moe_route", moe_route_triton, (logits, None, 8, True, True)

@@ -302,4 +302,98 @@ SPARSE_INDEX_SCORES_KEEP = Fusion(
     builtin=True,
 )
 
-FUSIONS = (SPARSE_INDEX_SCORES, SPARSE_INDEX_SCORES_PREFILL, SPARSE_INDEX_SCORES_WEIGHTS, SPARSE_INDEX_SCORES_KEEP)
+def causal_masked_scores(q, k, weights, first, softmax_scale, weights_scale):
+    """The scores masked by the causal mask as transformers builds it at decode (masking_utils'
+    sdpa_mask from the cache position: query token s at first + s sees kv_idx <= it, broadcast
+    over the batch), then the indexer's masked_fill(~mask, -inf)."""
+    scores = torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, weights_scale, None)
+    b, s, t = scores.shape
+    kv_idx = torch.arange(t, device=scores.device) + 0  # kv_arange + kv_offset (0: a full cache)
+    q_idx = torch.arange(s, device=scores.device) + first  # the cache positions of the step's tokens
+    mask = kv_idx.unsqueeze(0).unsqueeze(1).unsqueeze(2) <= q_idx.unsqueeze(0).unsqueeze(1).unsqueeze(3)
+    keep = mask.expand(b, -1, s, t).select(1, 0)  # [B, 1, S, T] -> the indexer's attention_mask[:, 0]
+    minus_inf = torch.full([], float("-inf"), dtype=scores.dtype, device=scores.device)
+    return torch.where(~keep, minus_inf, scores)
+
+
+def _causal_folded(q, k, weights, first, softmax_scale, weights_scale):
+    return torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, weights_scale, None, first)
+
+
+def _causal_examples():
+    # a decode step (1 token) and 2 tokens, from a 0-d first position as the step reads it off
+    # cache_position; bf16 / fp32 weights (the scalars last, as for the keep fold)
+    for s in (1, 2):
+        for dtype in (torch.bfloat16, torch.float32):
+            yield (torch.randn(2, s, 4, 16, dtype=torch.bfloat16), torch.randn(2, 24, 16, dtype=torch.bfloat16),
+                   torch.randn(2, s, 4, dtype=dtype), torch.tensor(20), SCALE_SENTINEL, WEIGHTS_SCALE_SENTINEL)  # fmt: skip
+
+
+def _check_causal(values: dict[str, Any]) -> str | None:
+    first = values["first"]
+    if not isinstance(first, torch.Tensor) or first.numel() != 1 or first.dtype not in (torch.int64, torch.int32):
+        return f"the first position is not one int tensor: {getattr(first, 'shape', first)}"
+    return _check_args(values)
+
+
+def _arange_plus(node, offset) -> bool:
+    """node is iota(n, start=0, step=1) + offset (an int, or the node it must be)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.add.Tensor):
+        return False
+    iota, added = node.args[0], node.args[1]
+    return (isinstance(iota, torch.fx.Node) and iota.target is torch.ops.prims.iota.default
+            and iota.kwargs.get("start") == 0 and iota.kwargs.get("step") == 1 and added == offset)  # fmt: skip
+
+
+def _unsqueezed(node, dims):
+    """The node under unsqueezes by ``dims`` (innermost first), or None where they differ."""
+    for dim in reversed(dims):
+        if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.unsqueeze.default and node.args[1] == dim):
+            return None
+        node = node.args[0]
+    return node
+
+
+def causal_mask_check(match) -> str | None:
+    """The literals the matcher skipped on this spelling (its expand node is shared, see
+    Fusion.shared_nodes), checked on the matched nodes: positions from 0 (no cache offset) on the
+    kv axis, the tokens' from ``first`` on the query axis, the mask's head dim selected."""
+    le = next((n for n in match.nodes if n.target is torch.ops.aten.le.Tensor), None)
+    select = next((n for n in match.nodes if n.target is torch.ops.aten.select.int), None)
+    if le is None or select is None or tuple(select.args[1:]) != (1, 0):
+        return "not the causal mask's [:, 0] of the expanded [B, 1, S, T] mask"
+    kv, q = _unsqueezed(le.args[0], (0, 1, 2)), _unsqueezed(le.args[1], (0, 1, 3))
+    if not _arange_plus(kv, 0):
+        return "the mask's kv positions are not arange(T) (a cache offset, or another axis)"
+    if not _arange_plus(q, match.kwargs.get("first")):
+        return "the mask's query positions are not arange(S) + the first position"
+    return None
+
+
+SPARSE_INDEX_SCORES_CAUSAL = Fusion(
+    name="sparse_index_scores_causal",
+    summary="DeepSeek V3.2 indexer scores' causal mask (built from the cache position) -> computed in the scores kernel",
+    doc=(
+        "At decode the indexer masks its scores by the causal mask transformers builds from the cache position "
+        "(arange(T) <= first + arange(S), broadcast over the batch): index_scores.masked_fill(~mask, -inf). "
+        "Unfused: an elementwise kernel building the mask and rewriting the fp32 scores (0.96 us per layer in a "
+        "DeepSeek V3.2 decode step on one H200). Fused: sparse_index_scores(..., causal_first=first) stores -inf "
+        "past each token's position itself, reading only the first position (a view of the step's input): "
+        "bit-equal, and no mask for Inductor to materialize (which sparse_index_scores_keep left)."
+    ),
+    spellings=(Spelling("sdpa_causal_mask", causal_masked_scores, _causal_folded),),
+    example_inputs=_causal_examples,
+    scalars=_FOLD_SCALARS,
+    check=_check_causal,
+    match_check=causal_mask_check,
+    shared_nodes=(torch.ops.aten.expand.default,),
+    requires=("sparse_index_scores",),
+    opt_in="not yet timed on a GPU: the elementwise kernel it removes takes 0.96 us per layer on one H200 "
+    "(DeepSeek V3.2 decode, batch 1, 8192 cached tokens)",
+    applies_to=_holds_the_op,
+    builtin=True,
+)
+
+# The causal fold before the keep fold: both take the masked_fill; the causal one leaves no mask.
+FUSIONS = (SPARSE_INDEX_SCORES, SPARSE_INDEX_SCORES_PREFILL, SPARSE_INDEX_SCORES_WEIGHTS, SPARSE_INDEX_SCORES_CAUSAL,
+           SPARSE_INDEX_SCORES_KEEP)  # fmt: skip

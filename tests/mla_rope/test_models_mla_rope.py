@@ -88,8 +88,9 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     """A real decode step on transformers' StaticCache with the cache-write fusions: each layer's
     indexer key goes into the indexer cache (mla_indexer_k_norm_rope_cache) in the launch of the
     indexer's query (mla_indexer_qk_rope_cache), and its key and value into the KV cache through
-    one mla_kv_cache_write (every cache write's index_put gone); every step's output and every
-    cache tensor equal the default fusions' bit for bit."""
+    one mla_kv_cache_write (every cache write's index_put gone), and the indexer scores' causal
+    mask is computed in their kernel; every step's output and every cache tensor equal the default
+    fusions' bit for bit."""
     import fusion_passes
     from fusion_passes.models import build_model
     from fusion_passes.models.decode import DecodeStep
@@ -97,7 +98,7 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
     runs = {}
-    opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache"]
+    opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache", "sparse_index_scores_causal"]
     for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in])):
         report = fusion_passes.Report()
         torch._dynamo.reset()
@@ -110,6 +111,7 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     # the key's cache fold is merged on with the indexer's query: its op is gone from the final graph
     final = report.final()
     assert (final["mla_indexer_qk_rope_cache"], final["mla_kv_cache_write"], report.matches["mla_indexer_k_norm_rope_cache"]) == (2, 2, 2)
+    assert final["sparse_index_scores_causal"] == 2  # the indexer's causal masked_fill, in the scores kernel
     assert not report.errors
     after = report.ops_after()
     assert after["fusion_passes.mla_indexer_qk_rope.default"] == 2 and after["fusion_passes.mla_kv_cache_write.default"] == 2

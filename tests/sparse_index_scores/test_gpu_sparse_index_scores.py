@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 from _gpu_decode import compile_step, prefill_side_by_side
+from torch._inductor.utils import run_and_get_code
 
 import fusion_passes
 from fusion_passes.lowering.sparse_index_scores.reference import sparse_index_scores_reference
@@ -70,3 +71,25 @@ def test_prefill_with_the_scores_fused():
     assert report.matches["sparse_index_scores_prefill"] == 2 and report.final()["sparse_index_scores_weights"] == 2
     assert len(re.findall(r"_index_scores_tiled_kernel_\d+\.run\(", code)) == 2
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+@pytest.mark.parametrize("s", [1, 20])
+def test_the_models_causal_mask_in_the_kernel_on_cuda(s):
+    """sparse_index_scores_causal on CUDA (direct launches): no mask kernel left, the scores
+    bit-equal the keep-mask fold's."""
+    from test_rewrite_index_scores_folds import CAUSAL, FUSIONS, _inputs, indexer_with_the_models_mask
+
+    hidden, weights_proj, q, k, scale, _ = _inputs(s)
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in (hidden, weights_proj, q, k, scale)]
+    args.append(torch.tensor(k.shape[1] - s - 2, device="cuda"))
+    outs = {}
+    for name, fusions in (("causal", CAUSAL), ("keep", FUSIONS)):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        fn = torch.compile(indexer_with_the_models_mask, backend=fusion_passes.backend(fusions, report=report))
+        outs[name], (code,) = run_and_get_code(fn, *args)
+        assert not report.errors
+        if name == "causal":
+            assert report.final()["sparse_index_scores_causal"] == 1
+            assert not re.search(r"triton_\w*_le_", code.split("def call(")[-1])  # no kernel builds the mask
+    assert torch.equal(outs["causal"], outs["keep"])

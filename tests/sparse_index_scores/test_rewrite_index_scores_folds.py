@@ -115,3 +115,58 @@ def test_a_mask_broadcast_over_the_batch_is_rejected_with_the_reason():
     _assert_as_eager(out, transformers_indexer(*args))
     assert report.final()["sparse_index_scores_keep"] == 0 and report.ops_after()["aten.where.self"] == 1
     assert any("keep must be a bool [2, 1, 45] mask" in r.reason for r in report.rejected)
+
+
+# --- the causal mask from the first position, computed in the kernel (opt-in) ---
+
+CAUSAL = ["sparse_index_scores", "sparse_index_scores_prefill", "sparse_index_scores_weights", "sparse_index_scores_causal"]
+
+
+def indexer_with_the_models_mask(hidden, weights_proj, q, k, softmax_scale, first, kv_offset=0):
+    """The decode step's mask as transformers builds it (masking_utils.sdpa_mask from the first
+    cache position, [B, 1, S, T]; the indexer reads its [:, 0]), then DeepseekV32Indexer's scores
+    and masked_fill."""
+    from transformers.masking_utils import sdpa_mask
+
+    b, s, t = q.shape[0], q.shape[1], k.shape[1]
+    mask = sdpa_mask(batch_size=b, q_length=s, kv_length=t, q_offset=first, kv_offset=kv_offset,
+                     allow_is_causal_skip=False, device=q.device)  # fmt: skip
+    return transformers_indexer(hidden, weights_proj, q, k, softmax_scale, mask[:, 0])
+
+
+def _compile_with(fusions, fn, *args):
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*args)
+    return out, report
+
+
+@pytest.mark.parametrize("s", [1, 3, 20])  # 20: a prefill's tokens, the tiled kernel
+def test_the_models_causal_mask_is_computed_in_the_kernel(s):
+    """The mask's construction, its negation and the masked_fill go (the mask is never written);
+    the scores bit-equal the keep-mask fold's and as eager's."""
+    hidden, weights_proj, q, k, scale, _ = _inputs(s)
+    first = torch.tensor(k.shape[1] - s - 2)  # the last 2 positions past every token
+    args = (hidden, weights_proj, q, k, scale, first)
+    out, report = _compile_with(CAUSAL, indexer_with_the_models_mask, *args)
+    _assert_as_eager(out, indexer_with_the_models_mask(*args))
+    assert report.final()["sparse_index_scores_causal"] == 1 and not report.rejected and not report.errors
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.where.self"] >= 1 and "aten.where.self" not in after
+    assert not {"aten.le.Tensor", "aten.bitwise_not.default", "prims.iota.default"} & set(after)
+    assert after[OP] == 1
+    keep_fold, _ = _compile_with(FUSIONS, indexer_with_the_models_mask, *args)
+    assert torch.equal(out, keep_fold)
+
+
+def test_a_mask_with_a_cache_offset_is_left_alone():
+    """kv positions from an offset (a sliding window's cache): not arange(T); the matched literal
+    is checked on the nodes and the site left to Inductor with the reason."""
+    hidden, weights_proj, q, k, scale, _ = _inputs(1)
+    args = (hidden, weights_proj, q, k, scale, torch.tensor(50), 5)
+    out, report = _compile_with(CAUSAL, indexer_with_the_models_mask, *args)
+    _assert_as_eager(out, indexer_with_the_models_mask(*args))
+    assert report.final()["sparse_index_scores_causal"] == 0
+    assert any("cache offset" in r.reason for r in report.rejected), report.rejected
+    assert report.ops_after()["aten.where.self"] >= 1

@@ -139,11 +139,39 @@ def test_weights_scale_and_keep_mask_as_the_model_applies_them(s, wdtype):
     _assert_close(out.masked_fill(~keep, 0.0), expected.masked_fill(~keep, 0.0), h, d)
 
 
+@pytest.mark.parametrize("s", [1, 3, 20])  # 20: the tiled kernel
+@pytest.mark.parametrize("with_keep", [False, True])
+def test_the_causal_mask_from_the_first_position(s, with_keep):
+    """causal_first: the mask a decode step builds from the cache position (token s at first + s
+    sees t <= first + s), computed in the kernels: bit for bit the scores stored with that keep
+    mask; with a keep mask too (a padding mask), both apply."""
+    b, h, d, t = 2, 5, 16, 37
+    q, k, w = _inputs(b, s, h, d, t, torch.bfloat16, s + 7)
+    first = t - s - 3  # the last 3 positions are past every token
+    causal = (torch.arange(t, device=DEVICE)[None, :] <= first + torch.arange(s, device=DEVICE)[:, None])[None]
+    padding = torch.rand(b, 1, t, generator=torch.Generator().manual_seed(s)).to(DEVICE) > 0.2
+    keep = padding.expand(b, s, t) if with_keep else None
+    out = sparse_index_scores_triton(q, k, w, d**-0.5, 1.0, keep, torch.tensor(first, device=DEVICE))
+    expected_keep = causal.expand(b, s, t) & (keep if with_keep else True)
+    assert torch.equal(out, sparse_index_scores_triton(q, k, w, d**-0.5, 1.0, expected_keep.contiguous()))
+    reference = sparse_index_scores_reference(q, k, w, d**-0.5, 1.0, keep, torch.tensor(first, device=DEVICE))
+    assert torch.equal(torch.isinf(reference), ~expected_keep)
+    _assert_close(out.masked_fill(~expected_keep, 0.0), reference.masked_fill(~expected_keep, 0.0), h, d)
+
+
+def test_a_causal_first_of_several_values_gets_a_one_line_error():
+    q, k, w = _inputs(2, 1, 4, 16, 9, torch.bfloat16, 4)
+    with pytest.raises(ValueError, match="causal_first must be one int64 / int32 position"):
+        sparse_index_scores_triton(q, k, w, 0.25, 1.0, None, torch.tensor([3, 4], device=DEVICE))
+
+
 def test_opcheck():
     q, k, w = _inputs(2, 1, 4, 16, 19, torch.bfloat16, 2)
     torch.library.opcheck(torch.ops.fusion_passes.sparse_index_scores.default, (q, k, w, 0.25))
     keep = torch.rand(2, 1, 19, generator=torch.Generator().manual_seed(0)).to(DEVICE) > 0.5
     torch.library.opcheck(torch.ops.fusion_passes.sparse_index_scores.default, (q, k, w.bfloat16(), 0.25, 0.5, keep))
+    first = torch.tensor(12, device=DEVICE)
+    torch.library.opcheck(torch.ops.fusion_passes.sparse_index_scores.default, (q, k, w, 0.25, 1.0, None, first))
 
 
 @pytest.mark.parametrize(

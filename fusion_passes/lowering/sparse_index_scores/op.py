@@ -27,13 +27,13 @@ sparse_index_scores = op_from_reference(
 
 @sparse_index_scores.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.sparse_index_scores.default)
-def _sparse_index_scores_cuda(q, k, weights, scale, weights_scale=1.0, keep=None, wrap=None):
+def _sparse_index_scores_cuda(q, k, weights, scale, weights_scale=1.0, keep=None, causal_first=None, wrap=None):
     from fusion_passes.lowering.sparse_index_scores.triton import sparse_index_scores_triton
 
-    return sparse_index_scores_triton(q, k, weights, scale, weights_scale, keep, wrap=wrap)
+    return sparse_index_scores_triton(q, k, weights, scale, weights_scale, keep, causal_first, wrap=wrap)
 
 
 @sparse_index_scores.register_fake
-def _sparse_index_scores_fake(q, k, weights, scale, weights_scale=1.0, keep=None):
-    check_sparse_index_scores_args(q, k, weights, keep)
+def _sparse_index_scores_fake(q, k, weights, scale, weights_scale=1.0, keep=None, causal_first=None):
+    check_sparse_index_scores_args(q, k, weights, keep, causal_first)
     return torch.empty((q.shape[0], q.shape[1], k.shape[1]), dtype=torch.float32, device=q.device)

@@ -29,7 +29,11 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_sparse_index_scores_args(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    causal_first: torch.Tensor | None = None,
 ) -> None:
     """Raise a one-line ValueError for arguments the op does not define."""
     if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
@@ -50,6 +54,9 @@ def check_sparse_index_scores_args(
         raise ValueError(
             f"sparse_index_scores: keep must be a bool [{bsz}, {s}, {k.shape[1]}] mask, got {keep.dtype} {tuple(keep.shape)}"
         )
+    if causal_first is not None and (causal_first.numel() != 1 or causal_first.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"sparse_index_scores: causal_first must be one int64 / int32 position, got "
+                         f"{tuple(causal_first.shape)} {causal_first.dtype}")  # fmt: skip
 
 
 def sparse_index_scores_reference(
@@ -59,10 +66,18 @@ def sparse_index_scores_reference(
     scale: float,
     weights_scale: float = 1.0,
     keep: torch.Tensor | None = None,
+    causal_first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 [B, S, T]: the index scores of every cached position, -inf where ``keep`` is False
-    (module docstring)."""
+    and, given ``causal_first``, past each query token's position (module docstring)."""
     scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale)
     # fp32 weights times 1.0 are themselves: the op without a weights scale computes as before
     index_scores = torch.matmul((weights.float() * weights_scale).unsqueeze(-2), scores).squeeze(-2)
-    return index_scores if keep is None else index_scores.masked_fill(~keep, float("-inf"))
+    if keep is not None:
+        index_scores = index_scores.masked_fill(~keep, float("-inf"))
+    if causal_first is not None:
+        s, t = index_scores.shape[1:]
+        device = index_scores.device
+        last = causal_first.reshape(()).to(torch.int64) + torch.arange(s, device=device)  # each token's position
+        index_scores = index_scores.masked_fill(torch.arange(t, device=device) > last[:, None], float("-inf"))
+    return index_scores

@@ -43,6 +43,7 @@ def _index_scores_kernel(
     k_ptr,  # *k.dtype [B, T, D] (strides stride_kb, stride_kt; D contiguous)
     w_ptr,  # *weights.dtype [B, S, H] (strides stride_wb, stride_ws, stride_wh)
     keep_ptr,  # *bool [B, S, T] (strides stride_mb, stride_ms, stride_mt), read where HAS_KEEP
+    first_ptr,  # *int: the position of query token 0, read where CAUSAL (token s sees t <= it + s)
     out_ptr,  # *fp32 [B, S, T] contiguous
     S,  # query tokens per sequence
     T,  # cached positions
@@ -57,6 +58,7 @@ def _index_scores_kernel(
     BLOCK_T: tl.constexpr,  # positions per program, >= 16
     EXACT_IN_TF32: tl.constexpr,  # q and k of 16-bit dtypes: TF32 dots, exact products
     HAS_KEEP: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     weights_scale = tl.cast(weights_scale, tl.float32)
@@ -83,6 +85,8 @@ def _index_scores_kernel(
     if HAS_KEEP:
         keep = tl.load(keep_ptr + b * stride_mb + s * stride_ms + ts.to(tl.int64) * stride_mt, mask=tm, other=0)
         out = tl.where(keep != 0, out, float("-inf"))
+    if CAUSAL:
+        out = tl.where(ts.to(tl.int64) <= tl.load(first_ptr).to(tl.int64) + s, out, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * T + ts, out, mask=tm)
 
 
@@ -92,6 +96,7 @@ def _index_scores_tiled_kernel(
     k_ptr,  # *k.dtype [B, T, D] (strides stride_kb, stride_kt; D contiguous)
     w_ptr,  # *weights.dtype [B, S, H] (strides stride_wb, stride_ws, stride_wh)
     keep_ptr,  # *bool [B, S, T] (strides stride_mb, stride_ms, stride_mt), read where HAS_KEEP
+    first_ptr,  # *int: the position of query token 0, read where CAUSAL
     out_ptr,  # *fp32 [B, S, T] contiguous
     S,
     T,
@@ -106,6 +111,7 @@ def _index_scores_tiled_kernel(
     BLOCK_T: tl.constexpr,  # positions per program, >= 16
     DOT: tl.constexpr,  # "native": q and k of one 16-bit dtype, dotted as they are; "tf32" / "ieee": upcast
     HAS_KEEP: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):  # fmt: skip
     """A prefill's scores: one program owns BLOCK_S query tokens x BLOCK_T positions and walks the
     heads, its key tile loaded once: acc += weights[:, h] * relu(scale * q_h k^T)."""
@@ -139,6 +145,9 @@ def _index_scores_tiled_kernel(
         keep = tl.load(keep_ptr + b * stride_mb + ss[:, None].to(tl.int64) * stride_ms + ts[None, :].to(tl.int64) * stride_mt,
                        mask=sm[:, None] & tm[None, :], other=0)  # fmt: skip
         acc = tl.where(keep != 0, acc, float("-inf"))
+    if CAUSAL:
+        last = tl.load(first_ptr).to(tl.int64) + ss.to(tl.int64)
+        acc = tl.where(ts[None, :].to(tl.int64) <= last[:, None], acc, float("-inf"))
     out = out_ptr + (b * S + ss[:, None]).to(tl.int64) * T + ts[None, :]
     tl.store(out, acc, mask=sm[:, None] & tm[None, :])
 
@@ -150,12 +159,13 @@ TILED_ABOVE = 16
 
 def sparse_index_scores_triton(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float, weights_scale: float = 1.0,
-    keep: torch.Tensor | None = None, *, wrap: Callable | None = None, block_t: int | None = None,
-    num_warps: int | None = None,
+    keep: torch.Tensor | None = None, causal_first: torch.Tensor | None = None, *, wrap: Callable | None = None,
+    block_t: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """fp32 [B, S, T] as ``sparse_index_scores_reference``. ``block_t`` / ``num_warps``: launch
     overrides for the benchmark's sweep."""
-    check_sparse_index_scores_args(q, k, weights, keep)
+    check_sparse_index_scores_args(q, k, weights, keep, causal_first)
+    first = None if causal_first is None else causal_first.reshape(1)  # None: the kernels compile without it
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -168,17 +178,19 @@ def sparse_index_scores_triton(
     # and 8192 / 16384 cached tokens against 14.6 / 24.2 at 64 x 4 (a timing spread of 0.1-0.2 us);
     # at batch 1 within 0.1-0.3 us of each other (5.4 us at 8192).
     if isinstance(s, int) and s > TILED_ABOVE:  # (a symbolic token count: the per-token kernel, no guard)
-        return _tiled(q, k, weights, scale, weights_scale, keep, out, wrap=wrap, block_t=block_t, num_warps=num_warps)
+        return _tiled(q, k, weights, scale, weights_scale, keep, first, out, wrap=wrap, block_t=block_t,
+                      num_warps=num_warps)  # fmt: skip
     block_t = block_t or 32
     kernel = wrap(_index_scores_kernel) if wrap is not None else _index_scores_kernel
     kernel[(bsz * s, triton.cdiv(t, block_t))](
-        q, k, weights, _keep_pointer(keep, q), out, s, t,
+        q, k, weights, _keep_pointer(keep, q), first, out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         weights.stride(0), weights.stride(1), weights.stride(2), *_keep_strides(keep),
         scale, weights_scale,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_T=block_t, EXACT_IN_TF32=exact_in_tf32, HAS_KEEP=keep is not None, num_warps=num_warps or 2,
-    )
+        BLOCK_T=block_t, EXACT_IN_TF32=exact_in_tf32, HAS_KEEP=keep is not None, CAUSAL=first is not None,
+        num_warps=num_warps or 2,
+    )  # fmt: skip
     return out
 
 
@@ -192,7 +204,7 @@ def _keep_strides(keep):
     return keep.stride() if keep is not None else (0, 0, 0)
 
 
-def _tiled(q, k, weights, scale, weights_scale, keep, out, *, wrap, block_t, num_warps):
+def _tiled(q, k, weights, scale, weights_scale, keep, first, out, *, wrap, block_t, num_warps):
     bsz, s, h, d = q.shape
     t = k.shape[1]
     sixteen_bit = (torch.bfloat16, torch.float16)
@@ -206,11 +218,11 @@ def _tiled(q, k, weights, scale, weights_scale, keep, out, *, wrap, block_t, num
     block_t = block_t or (128 if dot == "native" else 64)
     kernel = wrap(_index_scores_tiled_kernel) if wrap is not None else _index_scores_tiled_kernel
     kernel[(triton.cdiv(s, block_s), triton.cdiv(t, block_t), bsz)](
-        q, k, weights, _keep_pointer(keep, q), out, s, t,
+        q, k, weights, _keep_pointer(keep, q), first, out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         weights.stride(0), weights.stride(1), weights.stride(2), *_keep_strides(keep),
         scale, weights_scale,
         H=h, D=d, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t, DOT=dot,
-        HAS_KEEP=keep is not None, num_warps=num_warps or 8, num_stages=2,
+        HAS_KEEP=keep is not None, CAUSAL=first is not None, num_warps=num_warps or 8, num_stages=2,
     )  # fmt: skip
     return out
