@@ -156,3 +156,14 @@ def test_a_per_head_site_whose_keys_are_reshaped_before_the_store_stays_stock():
     tol = tolerance(torch.bfloat16)
     torch.testing.assert_close(out[0], expected[0], rtol=tol.rtol, atol=tol.atol)
     torch.testing.assert_close(after_call[7], eager[7], rtol=tol.rtol, atol=tol.atol)
+
+
+def test_a_whole_row_sites_write_it_cannot_take_is_reported_as_a_near_miss():
+    """A batch of one stored by indexing (the keys reshaped before the store): the prologue is
+    fused, the write stays Inductor's, and the report names it with where it diverged."""
+    fusion, per_head, rope, _, gate = SPELLINGS["minimax_m2"]
+    fn = slot_mapping_store(_attention_prelude(NORMS["llama"], per_head, rope, gate))
+    out, after_call, report = _compiled(fn, _inputs("minimax_m2", (1, 2), torch.tensor([2, 6])), OPT_IN)
+    assert report.final()["qk_norm_rope_whole_row"] == 1 and report.matches["qk_norm_rope_whole_row_cache"] == 0
+    misses = [m for m in report.near_misses if m.fusion == "qk_norm_rope_whole_row_cache"]
+    assert len(misses) == 1 and misses[0].reason, report.near_misses
