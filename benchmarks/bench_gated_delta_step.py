@@ -16,7 +16,8 @@ backend: the fused kernel launched by Inductor, the state written in place); our
 launcher called directly, in place); fla (fla-core's fused_recurrent_gated_delta_rule with the
 gating, beta's sigmoid and the l2norms in its kernel; it returns a new state and is timed without
 copying it into a cache: the peer's best case). --sweep times ours_kernel at every block width
-and warp count (the launch rule's evidence).
+and warp count (the launch rule's evidence), and its persistent form (a fixed grid of programs
+per SM walking the tiles: PERSISTENT_SWEEP).
 
     python -m benchmarks.bench_gated_delta_step [--batch 1 32 128] [--sweep]
     python -m benchmarks.bench_gated_delta_step --smoke     # tiny sizes; on a CPU via Triton's interpreter
@@ -48,6 +49,9 @@ BATCHES = (1, 8, 32, 64, 128)
 SMOKE_BATCHES = (1, 3)
 STATE_BYTES_IN_GRAPH = 128 << 20
 SWEEP = [(bv, w) for bv in (8, 16, 32, 64, 128) for w in (1, 2, 4, 8)]
+# The persistent form (gated_delta_step_triton(programs=...)): programs per SM x columns x warps x
+# pipeline stages, at the block widths the table picks from 256 pairs on.
+PERSISTENT_SWEEP = [(p, bv, w, st) for p in (2, 4, 8) for bv in (32, 64) for w in (1, 4) for st in (1, 2)]
 
 
 def recurrent_region(q, k, v, a, b, A_log, dt_bias, cache):
@@ -167,6 +171,11 @@ def sweep(bsz, d, device, g) -> dict:
     for bv, warps in SWEEP:
         calls = [lambda x=x: ours_kernel(**x, block_v=bv, num_warps=warps) for x in sets]
         times[f"{bv}x{warps}"] = time_graph_us(calls)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for per_sm, bv, warps, stages in PERSISTENT_SWEEP:
+        launch = dict(block_v=bv, num_warps=warps, programs=per_sm * sms, stages=stages)
+        calls = [lambda x=x: ours_kernel(**x, **launch) for x in sets]
+        times[f"persistent {per_sm}/SM {bv}x{warps} s{stages}"] = time_graph_us(calls)
     from fusion_passes.lowering.gated_delta_step.triton import _launch
 
     block, warps = _launch(sample["cache"], bsz, d["hv"], d["dv"])

@@ -128,6 +128,8 @@ def _cases():
     a, b, per_head = torch.randn(2, 1, 8, dtype=bf16), torch.randn(2, 1, 8, dtype=bf16), torch.randn(8)
     step = (q, q.clone(), v, a, b, per_head, per_head.clone(), torch.randn(2, 8, 128, 128), 128**0.5, True, True, 1e-6)
     yield "gated_delta_step", gated_delta_step_triton, step
+    persistent = functools.partial(gated_delta_step_triton, block_v=32, num_warps=1, programs=3, stages=2)
+    yield "gated_delta_step (persistent)", persistent, step
     # a prefill's grouped attention through a causal mask: 8 / 2 heads of 128, and of 256
     for d in (128, 256):
         q, kv = torch.randn(1, 8, 300, d, dtype=bf16), torch.randn(1, 2, 316, d, dtype=bf16)
@@ -191,7 +193,7 @@ def _cases():
 
 # The cases whose launches update a state in place (positions of the launcher's arguments), as
 # their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
-_WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
+_WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "gated_delta_step (persistent)": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
                   "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
                   "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,)}  # fmt: skip

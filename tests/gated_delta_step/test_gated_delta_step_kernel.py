@@ -134,3 +134,20 @@ def test_bad_arguments_raise(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         gated_delta_step_triton(*args, 4.0, True, True, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "bsz,hk,hv,dk,dv,block_v,programs,stages",
+    [(2, 2, 4, 16, 32, 8, 5, 2), (3, 1, 3, 24, 20, 16, 4, 1), (1, 2, 2, 16, 16, 16, 64, 2)],
+    ids=["fewer_programs_than_tiles", "odd_sizes", "more_programs_than_tiles"],
+)
+def test_persistent_form_is_the_grid_kernel(bsz, hk, hv, dk, dv, block_v, programs, stages):
+    """The persistent launch (a fixed grid walking the tiles) computes each tile as the grid kernel
+    does: out and state bit-equal, whatever the programs (fewer than the tiles, or more)."""
+    g = torch.Generator().manual_seed(bsz * 31 + dv)
+    args = _inputs(bsz, hk, hv, dk, dv, torch.bfloat16, torch.float32, g)
+    form = (dk**0.5, True, True, 1e-6)
+    grid = gated_delta_step_triton(*args, *form, block_v=block_v, num_warps=1)
+    persistent = gated_delta_step_triton(*args, *form, block_v=block_v, num_warps=1, programs=programs, stages=stages)
+    assert torch.equal(grid[0], persistent[0]) and torch.equal(grid[1], persistent[1])
+    assert not torch.equal(grid[1], args[7])  # the state was updated (a copy: the call is functional)
