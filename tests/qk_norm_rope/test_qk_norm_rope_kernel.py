@@ -338,30 +338,31 @@ CACHE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "gptj"])
 @pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cache_variant_is_the_kernel_and_index_copy(dtype, case):
+def test_cache_variant_is_the_kernel_and_index_copy(dtype, case, interleaved):
     """q_out and the key rows bit-equal qk_norm_rope_triton's split tiles (the same code), written
     at their slots with v transposed into the value cache (every other slot untouched), as
     index_copy would; within the reference's bound as qk_norm_rope_triton is tested above."""
     name, tokens, slots, positions = case
     config = CONFIGS[name]
     per_head = config[4]
-    args = _inputs(config, dtype, "llama", tokens, seed=slots)
+    args = _inputs(config, dtype, "llama", tokens, seed=slots, interleaved=interleaved)
     v, k_cache, v_cache = _cache_inputs(config, dtype, tokens, slots, seed=slots, dv=config[2] + 4)
     positions = torch.tensor(positions, device=DEVICE)
     q, k, wq, wk, cos, sin = args
     q_out, k_new, v_new = qk_norm_rope_cache_triton(q, k, v, wq, wk, cos, sin, k_cache, v_cache, positions, 1e-6,
-                                                    0.0, True, per_head)  # fmt: skip
+                                                    0.0, True, per_head, interleaved)  # fmt: skip
     assert k_new.data_ptr() != k_cache.data_ptr()  # a dispatcher call is functional
-    plain_q, plain_k = qk_norm_rope_triton(*args, 1e-6, 0.0, True, per_head, whole_head_tile=False)
+    plain_q, plain_k = qk_norm_rope_triton(*args, 1e-6, 0.0, True, per_head, interleaved, whole_head_tile=False)
     s = tokens[1]
     index = positions.reshape(-1) + (torch.arange(s, device=DEVICE) if positions.numel() == 1 else 0)
     assert torch.equal(q_out, plain_q) and q_out.stride() == plain_q.stride()
     assert torch.equal(k_new, k_cache.index_copy(2, index, plain_k))
     assert torch.equal(v_new, v_cache.index_copy(2, index, v.transpose(1, 2)))
     ref = qk_norm_rope_cache_reference(q, k, v, wq, wk, cos, sin, k_cache, v_cache, positions, 1e-6, 0.0, True,
-                                       per_head)  # fmt: skip
+                                       per_head, interleaved)  # fmt: skip
     _assert_close(k_new[:, :, index], ref[1][:, :, index], dtype)
 
 
