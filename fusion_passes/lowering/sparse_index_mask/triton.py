@@ -74,7 +74,7 @@ def _store_kept(mask_ptr, offs, inside, kept, attn_row_ptr, stride_at, fill, ADD
 def _index_mask_kernel(
     scores_ptr,  # *fp32/bf16/fp16 [rows, T], rows contiguous
     mask_ptr,  # *bool [rows, T] (ADDITIVE: *out dtype [rows, T])
-    attn_ptr,  # ADDITIVE: *bool [B, S, T] (strides stride_ab, stride_as, stride_at; rows = B * S)
+    attn_ptr,  # ADDITIVE: *bool [B, S, T] (strides stride_ab, stride_as, stride_at; rows = B * S); else None
     S, stride_ab, stride_as, stride_at,
     fill,  # ADDITIVE: the bias of a closed position (-inf, or cuDNN's -65504)
     work_ptr,  # *int32 [rows, WORK], zeroed: the row's histograms and counts (SPLIT > 1 only)
@@ -92,7 +92,10 @@ def _index_mask_kernel(
 ):
     pid = tl.program_id(0)
     row = (pid // SPLIT).to(tl.int64)
-    attn_row_ptr = attn_ptr + (row // S) * stride_ab + (row % S) * stride_as
+    if ADDITIVE:
+        attn_row_ptr = attn_ptr + (row // S) * stride_ab + (row % S) * stride_as
+    else:
+        attn_row_ptr = attn_ptr  # None: never read
     fill = tl.cast(fill, tl.float32)  # Inductor passes Python floats as fp64
     part = pid % SPLIT
     lo = part * CHUNK
@@ -256,7 +259,9 @@ def sparse_index_mask_triton(
         attn, s_len = attention_mask, scores.shape[1]
     else:
         mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
-        attn, s_len, attn_strides = scores, 1, (0, 0, 0)  # a stand-in, never read
+        # never read: None for the pointer (a constant, no launch argument; a tensor standing in
+        # would cost host time at every launch)
+        attn, s_len, attn_strides = None, 1, (0, 0, 0)
     split = _split(rows, t, scores.device) if split is None else split
     if split < 1:
         raise ValueError(f"sparse_index_mask: split must be >= 1, got {split}")

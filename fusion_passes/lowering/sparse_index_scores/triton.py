@@ -183,7 +183,7 @@ def sparse_index_scores_triton(
     block_t = block_t or 32
     kernel = wrap(_index_scores_kernel) if wrap is not None else _index_scores_kernel
     kernel[(bsz * s, triton.cdiv(t, block_t))](
-        q, k, weights, _keep_pointer(keep, q), first, out, s, t,
+        q, k, weights, keep, first, out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         weights.stride(0), weights.stride(1), weights.stride(2), *_keep_strides(keep),
         scale, weights_scale,
@@ -194,13 +194,9 @@ def sparse_index_scores_triton(
     return out
 
 
-def _keep_pointer(keep, stand_in):
-    """The keep mask's pointer argument: without a mask the kernels are compiled without its loads,
-    and a tensor they never read stands in."""
-    return keep if keep is not None else stand_in
-
-
 def _keep_strides(keep):
+    # Without a mask the kernels compile without its loads and take None for its pointer (a
+    # constant, no launch argument: a tensor standing in costs host time at every launch).
     return keep.stride() if keep is not None else (0, 0, 0)
 
 
@@ -218,7 +214,7 @@ def _tiled(q, k, weights, scale, weights_scale, keep, first, out, *, wrap, block
     block_t = block_t or (128 if dot == "native" else 64)
     kernel = wrap(_index_scores_tiled_kernel) if wrap is not None else _index_scores_tiled_kernel
     kernel[(triton.cdiv(s, block_s), triton.cdiv(t, block_t), bsz)](
-        q, k, weights, _keep_pointer(keep, q), first, out, s, t,
+        q, k, weights, keep, first, out, s, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         weights.stride(0), weights.stride(1), weights.stride(2), *_keep_strides(keep),
         scale, weights_scale,
