@@ -300,8 +300,9 @@ def rms_norm_quant_fp8_triton(
     else:
         scales = scale
     if residual is None:
-        # Never read or written (HAS_RESIDUAL=False): x stands in for the residual pointers.
-        residual_rows, residual_out = x_rows, None
+        # Never read or written (HAS_RESIDUAL=False): None for their pointers (constants, no launch
+        # arguments; tensors standing in would cost host time at every launch).
+        residual_rows, residual_out = None, None
     else:
         residual_rows = as_rows(residual)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -328,13 +329,13 @@ def rms_norm_quant_fp8_triton(
         weight,
         codes,
         scales,
-        x_rows if residual_out is None else residual_out,
+        residual_out,
         m,
         n,
         num_groups,
         group,
         x_rows.stride(0),
-        residual_rows.stride(0),
+        0 if residual_rows is None else residual_rows.stride(0),
         eps,
         weight_offset,
         HAS_RESIDUAL=residual is not None,
