@@ -92,7 +92,7 @@ def causal_conv1d_triton(
     state = initial_state if initial_state is not None else x  # unread without one
     kernel = wrap(_causal_conv1d_kernel) if wrap is not None else _causal_conv1d_kernel
     kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c), bsz)](
-        x, weight, bias if bias is not None else weight, state, out, c, t, state.shape[-1],
+        x, weight, bias, state, out, c, t, state.shape[-1],  # bias None: a constant, never read
         *x.stride(), *weight.stride(), *state.stride(),
         W=weight.shape[-1], HAS_BIAS=bias is not None, HAS_STATE=initial_state is not None, SILU=silu,
         BLOCK_T=block_t, BLOCK_C=block_c,

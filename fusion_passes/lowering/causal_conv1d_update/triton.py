@@ -93,7 +93,7 @@ def causal_conv1d_update_triton(
     block_c = min(256, triton.next_power_of_2(c))
     kernel = wrap(_causal_conv1d_update_kernel) if wrap is not None else _causal_conv1d_update_kernel
     kernel[(b, triton.cdiv(c, block_c))](
-        x, state, weight, bias if bias is not None else weight, out, c,
+        x, state, weight, bias, out, c,  # bias None: a constant (no launch argument), never read
         *x.stride(), *state.stride(), *weight.stride(),
         S=state.shape[-1], T=t, W=weight.shape[-1],
         BLOCK_L=triton.next_power_of_2(state.shape[-1] + t), BLOCK_S=triton.next_power_of_2(state.shape[-1]), HAS_BIAS=bias is not None, SILU=silu,

@@ -91,7 +91,7 @@ def moe_route_triton(
     kernel = wrap(_route_topk_kernel) if wrap is not None else _route_topk_kernel
     if tokens:
         kernel[(tokens,)](
-            logits, bias if bias is not None else logits, weights, ids, logits.stride(0), experts,
+            logits, bias, weights, ids, logits.stride(0), experts,  # bias None: a constant, never read
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
             SOFTMAX=softmax, HAS_BIAS=bias is not None,
             RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4,
