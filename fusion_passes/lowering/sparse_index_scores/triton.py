@@ -8,7 +8,8 @@ Fused: each program owns one query token (b, s) and BLOCK_T cached positions: it
 heads q [H, D] and the keys k [BLOCK_T, D] as they are in the cache (no copy), and computes
     dots = q k^T  [H, BLOCK_T];   out = sum_h weights[h] * relu(dots[h] * scale)
 storing out [BLOCK_T] in fp32 (-inf where the optional keep mask is False: the model's
-masked_fill before its top-k; the weights upcast and times weights_scale as they load). bf16 / fp16 q and k go through the tensor cores as TF32, which
+masked_fill before its top-k, or past the token's position for causal_first: the causal mask
+computed from one position; the weights upcast and times weights_scale as they load). bf16 / fp16 q and k go through the tensor cores as TF32, which
 holds their values exactly (8 / 11 significant bits of TF32's 11): their products are exact and
 accumulate in fp32, as in the reference's fp32 matmul of their upcasts (only the order of the
 sums differs); fp32 ones through IEEE fp32 dots.
