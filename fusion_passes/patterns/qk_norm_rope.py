@@ -330,6 +330,16 @@ def _written_to_cache(node: torch.fx.Node, depth: int = 3) -> bool:
     return False
 
 
+def _stored_as_it_is(node: torch.fx.Node, batch) -> bool:
+    """Whether ``node`` goes into a cache as it is, or (a batch of one stored by indexing, which
+    torch.compile traces with the batch dim dropped) through one reshape: the writes that
+    qk_norm_rope_cache takes."""
+    if _written_to_cache(node, depth=0):
+        return True
+    reshapes = [u for u in node.users if u.target is torch.ops.aten.reshape.default]
+    return batch == 1 and any(_written_to_cache(r, depth=0) for r in reshapes)
+
+
 def decode_cache_write_refusal(match) -> str | None:
     """Per-head QK-norm + RoPE of a decode step (one token per sequence, [B, 1, H, D]) whose k goes
     straight into a KV cache is left to Inductor: there stock Inductor fuses the RoPE table (cos /
@@ -337,7 +347,7 @@ def decode_cache_write_refusal(match) -> str | None:
     and the fused op would add the write's kernel. Measured on one H200 (Qwen3-30B-A3B width, 2
     layers, after 1024 tokens): 71 vs 70 kernels at batch 1, 69 vs 68 at 64, step time equal. The
     whole-row form (MiniMax-M2) is not refused: there the fused op is 1.05x at batch 1. Nor is a
-    site whose k goes into the cache as it is (no view between: the write qk_norm_rope_cache
+    site whose k goes into the cache as it is (_stored_as_it_is: the writes qk_norm_rope_cache
     takes) while that fusion is enabled: it moves the cache writes into the op."""
     q = match.kwargs.get("q")
     val = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
@@ -346,7 +356,7 @@ def decode_cache_write_refusal(match) -> str | None:
     written = [out for out in match.output_nodes() if out is not None and _written_to_cache(out)]
     if not written:
         return None
-    if is_enabled("qk_norm_rope_cache") and all(_written_to_cache(out, depth=0) for out in written):
+    if is_enabled("qk_norm_rope_cache") and all(_stored_as_it_is(out, val.shape[0]) for out in written):
         return None  # that fusion takes the site further, with the cache writes
     return ("a decode step's k goes into the KV cache: stock Inductor fuses the RoPE table, "
             "the norms, the rotations and the cache write into one kernel there")  # fmt: skip

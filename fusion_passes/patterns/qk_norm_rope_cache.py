@@ -19,8 +19,8 @@ Fused:   q_out, k_cache, v_cache = fusion_passes.qk_norm_rope_cache(q, k, v, w_q
          caches back into the model's buffers go).
 
 Decode steps only (at most CACHE_MAX_TOKENS tokens): the op takes a token's heads in one step.
-Not matched: a batch of one stored by indexing (``cache[:, :, slots] = k``), which torch.compile
-traces with the values reshaped to drop the batch dim first.
+A batch of one stored by indexing (``cache[:, :, slots] = k``) is traced by torch.compile with
+the values reshaped to drop the batch dim: a spelling of its own.
 While this fusion is enabled, the per-head qk_norm_rope sites of a decode step are no longer
 left to Inductor (decode_cache_write_refusal): this one takes them further.
 """
@@ -42,8 +42,12 @@ from fusion_passes.lowering.qk_norm_rope.triton import CACHE_MAX_TOKENS
 _FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, False)}
 
 
-def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, consecutive: bool) -> Spelling:
+def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, slots: str) -> Spelling:
+    """slots: "first" (StaticLayer's index_copy_ at arange(S) + length), "per_token" (index_copy_
+    or ``cache[:, :, slots] = x`` at given slots), "per_token_batch_one" (that store at a batch of
+    one, which torch.compile traces with the values reshaped to drop the batch dim)."""
     offset, cast = _FORMS[form]
+    consecutive = slots == "first"
 
     # a / b: the op's two tensors as the qk_norm_rope fusion ordered them (either may be the keys)
     def pattern(a, b, v, a_weight, b_weight, cos, sin, k_cache, v_cache, positions, eps):
@@ -51,10 +55,16 @@ def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, conse
             a, b, a_weight, b_weight, cos, sin, eps, offset, cast, per_head, interleaved
         )
         k_out, q_out = (out_a, out_b) if k_first else (out_b, out_a)
+        v_out = v.transpose(1, 2)
+        if slots == "per_token_batch_one" and a.shape[0] == 1:  # [1, H, S, D] stored as [H, S, D]
+            # (traced at a batch of one only: at others the same as "per_token", registered once)
+            index = [None, None, positions]
+            k_new = torch.ops.aten.index_put.default(k_cache, index, k_out.reshape(k_out.shape[1:]))
+            return q_out, k_new, torch.ops.aten.index_put.default(v_cache, index, v_out.reshape(v_out.shape[1:]))
         if consecutive:  # transformers' StaticLayer: arange(S) + its write counter
             positions = torch.arange(a.shape[1], device=a.device) + positions
         k_new = torch.index_copy(k_cache, 2, positions, k_out)
-        return q_out, k_new, torch.index_copy(v_cache, 2, positions, v.transpose(1, 2))
+        return q_out, k_new, torch.index_copy(v_cache, 2, positions, v_out)
 
     def replacement(a, b, v, a_weight, b_weight, cos, sin, k_cache, v_cache, positions, eps):
         (q, q_weight), (k, k_weight) = ((b, b_weight), (a, a_weight)) if k_first else ((a, a_weight), (b, b_weight))
@@ -81,22 +91,23 @@ def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, conse
             return f"the slots are arange(S) + a {tuple(values['positions'].shape)} tensor, not one first slot"
         return None
 
-    name = (f"{form}_{'interleaved' if interleaved else 'rotate_half'}_"
-            f"{'k_first' if k_first else 'q_first'}_{'from_first_slot' if consecutive else 'slot_per_token'}")  # fmt: skip
+    where = {"first": "from_first_slot", "per_token": "slot_per_token", "per_token_batch_one": "slot_per_token_batch_one"}
+    name = f"{form}_{'interleaved' if interleaved else 'rotate_half'}_{'k_first' if k_first else 'q_first'}_{where[slots]}"
     return Spelling(name, pattern, replacement, check)
 
 
 def _examples(per_head: bool):
-    """Two heads of 16 for q and k (either may be the keys), full RoPE, a cache of 7 slots: one
-    token per sequence at a 0-d first slot, three at a slot each."""
+    """Two heads of 16 for q and k (either may be the keys), full RoPE, a cache of 7 slots: two
+    sequences of one token at a 0-d first slot, of three at a slot each; one of two tokens at a
+    slot each (the batch-one store traces at a batch of one only)."""
 
     def example_inputs():
-        for s, positions in ((1, torch.tensor(2)), (3, torch.tensor([3, 0, 2]))):
-            a, b, v = (torch.randn(2, s, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+        for bsz, s, positions in ((2, 1, torch.tensor(2)), (2, 3, torch.tensor([3, 0, 2])), (1, 2, torch.tensor([3, 0]))):
+            a, b, v = (torch.randn(bsz, s, 2, 16, dtype=torch.bfloat16) for _ in range(3))
             width = 16 if per_head else 32
             weights = torch.randn(width, dtype=torch.bfloat16), torch.randn(width, dtype=torch.bfloat16)
             cos = torch.randn(1, s, 16, dtype=torch.bfloat16)
-            caches = torch.randn(2, 2, 7, 16, dtype=torch.bfloat16), torch.randn(2, 2, 7, 16, dtype=torch.bfloat16)
+            caches = torch.randn(bsz, 2, 7, 16, dtype=torch.bfloat16), torch.randn(bsz, 2, 7, 16, dtype=torch.bfloat16)
             yield a, b, v, *weights, cos, torch.randn_like(cos), *caches, positions, DEFAULT_SCALAR_SENTINEL
 
     return example_inputs
@@ -126,8 +137,8 @@ def _writes_a_fused_key(per_head: bool):
 def _fusion(per_head: bool) -> Fusion:
     name = "qk_norm_rope_cache" if per_head else "qk_norm_rope_whole_row_cache"
     spellings = tuple(
-        _spelling(per_head, form, interleaved, k_first, consecutive)
-        for consecutive in (True, False) for k_first in (True, False)
+        _spelling(per_head, form, interleaved, k_first, slots)
+        for slots in ("first", "per_token", "per_token_batch_one") for k_first in (True, False)
         for form in _FORMS for interleaved in (False, True)
     )  # fmt: skip
     return Fusion(

@@ -141,13 +141,51 @@ def test_values_stored_in_another_layout_are_not_fused():
     assert torch.equal(after_call[8], eager[8])
 
 
-def test_a_per_head_site_whose_keys_are_reshaped_before_the_store_stays_stock():
-    """A batch of one stored by indexing (torch.compile drops the batch dim with a reshape before
-    the store): the cache fusion cannot take the write, so the per-head decode prologue stays
-    Inductor's even with it enabled (never more kernels than stock)."""
-    fusion, per_head, rope, _, gate = SPELLINGS["qwen3"]
+@pytest.mark.parametrize("spelling", ["qwen3", "minimax_m2"])
+def test_a_batch_of_one_stored_by_indexing_is_fused(spelling):
+    """A batch of one stored at a slot per token by indexing (torch.compile drops the batch dim
+    with a reshape before the store): the fusion takes it (the per-head site too), the caches
+    within bf16's tolerance of eager."""
+    fusion, per_head, rope, _, gate = SPELLINGS[spelling]
     fn = slot_mapping_store(_attention_prelude(NORMS["llama"], per_head, rope, gate))
-    args = _inputs("qwen3", (1, 1), torch.tensor([4]))
+    args = _inputs(spelling, (1, 2), torch.tensor([4, 1]))
+    out, after_call, report = _compiled(fn, args, OPT_IN)
+    (site,) = report.sites_of(f"{fusion}_cache")
+    assert site.spelling.endswith("slot_per_token_batch_one") and "aten.index_put.default" not in report.ops_after()
+    eager = [a.clone() for a in args]
+    expected = fn(*eager)
+    tol = tolerance(torch.bfloat16)
+    for a, e in zip((out[0], *after_call[7:9]), (expected[0], *eager[7:9]), strict=True):
+        torch.testing.assert_close(a, e, rtol=tol.rtol, atol=tol.atol)
+
+
+def keys_stored_transposed(prelude):
+    """The keys stored token-major (a [B, T, H, D] key cache, transposed back before the store):
+    a write the cache fusion does not take."""
+
+    def fn(q_proj, k_proj, v_proj, q_weight, k_weight, cos, sin, k_cache, v_cache, slots):
+        q, k = prelude(q_proj, k_proj, q_weight, k_weight, cos, sin)[:2]
+        b, s = v_proj.shape[:2]
+        k_cache[:, slots] = k.transpose(1, 2)
+        v_cache[:, :, slots] = v_proj.view(b, s, -1, HEAD_DIM).transpose(1, 2)
+        return q, k_cache, v_cache
+
+    return fn
+
+
+def _transposed_key_cache_inputs(spelling):
+    args = _inputs(spelling, (2, 1), torch.tensor([4, 1])[:1])
+    args[7] = args[7].transpose(1, 2).contiguous()  # [B, T, H, D]
+    return args
+
+
+def test_a_per_head_site_whose_keys_are_stored_otherwise_stays_stock():
+    """The per-head decode prologue whose keys go into a token-major cache: the cache fusion
+    cannot take the write, so the site stays Inductor's even with it enabled (never more kernels
+    than stock)."""
+    fusion, per_head, rope, _, gate = SPELLINGS["qwen3"]
+    fn = keys_stored_transposed(_attention_prelude(NORMS["llama"], per_head, rope, gate))
+    args = _transposed_key_cache_inputs("qwen3")
     out, after_call, report = _compiled(fn, args, OPT_IN)
     assert report.matches["qk_norm_rope"] == 0 and report.matches["qk_norm_rope_cache"] == 0
     assert "goes into the KV cache" in report.rejected[0].reason
@@ -159,11 +197,11 @@ def test_a_per_head_site_whose_keys_are_reshaped_before_the_store_stays_stock():
 
 
 def test_a_whole_row_sites_write_it_cannot_take_is_reported_as_a_near_miss():
-    """A batch of one stored by indexing (the keys reshaped before the store): the prologue is
-    fused, the write stays Inductor's, and the report names it with where it diverged."""
+    """Keys stored token-major (transposed back before the store): the prologue is fused, the
+    write stays Inductor's, and the report names it with where it diverged."""
     fusion, per_head, rope, _, gate = SPELLINGS["minimax_m2"]
-    fn = slot_mapping_store(_attention_prelude(NORMS["llama"], per_head, rope, gate))
-    out, after_call, report = _compiled(fn, _inputs("minimax_m2", (1, 2), torch.tensor([2, 6])), OPT_IN)
+    fn = keys_stored_transposed(_attention_prelude(NORMS["llama"], per_head, rope, gate))
+    out, after_call, report = _compiled(fn, _transposed_key_cache_inputs("minimax_m2"), OPT_IN)
     assert report.final()["qk_norm_rope_whole_row"] == 1 and report.matches["qk_norm_rope_whole_row_cache"] == 0
     misses = [m for m in report.near_misses if m.fusion == "qk_norm_rope_whole_row_cache"]
     assert len(misses) == 1 and misses[0].reason, report.near_misses
