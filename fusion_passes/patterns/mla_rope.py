@@ -398,9 +398,16 @@ MLA_Q_KV_ROPE_ROTATE_HALF = _q_kv_fusion(interleave=False)
 # --- mla_indexer_k_norm_rope_cache: the indexer key written into its cache by the same kernel ---
 
 
-def _indexer_k_cache_spelling(interleave: bool, consecutive: bool):
+def _indexer_k_cache_spelling(interleave: bool, slots: str):
+    """slots: "first" (the cache layer's arange(S) + its write counter), "per_token" (index_copy_
+    or ``cache[:, slots] = key``), "per_token_batch_one" (that store at a batch of one, traced
+    with the key reshaped to drop the batch dim)."""
+    consecutive = slots == "first"
+
     def pattern(k, weight, bias, cos, sin, cache, positions, eps):
         key = torch.ops.fusion_passes.mla_indexer_k_norm_rope.default(k, weight, bias, cos, sin, eps, interleave)
+        if slots == "per_token_batch_one" and k.shape[0] == 1:  # (elsewhere the same as "per_token")
+            return torch.ops.aten.index_put.default(cache, [None, positions], key.reshape(key.shape[1:]))
         if consecutive:  # transformers' cache layer: arange(S) + its write counter
             positions = torch.arange(k.shape[1], device=k.device) + positions
         # index_copy_ into the cache, functionalized (Inductor's decomposition: an index_put)
@@ -422,19 +429,20 @@ def _indexer_k_cache_spelling(interleave: bool, consecutive: bool):
             return f"the slots are arange(S) + a {tuple(positions.shape)} tensor, not one first slot"
         return None
 
-    name = f"{'from_first_slot' if consecutive else 'slot_per_token'}_{'interleave' if interleave else 'rotate_half'}"
-    return Spelling(name, pattern, replacement, check)
+    where = {"first": "from_first_slot", "per_token": "slot_per_token", "per_token_batch_one": "slot_per_token_batch_one"}
+    return Spelling(f"{where[slots]}_{'interleave' if interleave else 'rotate_half'}", pattern, replacement, check)
 
 
 def _indexer_k_cache_examples():
     """Keys of width 12 (rope 4 rotate_half / 8 interleaved: cos width 4), a cache of 7 slots:
-    one token per sequence at a 0-d first slot (a write counter), three at a slot each. Both
-    spellings trace on both (one token: a 0-d slot is a slot per token)."""
+    one token per sequence at a 0-d first slot (a write counter), three at a slot each, and a
+    batch of one with two at a slot each. Every spelling traces on each (one token: a 0-d slot is a
+    slot per token)."""
     for dtype in (torch.float32, torch.bfloat16):
         w, b = torch.randn(12, dtype=dtype), torch.randn(12, dtype=dtype)
-        cache = torch.randn(2, 7, 12, dtype=dtype)
-        for s, positions in ((1, torch.tensor(2)), (3, torch.tensor([3, 0, 2]))):
-            k, cos = torch.randn(2, s, 12, dtype=dtype), torch.randn(2, s, 4, dtype=dtype)
+        for bsz, s, positions in ((2, 1, torch.tensor(2)), (2, 3, torch.tensor([3, 0, 2])), (1, 2, torch.tensor([3, 0]))):
+            k, cos = torch.randn(bsz, s, 12, dtype=dtype), torch.randn(bsz, s, 4, dtype=dtype)
+            cache = torch.randn(bsz, 7, 12, dtype=dtype)
             yield k, w, b, cos, torch.randn_like(cos), cache, positions, DEFAULT_SCALAR_SENTINEL
 
 
@@ -450,7 +458,8 @@ MLA_INDEXER_K_NORM_ROPE_CACHE = Fusion(
                                 indexer_keys, positions, eps, interleave)
              one kernel; on CUDA (launched by Inductor) it writes the rows into the cache in place,
              and the copy of the new cache back into the model's buffer goes.""",
-    spellings=tuple(_indexer_k_cache_spelling(il, consecutive) for consecutive in (True, False) for il in (False, True)),
+    spellings=tuple(_indexer_k_cache_spelling(il, slots) for slots in ("first", "per_token", "per_token_batch_one")
+                    for il in (False, True)),  # fmt: skip
     example_inputs=_indexer_k_cache_examples,
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
     requires=("mla_indexer_k_norm_rope",),
@@ -474,7 +483,10 @@ def _mla_key(k_nope, k_pe, new_tensor: bool):
     return key
 
 
-def _kv_cache_write_spelling(new_tensor: bool, consecutive: bool):
+def _kv_cache_write_spelling(new_tensor: bool, slots: str):
+    """slots as the indexer key's cache fold's (_indexer_k_cache_spelling)."""
+    consecutive = slots == "first"
+
     # kv: kv_b_proj's output viewed [B, H, S, NOPE + V] (expand_kv: view, then transpose): the
     # split into k_nope and value is part of the pattern, so that the value's write (a placeholder
     # value alone) cannot match the key's.
@@ -482,6 +494,10 @@ def _kv_cache_write_spelling(new_tensor: bool, consecutive: bool):
         nope = k_cache.shape[-1] - k_pe.shape[-1]
         k_nope, value = torch.split(kv, [nope, kv.shape[-1] - nope], dim=-1)
         key = _mla_key(k_nope, k_pe, new_tensor)
+        if slots == "per_token_batch_one" and kv.shape[0] == 1:  # (elsewhere the same as "per_token")
+            index = [None, None, positions]
+            return (torch.ops.aten.index_put.default(k_cache, index, key.reshape(key.shape[1:])),
+                    torch.ops.aten.index_put.default(v_cache, index, value.reshape(value.shape[1:])))  # fmt: skip
         if consecutive:  # transformers' StaticLayer: arange(S) + its write counter
             positions = torch.arange(kv.shape[2], device=kv.device) + positions
         # StaticLayer.update's two index_copy_, functionalized (Inductor's decomposition: index_put)
@@ -507,18 +523,19 @@ def _kv_cache_write_spelling(new_tensor: bool, consecutive: bool):
             return f"the slots are arange(S) + a {tuple(positions.shape)} tensor, not one first slot"
         return None
 
-    name = f"{'copies' if new_tensor else 'cat'}_{'from_first_slot' if consecutive else 'slot_per_token'}"
-    return Spelling(name, pattern, replacement, check)
+    where = {"first": "from_first_slot", "per_token": "slot_per_token", "per_token_batch_one": "slot_per_token_batch_one"}
+    return Spelling(f"{'copies' if new_tensor else 'cat'}_{where[slots]}", pattern, replacement, check)
 
 
 def _kv_cache_write_examples():
     """3 heads of 8 + 4 (nope + rope) keys and 6-wide values, a cache of 7 slots: one token per
-    sequence at a 0-d first slot, and three at a slot each (both spellings trace on both)."""
+    sequence at a 0-d first slot, three at a slot each, and a batch of one with two at a slot each
+    (every spelling traces on each)."""
     for dtype in (torch.float32, torch.bfloat16):
-        for s, positions in ((1, torch.tensor(2)), (3, torch.tensor([3, 0, 2]))):
-            kv = torch.randn(2, s, 3, 14, dtype=dtype).transpose(1, 2)
-            k_pe = torch.randn(2, 1, s, 4, dtype=dtype)
-            caches = torch.randn(2, 3, 7, 12, dtype=dtype), torch.randn(2, 3, 7, 6, dtype=dtype)
+        for bsz, s, positions in ((2, 1, torch.tensor(2)), (2, 3, torch.tensor([3, 0, 2])), (1, 2, torch.tensor([3, 0]))):
+            kv = torch.randn(bsz, s, 3, 14, dtype=dtype).transpose(1, 2)
+            k_pe = torch.randn(bsz, 1, s, 4, dtype=dtype)
+            caches = torch.randn(bsz, 3, 7, 12, dtype=dtype), torch.randn(bsz, 3, 7, 6, dtype=dtype)
             yield kv, k_pe, *caches, positions
 
 
@@ -534,7 +551,8 @@ MLA_KV_CACHE_WRITE = Fusion(
     Fused:   k_cache, v_cache = fusion_passes.mla_kv_cache_write(k_nope, k_pe, value, k_cache,
                                                                   v_cache, positions)
              one kernel; on CUDA (launched by Inductor) it writes both caches in place.""",
-    spellings=tuple(_kv_cache_write_spelling(new, consecutive) for consecutive in (True, False) for new in (True, False)),
+    spellings=tuple(_kv_cache_write_spelling(new, slots) for slots in ("first", "per_token", "per_token_batch_one")
+                    for new in (True, False)),  # fmt: skip
     example_inputs=_kv_cache_write_examples,
     opt_in="not yet timed on a GPU: stock Inductor writes the two caches in two kernels (1.3 and 1.2 us "
            "per layer on one H200 at batch 1)",  # fmt: skip

@@ -331,16 +331,23 @@ def _run_on_caches(fn, args, fusions):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "fn,slots",
-    [(indexer_key_into_cache, torch.tensor(3)), (indexer_key_at_slots, torch.tensor([8, 0, 4, 5, 1]))],
-    ids=["from_write_counter", "slot_per_token"],
+    [(indexer_key_into_cache, torch.tensor(3)), (indexer_key_at_slots, torch.tensor([8, 0, 4, 5, 1])), ("batch_one", None)],
+    ids=["from_write_counter", "slot_per_token", "slot_per_token_batch_one"],
 )
 def test_indexer_key_is_written_into_its_cache_by_the_kernel(fn, slots, dtype):
     """Both spellings become one op writing the cache; the cache holds what the defaults (the key
     op, then Inductor's index_put) write there, bit for bit, and eager's within the LayerNorm's
     tolerance; the counter still advances."""
-    args = _cache_inputs(dtype, slots)
+    batch_one = fn == "batch_one"
+    if batch_one:  # the store by indexing at a batch of one (traced with the key reshaped)
+        fn, slots = indexer_key_at_slots, torch.tensor([8, 0, 4, 5, 1])
+        args = tuple(a[:1] if i in (0, 3, 4, 5) else a for i, a in enumerate(_cache_inputs(dtype, slots)))  # k, cos, sin, cache
+    else:
+        args = _cache_inputs(dtype, slots)
     fused, defaults, report = _run_on_caches(fn, args, ["all", "mla_indexer_k_norm_rope_cache"])
     assert _matched(report) == {"mla_indexer_k_norm_rope": 1, "mla_indexer_k_norm_rope_cache": 1}
+    (site,) = report.sites_of("mla_indexer_k_norm_rope_cache")
+    assert site.spelling.startswith("slot_per_token_batch_one") == batch_one, site.spelling
     before, after = report.ops_before(), report.ops_after()
     assert before["aten.index_put.default"] == 1 and "aten.index_put.default" not in after
     assert after["fusion_passes.mla_indexer_k_norm_rope_cache.default"] == 1
@@ -423,19 +430,27 @@ def _kv_write_inputs(dtype, slots):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "fn,slots",
-    [(expand_kv_into_cache, torch.tensor(3)), (cat_kv_at_slots, torch.tensor([8, 0, 4, 5, 1]))],
-    ids=["transformers_v32", "cat_slot_per_token"],
+    [(expand_kv_into_cache, torch.tensor(3)), (cat_kv_at_slots, torch.tensor([8, 0, 4, 5, 1])), ("batch_one", None)],
+    ids=["transformers_v32", "cat_slot_per_token", "cat_slot_per_token_batch_one"],
 )
 def test_mla_key_and_value_go_into_the_cache_in_one_kernel(fn, slots, dtype):
     """Both spellings become one mla_kv_cache_write (both index_puts, the key's assembly gone);
-    the caches equal the defaults' and eager's bit for bit (the write is a copy)."""
-    args = _kv_write_inputs(dtype, slots)
+    the caches equal the defaults' and eager's bit for bit (the write is a copy). A batch of one
+    stored by indexing is traced with the values reshaped: its own spelling."""
+    batch_one = fn == "batch_one"
+    if batch_one:
+        fn, slots = cat_kv_at_slots, torch.tensor([8, 0, 4, 5, 1])
+        args = tuple(a[:1] if i in (0, 2, 3, 4) else a for i, a in enumerate(_kv_write_inputs(dtype, slots)))
+    else:
+        args = _kv_write_inputs(dtype, slots)
     fused, defaults, report = _run_on_caches(fn, args, ["all", "mla_kv_cache_write"])
     assert _matched(report) == {"mla_kv_cache_write": 1}
     before, after = report.ops_before(), report.ops_after()
     assert before["aten.index_put.default"] == 2 and "aten.index_put.default" not in after
     assert not {"aten.slice_scatter.default", "aten.cat.default"} & set(after)
     assert after["fusion_passes.mla_kv_cache_write.default"] == 1
+    (site,) = report.sites_of("mla_kv_cache_write")
+    assert site.spelling.endswith("batch_one") == batch_one, site.spelling
     eager = [a.clone() for a in args]
     fn(*eager)
     for i in (3, 4, 5):  # k cache, v cache, counter / slots
