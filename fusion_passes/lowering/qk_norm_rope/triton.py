@@ -570,7 +570,31 @@ def _qk_norm_rope_kernel(
             weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K, K_STEPS, CAST_BEFORE_WEIGHT,
             ONE_SEQ, INTERLEAVED,
         )  # fmt: skip
-    elif pid < q_programs:
+    else:
+        _split_tile_programs(
+            pid, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, S, HQ, HK,
+            n_q_rows, n_k_rows, q_programs, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h,
+            cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF,
+            BLOCK_PASS, ROWS, ROWS_K, NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
+        )  # fmt: skip
+
+
+@triton.jit
+def _split_tile_programs(
+    pid, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, S, HQ: tl.constexpr,
+    HK: tl.constexpr, n_q_rows, n_k_rows, q_programs, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s,
+    k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps, weight_offset, HALF: tl.constexpr,
+    PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROWS: tl.constexpr,
+    ROWS_K: tl.constexpr, NORM_PER_HEAD: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, ONE_SEQ: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    # SLOTS > 0 (qk_norm_rope_cache): k_out_ptr is the key cache, and v goes into the value cache
+    kc_stride_b=0, kc_stride_h=0, kc_stride_t=0, pos_ptr=None, T=0, v_ptr=None, v_stride_b=0, v_stride_s=0,
+    v_stride_h=0, v_cache_ptr=None, vc_stride_b=0, vc_stride_h=0, vc_stride_t=0, SLOTS: tl.constexpr = 0,
+    DV: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
+):  # fmt: skip
+    """The split tiles' programs of both kernels: q's rows, then k's (into the cache, with v's
+    copy, for qk_norm_rope_cache)."""
+    if pid < q_programs:
         _norm_rope_rows(
             q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
             q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
@@ -583,7 +607,14 @@ def _qk_norm_rope_kernel(
             k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
             sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
             NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
+            kc_stride_b, kc_stride_h, kc_stride_t, pos_ptr, T, SLOTS,
         )  # fmt: skip
+        if SLOTS > 0:
+            _copy_rows_to_cache(
+                v_ptr, v_cache_ptr, pid - q_programs, n_k_rows, S, HK, v_stride_b, v_stride_s, v_stride_h,
+                vc_stride_b, vc_stride_h, vc_stride_t, pos_ptr, T, DV, BLOCK_DV, ROWS_K, NORM_PER_HEAD,
+                SLOTS, ONE_SEQ,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -608,27 +639,14 @@ def _qk_norm_rope_cache_kernel(
     programs. A kernel of its own: the plain op's launch takes none of these arguments."""
     eps = tl.cast(eps, tl.float32)
     weight_offset = tl.cast(weight_offset, tl.float32)
-    pid = tl.program_id(0)
-    if pid < q_programs:
-        _norm_rope_rows(
-            q_ptr, q_weight_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, n_q_rows, S, HQ,
-            q_stride_b, q_stride_s, q_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
-            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS,
-            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
-        )  # fmt: skip
-    else:
-        _norm_rope_rows(
-            k_ptr, k_weight_ptr, k_cache_ptr, cos_ptr, sin_ptr, pid - q_programs, n_k_rows, S, HK,
-            k_stride_b, k_stride_s, k_stride_h, cos_stride_b, cos_stride_s, sin_stride_b,
-            sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF, BLOCK_PASS, ROWS_K,
-            NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
-            kc_stride_b, kc_stride_h, kc_stride_t, pos_ptr, T, SLOTS,
-        )  # fmt: skip
-        _copy_rows_to_cache(
-            v_ptr, v_cache_ptr, pid - q_programs, n_k_rows, S, HK, v_stride_b, v_stride_s, v_stride_h,
-            vc_stride_b, vc_stride_h, vc_stride_t, pos_ptr, T, DV, BLOCK_DV, ROWS_K, NORM_PER_HEAD,
-            SLOTS, ONE_SEQ,
-        )  # fmt: skip
+    _split_tile_programs(
+        tl.program_id(0), q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, S, HQ,
+        HK, n_q_rows, n_k_rows, q_programs, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h,
+        cos_stride_b, cos_stride_s, sin_stride_b, sin_stride_s, eps, weight_offset, HALF, PASS, BLOCK_HALF,
+        BLOCK_PASS, ROWS, ROWS_K, NORM_PER_HEAD, CAST_BEFORE_WEIGHT, ONE_SEQ, INTERLEAVED,
+        kc_stride_b, kc_stride_h, kc_stride_t, pos_ptr, T, v_ptr, v_stride_b, v_stride_s, v_stride_h, v_cache_ptr,
+        vc_stride_b, vc_stride_h, vc_stride_t, SLOTS, DV, BLOCK_DV,
+    )  # fmt: skip
 
 
 def launch_config(head_dim: int, rotary_dim: int, heads: int, norm_per_head: bool, whole_head_tile: bool):
