@@ -300,6 +300,8 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.verify",
     "fusion_passes.near_miss",
     "fusion_passes.lower_back",
+    # The cache-write spellings several pattern modules share (a fusion's hash holds its own module)
+    "fusion_passes.patterns.cache_writes",
     # Every lowering module (ops, references, kernels, launchers): they decide the compiled code.
     *(
         m.name

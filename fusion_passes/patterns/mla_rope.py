@@ -50,6 +50,7 @@ from fusion_passes.lowering.mla_rope.reference import (
     check_mla_q_kv_args,
 )
 from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
+from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_index, slots_refusal
 from fusion_passes.fusion import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,
@@ -399,19 +400,12 @@ MLA_Q_KV_ROPE_ROTATE_HALF = _q_kv_fusion(interleave=False)
 
 
 def _indexer_k_cache_spelling(interleave: bool, slots: str):
-    """slots: "first" (the cache layer's arange(S) + its write counter), "per_token" (index_copy_
-    or ``cache[:, slots] = key``), "per_token_batch_one" (that store at a batch of one, traced
-    with the key reshaped to drop the batch dim)."""
-    consecutive = slots == "first"
+    """slots: how the step writes the cache (patterns/cache_writes.py; transformers' indexer
+    cache layer: "first")."""
 
     def pattern(k, weight, bias, cos, sin, cache, positions, eps):
         key = torch.ops.fusion_passes.mla_indexer_k_norm_rope.default(k, weight, bias, cos, sin, eps, interleave)
-        if slots == "per_token_batch_one" and k.shape[0] == 1:  # (elsewhere the same as "per_token")
-            return torch.ops.aten.index_put.default(cache, [None, positions], key.reshape(key.shape[1:]))
-        if consecutive:  # transformers' cache layer: arange(S) + its write counter
-            positions = torch.arange(k.shape[1], device=k.device) + positions
-        # index_copy_ into the cache, functionalized (Inductor's decomposition: an index_put)
-        return torch.index_copy(cache, 1, positions, key)
+        return cache_write(cache, 1, slot_index(positions, k.shape[1], k.device, slots), key, slots)
 
     def replacement(k, weight, bias, cos, sin, cache, positions, eps):
         return torch.ops.fusion_passes.mla_indexer_k_norm_rope_cache.default(
@@ -425,12 +419,9 @@ def _indexer_k_cache_spelling(interleave: bool, slots: str):
             check_indexer_k_cache_args(k, weight, bias, cos, sin, cache, positions, interleave)
         except ValueError as e:
             return str(e)
-        if consecutive and positions.numel() != 1:
-            return f"the slots are arange(S) + a {tuple(positions.shape)} tensor, not one first slot"
-        return None
+        return slots_refusal(slots, positions)
 
-    where = {"first": "from_first_slot", "per_token": "slot_per_token", "per_token_batch_one": "slot_per_token_batch_one"}
-    return Spelling(f"{where[slots]}_{'interleave' if interleave else 'rotate_half'}", pattern, replacement, check)
+    return Spelling(f"{SLOT_FORMS[slots]}_{'interleave' if interleave else 'rotate_half'}", pattern, replacement, check)
 
 
 def _indexer_k_cache_examples():
@@ -458,8 +449,7 @@ MLA_INDEXER_K_NORM_ROPE_CACHE = Fusion(
                                 indexer_keys, positions, eps, interleave)
              one kernel; on CUDA (launched by Inductor) it writes the rows into the cache in place,
              and the copy of the new cache back into the model's buffer goes.""",
-    spellings=tuple(_indexer_k_cache_spelling(il, slots) for slots in ("first", "per_token", "per_token_batch_one")
-                    for il in (False, True)),  # fmt: skip
+    spellings=tuple(_indexer_k_cache_spelling(il, slots) for slots in SLOT_FORMS for il in (False, True)),
     example_inputs=_indexer_k_cache_examples,
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
     requires=("mla_indexer_k_norm_rope",),
@@ -484,8 +474,7 @@ def _mla_key(k_nope, k_pe, new_tensor: bool):
 
 
 def _kv_cache_write_spelling(new_tensor: bool, slots: str):
-    """slots as the indexer key's cache fold's (_indexer_k_cache_spelling)."""
-    consecutive = slots == "first"
+    """slots: how the step writes the caches (patterns/cache_writes.py)."""
 
     # kv: kv_b_proj's output viewed [B, H, S, NOPE + V] (expand_kv: view, then transpose): the
     # split into k_nope and value is part of the pattern, so that the value's write (a placeholder
@@ -494,14 +483,8 @@ def _kv_cache_write_spelling(new_tensor: bool, slots: str):
         nope = k_cache.shape[-1] - k_pe.shape[-1]
         k_nope, value = torch.split(kv, [nope, kv.shape[-1] - nope], dim=-1)
         key = _mla_key(k_nope, k_pe, new_tensor)
-        if slots == "per_token_batch_one" and kv.shape[0] == 1:  # (elsewhere the same as "per_token")
-            index = [None, None, positions]
-            return (torch.ops.aten.index_put.default(k_cache, index, key.reshape(key.shape[1:])),
-                    torch.ops.aten.index_put.default(v_cache, index, value.reshape(value.shape[1:])))  # fmt: skip
-        if consecutive:  # transformers' StaticLayer: arange(S) + its write counter
-            positions = torch.arange(kv.shape[2], device=kv.device) + positions
-        # StaticLayer.update's two index_copy_, functionalized (Inductor's decomposition: index_put)
-        return torch.index_copy(k_cache, 2, positions, key), torch.index_copy(v_cache, 2, positions, value)
+        index = slot_index(positions, kv.shape[2], kv.device, slots)
+        return cache_write(k_cache, 2, index, key, slots), cache_write(v_cache, 2, index, value, slots)
 
     def replacement(kv, k_pe, k_cache, v_cache, positions):
         nope = k_cache.shape[-1] - k_pe.shape[-1]
@@ -519,12 +502,9 @@ def _kv_cache_write_spelling(new_tensor: bool, slots: str):
             check_mla_kv_cache_write_args(kv[..., :nope], k_pe, kv[..., nope:], k_cache, v_cache, positions)
         except ValueError as e:
             return str(e)
-        if consecutive and positions.numel() != 1:
-            return f"the slots are arange(S) + a {tuple(positions.shape)} tensor, not one first slot"
-        return None
+        return slots_refusal(slots, positions)
 
-    where = {"first": "from_first_slot", "per_token": "slot_per_token", "per_token_batch_one": "slot_per_token_batch_one"}
-    return Spelling(f"{'copies' if new_tensor else 'cat'}_{where[slots]}", pattern, replacement, check)
+    return Spelling(f"{'copies' if new_tensor else 'cat'}_{SLOT_FORMS[slots]}", pattern, replacement, check)
 
 
 def _kv_cache_write_examples():
@@ -551,8 +531,7 @@ MLA_KV_CACHE_WRITE = Fusion(
     Fused:   k_cache, v_cache = fusion_passes.mla_kv_cache_write(k_nope, k_pe, value, k_cache,
                                                                   v_cache, positions)
              one kernel; on CUDA (launched by Inductor) it writes both caches in place.""",
-    spellings=tuple(_kv_cache_write_spelling(new, slots) for slots in ("first", "per_token", "per_token_batch_one")
-                    for new in (True, False)),  # fmt: skip
+    spellings=tuple(_kv_cache_write_spelling(new, slots) for slots in SLOT_FORMS for new in (True, False)),
     example_inputs=_kv_cache_write_examples,
     opt_in="not yet timed on a GPU: stock Inductor writes the two caches in two kernels (1.3 and 1.2 us "
            "per layer on one H200 at batch 1)",  # fmt: skip

@@ -35,6 +35,7 @@ import torch
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_cache_args
 from fusion_passes.lowering.qk_norm_rope.triton import CACHE_MAX_TOKENS
+from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_index, slots_refusal
 
 # The norm forms of the qk_norm_rope op: (weight_offset, cast_before_weight) as that family's
 # patterns write them (transformers' Llama form, an fp32 weight, Qwen3-Next / Qwen 3.5's (1 + w)).
@@ -43,11 +44,8 @@ _FORMS = {"llama": (0.0, True), "fp32_weight": (0.0, False), "offset": (1.0, Fal
 
 
 def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, slots: str) -> Spelling:
-    """slots: "first" (StaticLayer's index_copy_ at arange(S) + length), "per_token" (index_copy_
-    or ``cache[:, :, slots] = x`` at given slots), "per_token_batch_one" (that store at a batch of
-    one, which torch.compile traces with the values reshaped to drop the batch dim)."""
+    """slots: how the step writes the caches (patterns/cache_writes.py)."""
     offset, cast = _FORMS[form]
-    consecutive = slots == "first"
 
     # a / b: the op's two tensors as the qk_norm_rope fusion ordered them (either may be the keys)
     def pattern(a, b, v, a_weight, b_weight, cos, sin, k_cache, v_cache, positions, eps):
@@ -55,16 +53,9 @@ def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, slots
             a, b, a_weight, b_weight, cos, sin, eps, offset, cast, per_head, interleaved
         )
         k_out, q_out = (out_a, out_b) if k_first else (out_b, out_a)
-        v_out = v.transpose(1, 2)
-        if slots == "per_token_batch_one" and a.shape[0] == 1:  # [1, H, S, D] stored as [H, S, D]
-            # (traced at a batch of one only: at others the same as "per_token", registered once)
-            index = [None, None, positions]
-            k_new = torch.ops.aten.index_put.default(k_cache, index, k_out.reshape(k_out.shape[1:]))
-            return q_out, k_new, torch.ops.aten.index_put.default(v_cache, index, v_out.reshape(v_out.shape[1:]))
-        if consecutive:  # transformers' StaticLayer: arange(S) + its write counter
-            positions = torch.arange(a.shape[1], device=a.device) + positions
-        k_new = torch.index_copy(k_cache, 2, positions, k_out)
-        return q_out, k_new, torch.index_copy(v_cache, 2, positions, v_out)
+        index = slot_index(positions, a.shape[1], a.device, slots)
+        k_new = cache_write(k_cache, 2, index, k_out, slots)
+        return q_out, k_new, cache_write(v_cache, 2, index, v.transpose(1, 2), slots)
 
     def replacement(a, b, v, a_weight, b_weight, cos, sin, k_cache, v_cache, positions, eps):
         (q, q_weight), (k, k_weight) = ((b, b_weight), (a, a_weight)) if k_first else ((a, a_weight), (b, b_weight))
@@ -87,12 +78,9 @@ def _spelling(per_head: bool, form: str, interleaved: bool, k_first: bool, slots
         tokens = q.shape[0] * q.shape[1]
         if not isinstance(tokens, int) or tokens > CACHE_MAX_TOKENS:
             return f"{tokens} tokens: a decode step's (at most {CACHE_MAX_TOKENS}) are the op's"
-        if consecutive and values["positions"].numel() != 1:
-            return f"the slots are arange(S) + a {tuple(values['positions'].shape)} tensor, not one first slot"
-        return None
+        return slots_refusal(slots, values["positions"])
 
-    where = {"first": "from_first_slot", "per_token": "slot_per_token", "per_token_batch_one": "slot_per_token_batch_one"}
-    name = f"{form}_{'interleaved' if interleaved else 'rotate_half'}_{'k_first' if k_first else 'q_first'}_{where[slots]}"
+    name = f"{form}_{'interleaved' if interleaved else 'rotate_half'}_{'k_first' if k_first else 'q_first'}_{SLOT_FORMS[slots]}"
     return Spelling(name, pattern, replacement, check)
 
 
@@ -138,7 +126,7 @@ def _fusion(per_head: bool) -> Fusion:
     name = "qk_norm_rope_cache" if per_head else "qk_norm_rope_whole_row_cache"
     spellings = tuple(
         _spelling(per_head, form, interleaved, k_first, slots)
-        for slots in ("first", "per_token", "per_token_batch_one") for k_first in (True, False)
+        for slots in SLOT_FORMS for k_first in (True, False)
         for form in _FORMS for interleaved in (False, True)
     )  # fmt: skip
     return Fusion(
