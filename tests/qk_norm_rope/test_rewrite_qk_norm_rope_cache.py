@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fusion_passes
+from _rewrites import compile_with
 from fusion_passes.numerics import tolerance
 from test_rewrite_qk_norm_rope import HEAD_DIM, HK, NORMS, SPELLINGS, _args, _attention_prelude
 
@@ -63,11 +63,8 @@ def _inputs(spelling, tokens, positions, seed=0):
 def _compiled(fn, args, fusions):
     """(outputs, the args after the call (the caches, the counter), report): fn compiled with
     fusions on copies of args."""
-    report = fusion_passes.Report()
-    torch._dynamo.reset()
     copies = [a.clone() for a in args]
-    with torch.no_grad():
-        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*copies)
+    out, report = compile_with(fusions, fn, copies)
     return out, copies, report
 
 
@@ -151,7 +148,9 @@ def test_a_batch_of_one_stored_by_indexing_is_fused(spelling):
     args = _inputs(spelling, (1, 2), torch.tensor([4, 1]))
     out, after_call, report = _compiled(fn, args, OPT_IN)
     (site,) = report.sites_of(f"{fusion}_cache")
-    assert site.spelling.endswith("slot_per_token_batch_one") and "aten.index_put.default" not in report.ops_after()
+    assert site.spelling.endswith("slot_per_token_batch_one") and report.final()[f"{fusion}_cache"] == 1
+    assert report.ops_before()["aten.index_put.default"] == 2 and "aten.index_put.default" not in report.ops_after()
+    assert report.ops_after()["fusion_passes.qk_norm_rope_cache.default"] == 1
     eager = [a.clone() for a in args]
     expected = fn(*eager)
     tol = tolerance(torch.bfloat16)
@@ -189,6 +188,8 @@ def test_a_per_head_site_whose_keys_are_stored_otherwise_stays_stock():
     out, after_call, report = _compiled(fn, args, OPT_IN)
     assert report.matches["qk_norm_rope"] == 0 and report.matches["qk_norm_rope_cache"] == 0
     assert "goes into the KV cache" in report.rejected[0].reason
+    assert report.ops_after()["aten.index_put.default"] == report.ops_before()["aten.index_put.default"] == 2
+    assert "fusion_passes.qk_norm_rope.default" not in report.ops_after()
     eager = [a.clone() for a in args]
     expected = fn(*eager)
     tol = tolerance(torch.bfloat16)
@@ -203,5 +204,6 @@ def test_a_whole_row_sites_write_it_cannot_take_is_reported_as_a_near_miss():
     fn = keys_stored_transposed(_attention_prelude(NORMS["llama"], per_head, rope, gate))
     out, after_call, report = _compiled(fn, _transposed_key_cache_inputs("minimax_m2"), OPT_IN)
     assert report.final()["qk_norm_rope_whole_row"] == 1 and report.matches["qk_norm_rope_whole_row_cache"] == 0
+    assert report.ops_after()["aten.index_put.default"] == report.ops_before()["aten.index_put.default"] == 2
     misses = [m for m in report.near_misses if m.fusion == "qk_norm_rope_whole_row_cache"]
     assert len(misses) == 1 and misses[0].reason, report.near_misses

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusion_passes
+from _rewrites import compile_with
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import compare, tolerance
@@ -204,19 +205,11 @@ def _sdpa_inputs(t, dtype, broadcast=True):
     return scores, causal, 8, q, kv
 
 
-def _compile_with(fusions, fn, *args):
-    report = fusion_passes.Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(fn, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)(*args)
-    return out, report
-
-
 @pytest.mark.parametrize("spelling", [transformers_sdpa_mask, cudnn_bias])
 @pytest.mark.parametrize("dtype,broadcast", [(torch.bfloat16, True), (torch.float32, False), (torch.float16, True)])
 def test_the_sdpa_mask_is_written_by_the_kernel(dtype, broadcast, spelling):
     args = _sdpa_inputs(37, dtype, broadcast)
-    out, report = _compile_with(ADDITIVE, spelling, *args)
+    out, report = compile_with(ADDITIVE, spelling, args)
     torch.testing.assert_close(out, spelling(*args))
     assert report.matches["sparse_index_mask_topk"] == 1 and report.final()["sparse_attention_mask"] == 1
     before, after = report.ops_before(), report.ops_after()
@@ -228,7 +221,7 @@ def test_the_sdpa_mask_is_written_by_the_kernel(dtype, broadcast, spelling):
 
 def test_the_eager_paths_float_mask_is_left_alone():
     args = _sdpa_inputs(37, torch.float32)
-    out, report = _compile_with(ADDITIVE, eager_float_mask, *args)
+    out, report = compile_with(ADDITIVE, eager_float_mask, args)
     torch.testing.assert_close(out, eager_float_mask(*args))
     assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
     before, after = report.ops_before(), report.ops_after()
@@ -242,7 +235,7 @@ def test_a_prefills_mask_is_left_to_the_prefill_attention():
     scores, causal = torch.randn(3, 20, 37, generator=g), torch.rand(3, 1, 20, 37, generator=g) > 0.3
     q, kv = torch.randn(3, 4, 20, 16, generator=g), torch.randn(3, 4, 37, 16, generator=g)
     args = (scores, causal, 8, q, kv)
-    out, report = _compile_with(ADDITIVE, transformers_sdpa_mask, *args)
+    out, report = compile_with(ADDITIVE, transformers_sdpa_mask, args)
     torch.testing.assert_close(out, transformers_sdpa_mask(*args))
     assert report.final()["sparse_index_mask_topk"] == 1 and report.matches["sparse_attention_mask"] == 0
     assert not report.rejected
