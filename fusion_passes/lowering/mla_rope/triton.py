@@ -545,12 +545,16 @@ def mla_indexer_k_norm_rope_triton(
 ):
     """LayerNorm + RoPE of the indexer keys, as mla_indexer_k_norm_rope_reference."""
     p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
-    lead, d = tuple(k.shape[:-1]), k.shape[-1]
+    lead = tuple(k.shape[:-1])
     k_rows = _rows(k, lead)
     cos_rows, sin_rows = _rows(cos, lead), _rows(sin, lead)
     m = k_rows.shape[0]
     out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, None, m, m, m, 0, d, eps, p, interleave, wrap)
+    form = _indexer_k_form(k.shape[-1], p, interleave)
+    (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[(triton.cdiv(m, form["ROWS"]),)](
+        k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out, m, k_rows.stride(0),
+        cos_rows.stride(0), sin_rows.stride(0), eps, **form, num_warps=4,
+    )  # fmt: skip
     return out
 
 
@@ -564,33 +568,37 @@ def mla_indexer_k_norm_rope_cache_triton(
     b, s, d = k.shape
     k_rows = _rows(k, (b, s))
     cos_rows, sin_rows = _rows(cos, (b, s)), _rows(sin, (b, s))
-    out = cache if wrap is not None else cache.clone()
-    if out.stride(-1) != 1:  # a cache the kernel cannot address by rows: written through a copy
-        raise ValueError(f"mla_indexer_k_norm_rope_cache: the cache's last dim must be contiguous, got strides {out.stride()}")
-    positions = positions.reshape(-1)
-    _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, b * s, s, cache.shape[1],
-                      out.stride(0), out.stride(1), eps, p, interleave, wrap)  # fmt: skip
+    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
+        k, cache, positions, wrap, "mla_indexer_k_norm_rope_cache"
+    )
+    form = _indexer_k_form(d, p, interleave)
+    (wrap or _identity)(_mla_indexer_k_norm_rope_cache_kernel)[(triton.cdiv(b * s, form["ROWS"]),)](
+        k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out, positions, b * s, s_rows, t,
+        k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, POSITIONS=mode, **form,
+        num_warps=4,
+    )  # fmt: skip
     return out
 
 
-def _launch_indexer_k(k_rows, weight, bias, cos_rows, sin_rows, out, positions, m, s, t, stride_ob, stride_os,
-                      eps, p, interleave, wrap):  # fmt: skip
-    d = k_rows.shape[-1]
-    rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
-    form = dict(D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
+def _indexer_k_form(d: int, p: int, interleave: bool) -> dict:
+    """The indexer key kernels' constants (rows a program from _INDEXER_ELEMENTS_PER_PROGRAM)."""
+    return dict(D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
                 BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2),
-                ROWS=rows, num_warps=4)  # fmt: skip
-    head = (k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, out)
-    grid = (triton.cdiv(m, rows),)
-    if positions is None:
-        (wrap or _identity)(_mla_indexer_k_norm_rope_kernel)[grid](
-            *head, m, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), eps, **form
-        )
-        return
-    (wrap or _identity)(_mla_indexer_k_norm_rope_cache_kernel)[grid](
-        *head, positions, m, s, t, k_rows.stride(0), cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os,
-        eps, POSITIONS=slots_mode(positions, s), **form,
-    )  # fmt: skip
+                ROWS=_rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM))  # fmt: skip
+
+
+def _indexer_k_target(k, cache, positions, wrap, op: str):
+    """Where the key rows (b, s) of k [B, S, D] go: (out, positions, POSITIONS, (S, T, stride_ob,
+    stride_os)) for _indexer_k_rows. No cache: a new [B, S, D] tensor (row r at r, one "sequence");
+    a cache: itself when the launch is inlined (``wrap``), else a copy, at the tokens' slots."""
+    b, s, d = k.shape
+    if cache is None:
+        return torch.empty(k.shape, dtype=k.dtype, device=k.device), None, 0, (b * s, b * s, 0, d)
+    out = cache if wrap is not None else cache.clone()
+    if out.stride(-1) != 1:
+        raise ValueError(f"{op}: the cache's last dim must be contiguous, got strides {out.stride()}")
+    positions = positions.reshape(-1)
+    return out, positions, slots_mode(positions, s), (s, cache.shape[1], out.stride(0), out.stride(1))
 
 
 @triton.jit
@@ -693,24 +701,15 @@ def mla_indexer_qk_rope_triton(
     k_rows = _rows(k, (b, s))
     query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
     cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
-    if cache is None:
-        out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        pos, mode, t, stride_ob, stride_os = out, 0, b * s, 0, d
-        s_rows = b * s  # a new tensor: row r at slot r of one "sequence"
-    else:
-        out = cache if wrap is not None else cache.clone()
-        if out.stride(-1) != 1:
-            raise ValueError(f"mla_indexer_qk_rope: the cache's last dim must be contiguous, got strides {out.stride()}")
-        pos = positions.reshape(-1)
-        mode, t, stride_ob, stride_os, s_rows = slots_mode(pos, s), cache.shape[1], out.stride(0), out.stride(1), s
-    rows = _rows_per_program(d, _INDEXER_ELEMENTS_PER_PROGRAM)
-    k_programs = triton.cdiv(b * s, rows)
+    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
+        k, cache, positions, wrap, "mla_indexer_qk_rope"
+    )
+    form = _indexer_k_form(d, p, interleave)
+    k_programs = triton.cdiv(b * s, form["ROWS"])
     (wrap or _identity)(_mla_indexer_qk_rope_kernel)[(k_programs + tokens * head_blocks,)](
-        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, pos,
+        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, positions,
         b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
         cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks,
-        D=d, HALF=p // 2, INTERLEAVE=interleave, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_PASS=triton.next_power_of_2(max(1, d - p)), BLOCK_HALF=triton.next_power_of_2(p // 2), ROWS=rows,
-        POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], num_warps=4,
+        POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form, num_warps=4,
     )  # fmt: skip
     return query, out
