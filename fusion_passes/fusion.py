@@ -421,15 +421,15 @@ def _pattern_with_string_args(fusion: Fusion, spelling: Spelling, example: list)
 
 
 def _pattern_with_shared_nodes(fusion: Fusion, spelling: Spelling, example: list) -> Any:
-    """The spelling's pattern as register_replacement traces it (ints, floats, lists, devices and
-    dtypes ignored), its nodes of ``fusion.shared_nodes`` accepting any number of users."""
+    """The spelling's pattern as register_replacement traces it (ints, floats, lists and devices
+    ignored), its nodes of ``fusion.shared_nodes`` accepting any number of users. Dtypes are
+    compared: a spelling per dtype (of an additive mask, say) must not take another's site."""
     from torch._inductor.pattern_matcher import MULTIPLE, CallFunction
 
     argnames = list(inspect.signature(spelling.pattern).parameters)
     gm = trace_functional(spelling.pattern, example)
     pattern = fx_to_pattern(
-        gm, ignore_types=(int, float, list, torch.device, torch.dtype), argnames=argnames,
-        scalar_workaround=fusion.scalars,
+        gm, ignore_types=(int, float, list, torch.device), argnames=argnames, scalar_workaround=fusion.scalars,
     )  # fmt: skip
     shared, seen, stack = set(fusion.shared_nodes), set(), [pattern]
     while stack:

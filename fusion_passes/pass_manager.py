@@ -300,8 +300,10 @@ _FRAMEWORK_MODULES = (
     "fusion_passes.verify",
     "fusion_passes.near_miss",
     "fusion_passes.lower_back",
-    # The cache-write spellings several pattern modules share (a fusion's hash holds its own module)
+    # The spellings several pattern modules share (a fusion's hash holds its own module only):
+    # the cache writes, and the decode step's causal mask
     "fusion_passes.patterns.cache_writes",
+    "fusion_passes.patterns.causal_masks",
     # Every lowering module (ops, references, kernels, launchers): they decide the compiled code.
     *(
         m.name

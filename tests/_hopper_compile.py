@@ -110,6 +110,11 @@ def _cases():
     yield "sparse_index_mask (split rows)", split, (torch.randn(2, 3000), 2048)
     causal = torch.ones(1, 1, 1, 3000, dtype=torch.bool).expand(2, 1, 1, 3000)
     yield "sparse_attention_mask (split rows)", split, (torch.randn(2, 1, 3000), 2048, causal, bf16, -65504.0)
+    def causal_first(scores, k, mask, dtype, fill, first, wrap=None):  # the op's argument order
+        return sparse_index_mask_triton(scores, k, mask, dtype, fill, causal_first=first, split=6, wrap=wrap)
+
+    yield ("sparse_attention_mask (causal first)", causal_first,
+           (torch.randn(2, 1, 3000), 2048, None, bf16, -65504.0, torch.tensor(2990)))  # fmt: skip
     for s in (1, 40):  # the per-token kernel and the tiled one, with bf16 weights and a broadcast mask
         iq, icache = torch.randn(2, s, 64, 128, dtype=bf16), torch.randn(2, 300, 128, dtype=bf16)
         keep = torch.ones(1, s, 300, dtype=torch.bool).expand(2, s, 300)

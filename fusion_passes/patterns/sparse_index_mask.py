@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fusion_passes.fusion import Fusion, NotASite, Spelling
+from fusion_passes.patterns.causal_masks import causal_mask_refusal, sdpa_decode_causal_mask
 from fusion_passes.lowering.sparse_index_mask.reference import SCORE_DTYPES
 
 # topk's k is traced as this sentinel (and the example's last dim with it), so the pattern
@@ -189,5 +190,65 @@ SPARSE_ATTENTION_MASK = Fusion(
     builtin=True,
 )
 
+
+
+def _sdpa_causal(dtype: torch.dtype):
+    """sparse_attention_mask's op reading the decode step's causal mask as transformers builds it
+    from the cache position (patterns/causal_masks.py), for a mask of ``dtype``."""
+
+    def sdpa_causal(index_scores, k, first, fill):
+        b, s, t = index_scores.shape
+        mask = sdpa_decode_causal_mask(b, s, t, first, index_scores.device)
+        return torch.ops.fusion_passes.sparse_attention_mask(index_scores, k, mask, dtype, fill)
+
+    def from_first_position(index_scores, k, first, fill):
+        return torch.ops.fusion_passes.sparse_attention_mask(index_scores, k, None, dtype, fill, first)
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return Spelling(f"sdpa_causal_{name}", sdpa_causal, from_first_position)
+
+
+def _check_causal_attention(values: dict[str, Any]) -> str | None:
+    scores, first, fill = values["index_scores"], values["first"], values["fill"]
+    if not isinstance(first, torch.Tensor) or first.numel() != 1 or first.dtype not in (torch.int64, torch.int32):
+        return f"the first position is not one int tensor: {getattr(first, 'shape', first)}"
+    if scores.dim() != 3 or not isinstance(fill, (int, float)) or not fill < 0:
+        return f"scores {tuple(scores.shape)} with a closed position's bias of {fill}"
+    return None
+
+
+def _causal_attention_examples():
+    # a decode step (1 token) and 2 tokens, from a 0-d first position as the step reads it off
+    # cache_position; T is not k's sentinel, which would stand for the mask's sizes too
+    for s in (1, 2):
+        yield (torch.randn(2, s, K_SENTINEL + 1), K_SENTINEL, torch.tensor(20), FILL_SENTINEL)
+
+
+SPARSE_ATTENTION_MASK_CAUSAL = Fusion(
+    name="sparse_attention_mask_causal",
+    summary="sparse_attention_mask's causal attention mask (built from the cache position) -> compared in its kernel",
+    doc=(
+        "At decode transformers builds the causal mask from the cache position (sdpa_mask: arange(T) <= first + "
+        "arange(S), expanded over [B, 1, S, T]) and every layer's attention reads it. Unfused, with "
+        "sparse_attention_mask: Inductor writes that bool mask for the op to read, in a kernel of its own at each "
+        "layer (it copies a view it hands to a kernel it does not generate: 2 launches for 2 layers in Inductor's "
+        "sm_90 code of a tiny DeepSeek V3.2 decode step). Fused: sparse_attention_mask(..., None, dtype, fill, "
+        "causal_first=first) compares each position with the token's own in the kernel's last pass, reading the "
+        "first position only: bit-equal, no mask built. A cache offset (a sliding window) is refused with the reason."
+    ),
+    spellings=tuple(_sdpa_causal(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)),
+    example_inputs=_causal_attention_examples,
+    scalars={"k": K_SENTINEL, "fill": FILL_SENTINEL},
+    check=_check_causal_attention,
+    match_check=lambda match: causal_mask_refusal(match, head_selected=False),
+    shared_nodes=(torch.ops.aten.expand.default,),
+    requires=("sparse_attention_mask",),
+    opt_in="not yet timed on a GPU, as sparse_attention_mask, which it starts from",
+    applies_to=lambda graph: bool(
+        graph.find_nodes(op="call_function", target=torch.ops.fusion_passes.sparse_attention_mask.default)
+    ),
+    builtin=True,
+)
+
 # Every position first: where k == T the mask is a constant, cheaper than any kernel.
-FUSIONS = (SPARSE_INDEX_MASK_ALL, SPARSE_INDEX_MASK_TOPK, SPARSE_ATTENTION_MASK)
+FUSIONS = (SPARSE_INDEX_MASK_ALL, SPARSE_INDEX_MASK_TOPK, SPARSE_ATTENTION_MASK, SPARSE_ATTENTION_MASK_CAUSAL)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_passes.fusion import Fusion, NotASite, Spelling
+from fusion_passes.patterns.causal_masks import causal_mask_refusal, sdpa_decode_causal_mask
 from fusion_passes.lowering.sparse_index_scores.reference import check_sparse_index_scores_args
 
 # Query tokens per sequence up to which sparse_index_scores takes the scores: decode steps (and a
@@ -303,15 +304,11 @@ SPARSE_INDEX_SCORES_KEEP = Fusion(
 )
 
 def causal_masked_scores(q, k, weights, first, softmax_scale, weights_scale):
-    """The scores masked by the causal mask as transformers builds it at decode (masking_utils'
-    sdpa_mask from the cache position: query token s at first + s sees kv_idx <= it, broadcast
-    over the batch), then the indexer's masked_fill(~mask, -inf)."""
+    """The scores masked by the causal mask as transformers builds it at decode (patterns/causal_masks.py),
+    which the indexer reads at [:, 0], then the indexer's masked_fill(~mask, -inf)."""
     scores = torch.ops.fusion_passes.sparse_index_scores(q, k, weights, softmax_scale, weights_scale, None)
     b, s, t = scores.shape
-    kv_idx = torch.arange(t, device=scores.device) + 0  # kv_arange + kv_offset (0: a full cache)
-    q_idx = torch.arange(s, device=scores.device) + first  # the cache positions of the step's tokens
-    mask = kv_idx.unsqueeze(0).unsqueeze(1).unsqueeze(2) <= q_idx.unsqueeze(0).unsqueeze(1).unsqueeze(3)
-    keep = mask.expand(b, -1, s, t).select(1, 0)  # [B, 1, S, T] -> the indexer's attention_mask[:, 0]
+    keep = sdpa_decode_causal_mask(b, s, t, first, scores.device).select(1, 0)
     minus_inf = torch.full([], float("-inf"), dtype=scores.dtype, device=scores.device)
     return torch.where(~keep, minus_inf, scores)
 
@@ -336,38 +333,9 @@ def _check_causal(values: dict[str, Any]) -> str | None:
     return _check_args(values)
 
 
-def _arange_plus(node, offset) -> bool:
-    """node is iota(n, start=0, step=1) + offset (an int, or the node it must be)."""
-    if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.add.Tensor):
-        return False
-    iota, added = node.args[0], node.args[1]
-    return (isinstance(iota, torch.fx.Node) and iota.target is torch.ops.prims.iota.default
-            and iota.kwargs.get("start") == 0 and iota.kwargs.get("step") == 1 and added == offset)  # fmt: skip
-
-
-def _unsqueezed(node, dims):
-    """The node under unsqueezes by ``dims`` (innermost first), or None where they differ."""
-    for dim in reversed(dims):
-        if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.unsqueeze.default and node.args[1] == dim):
-            return None
-        node = node.args[0]
-    return node
-
-
 def causal_mask_check(match) -> str | None:
-    """The literals the matcher skipped on this spelling (its expand node is shared, see
-    Fusion.shared_nodes), checked on the matched nodes: positions from 0 (no cache offset) on the
-    kv axis, the tokens' from ``first`` on the query axis, the mask's head dim selected."""
-    le = next((n for n in match.nodes if n.target is torch.ops.aten.le.Tensor), None)
-    select = next((n for n in match.nodes if n.target is torch.ops.aten.select.int), None)
-    if le is None or select is None or tuple(select.args[1:]) != (1, 0):
-        return "not the causal mask's [:, 0] of the expanded [B, 1, S, T] mask"
-    kv, q = _unsqueezed(le.args[0], (0, 1, 2)), _unsqueezed(le.args[1], (0, 1, 3))
-    if not _arange_plus(kv, 0):
-        return "the mask's kv positions are not arange(T) (a cache offset, or another axis)"
-    if not _arange_plus(q, match.kwargs.get("first")):
-        return "the mask's query positions are not arange(S) + the first position"
-    return None
+    """The literals the matcher skipped on this spelling (its expand node is shared), checked on the matched nodes."""
+    return causal_mask_refusal(match, head_selected=True)
 
 
 SPARSE_INDEX_SCORES_CAUSAL = Fusion(

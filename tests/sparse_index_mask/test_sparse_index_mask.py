@@ -242,3 +242,76 @@ def test_a_prefills_mask_is_left_to_the_prefill_attention():
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.bitwise_and.Tensor"], after["aten.bitwise_and.Tensor"]) == (1, 1)  # the boolean mask stays
     assert after["fusion_passes.sparse_index_mask.default"] == 1 and after["fusion_passes.sparse_attention_mask.default"] == 0
+
+
+CAUSAL = [*ADDITIVE, "sparse_attention_mask_causal"]
+
+
+def step_mask_sdpa(index_scores, cache_position, index_topk, q, kv, kv_offset=0):
+    """A decode step as transformers writes it: masking_utils.sdpa_mask's causal mask from the
+    cache position (a full static cache: no kv offset), the index mask dropped from it, SDPA."""
+    from transformers.masking_utils import sdpa_mask
+
+    b, s, t = index_scores.shape
+    attention_mask = sdpa_mask(b, s, t, q_offset=cache_position[0], kv_offset=kv_offset,
+                               allow_is_causal_skip=False, device=index_scores.device)  # fmt: skip
+    mask = transformers_mask(index_scores, attention_mask, index_topk)
+    return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype,s", [(torch.bfloat16, 1), (torch.float32, 2), (torch.float16, 1)])
+def test_the_causal_mask_is_compared_in_the_kernel(dtype, s):
+    """The step's causal mask, built by transformers' own sdpa_mask, is not built at all: the op
+    takes the first position and compares each key's with it (the op then takes the mask's place)."""
+    g = torch.Generator().manual_seed(s)
+    t = 37
+    scores = torch.randn(3, s, t, generator=g)
+    q, kv = torch.randn(3, 4, s, 16, generator=g).to(dtype), torch.randn(3, 4, t, 16, generator=g).to(dtype)
+    args = (scores, torch.tensor([30]), 8, q, kv)
+    out, report = compile_with(CAUSAL, step_mask_sdpa, args)
+    torch.testing.assert_close(out, step_mask_sdpa(*args))
+    assert report.matches["sparse_attention_mask"] == 1 and report.final()["sparse_attention_mask_causal"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.le.Tensor"], after["aten.le.Tensor"]) == (1, 0)
+    assert (before["prims.iota.default"], after["prims.iota.default"]) == (2, 0)
+    assert after["fusion_passes.sparse_attention_mask.default"] == 1
+
+
+def test_a_causal_mask_with_a_cache_offset_is_read_not_recomputed():
+    """A kv offset (a sliding window's cache) is not the full cache's causal mask: the op keeps
+    reading the mask, and the report says why."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 1, 37, generator=g)
+    q, kv = torch.randn(3, 4, 1, 16, generator=g), torch.randn(3, 4, 37, 16, generator=g)
+    args = (scores, torch.tensor([30]), 8, q, kv, 4)
+    out, report = compile_with(CAUSAL, step_mask_sdpa, args)
+    torch.testing.assert_close(out, step_mask_sdpa(*args))
+    assert report.final()["sparse_attention_mask"] == 1 and report.final()["sparse_attention_mask_causal"] == 0
+    assert any("cache offset" in r.reason for r in report.rejected if r.fusion == "sparse_attention_mask_causal")
+    before, after = report.ops_before(), report.ops_after()
+    assert (before["aten.le.Tensor"], after["aten.le.Tensor"]) == (1, 1)
+
+
+@pytest.mark.slow  # two whole-model compiles
+def test_deepseek_v32_decode_causal_attention_mask_from_the_position():
+    """A tiny DeepSeek V3.2 decode step with a live index mask: with the causal fold (and the
+    indexer's, which reads the same mask) no causal mask is built, and the outputs and caches
+    equal the step with the mask read, bit for bit, over 2 steps."""
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
+    step = DecodeStep(built.module, batch=2, context=8, steps=2)
+    runs = {}
+    for name, extra in (("read", ["sparse_attention_mask"]),
+                        ("folded", ["sparse_attention_mask_causal", "sparse_index_scores_causal"])):  # fmt: skip
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=fusion_passes.backend(["all", *extra], report=report), fullgraph=True)
+        with torch.no_grad():
+            step.restore()
+            outs = [compiled(*step.inputs(i)).clone() for i in range(2)]
+            runs[name] = (outs, [c.clone() for c in step.cache_tensors()], report)
+    report = runs["folded"][2]
+    assert report.final()["sparse_attention_mask_causal"] == 2 and report.final()["sparse_index_scores_causal"] == 2
+    before, after = report.ops_before(), report.ops_after()
+    assert before["aten.le.Tensor"] >= 1 and after["aten.le.Tensor"] == 0
+    for a, b in zip(runs["folded"][0] + runs["folded"][1], runs["read"][0] + runs["read"][1], strict=True):
+        assert torch.equal(a, b)

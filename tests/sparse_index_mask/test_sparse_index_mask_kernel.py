@@ -168,6 +168,38 @@ def test_the_additive_attention_mask_equals_the_models(b, s, t, k, dtype, ties, 
         assert model.dtype == dtype and torch.equal(out, model)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,s,t,k,first", [(2, 1, 130, 16, 129), (1, 3, 1025, 1000, 1010), (3, 2, 37, 36, 20), (1, 1, 64, 8, 0)])
+def test_the_causal_attention_mask_from_the_first_position_equals_the_read_one(b, s, t, k, first, dtype):
+    """sparse_attention_mask with causal_first: the causal mask compared in the kernel equals the
+    op given transformers' mask (built as sdpa_mask builds it from the cache position), bit for
+    bit, and the reference; the first position may leave positions past the step's tokens closed."""
+    from fusion_passes.lowering.sparse_index_mask.reference import sparse_attention_mask_reference
+
+    g = torch.Generator().manual_seed(b * t + s + first)
+    scores = torch.randn(b, s, t, generator=g).to(DEVICE)
+    first_position = torch.tensor(first, device=DEVICE)  # the step's cache_position[0]
+    kv_idx = torch.arange(t, device=DEVICE)[None, None, None, :]
+    q_idx = (torch.arange(s, device=DEVICE) + first_position)[None, None, :, None]
+    attention_mask = (kv_idx <= q_idx).expand(b, -1, s, t)
+    for fill in (float("-inf"), -65504.0):
+        out = sparse_index_mask_triton(scores, k, None, dtype, fill, causal_first=first_position)
+        read = sparse_index_mask_triton(scores, k, attention_mask, dtype, fill)
+        expected = sparse_attention_mask_reference(scores, k, None, dtype, fill, first_position)
+        assert out.shape == (b, 1, s, t) and torch.equal(out, read) and torch.equal(out, expected)
+        assert torch.equal(expected, sparse_attention_mask_reference(scores, k, attention_mask, dtype, fill))
+
+
+def test_the_mask_and_the_causal_first_position_are_one_or_the_other():
+    scores, first = torch.randn(2, 1, 40), torch.tensor(39)
+    ok = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    for mask, position, message in ((ok, first, "one of them"), (None, None, "one of them"),
+                                    (None, torch.tensor([1.0]), "must be one int tensor"),
+                                    (None, torch.tensor([3, 4]), "must be one int tensor")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            torch.ops.fusion_passes.sparse_attention_mask(scores, 8, mask, torch.bfloat16, -1.0, position)
+
+
 def test_an_attention_mask_of_another_shape_gets_a_one_line_error():
     scores = torch.randn(2, 1, 40)
     ok = torch.ones(2, 1, 1, 40, dtype=torch.bool)

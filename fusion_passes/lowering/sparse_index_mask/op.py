@@ -14,6 +14,9 @@ And ``fusion_passes::sparse_attention_mask``: the additive mask SDPA makes of th
 last pass instead of the bool mask, so the elementwise kernel that combines and converts the two
 masks goes:
     mask = sparse_attention_mask(index_scores, k, attention_mask, dtype, fill)    # fill: -inf, or cuDNN's -65504
+or, for the causal mask of a decode step over a full static cache, from its first position alone
+(the kernel compares each position with it; no mask is read or built):
+    mask = sparse_attention_mask(index_scores, k, None, dtype, fill, causal_first=first)
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ sparse_attention_mask = op_from_reference(
 
 @sparse_attention_mask.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.sparse_attention_mask.default)
-def _sparse_attention_mask_cuda(index_scores, k, attention_mask, dtype, fill, wrap=None):
+def _sparse_attention_mask_cuda(index_scores, k, attention_mask, dtype, fill, causal_first=None, wrap=None):
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
 
-    return sparse_index_mask_triton(index_scores, k, attention_mask, dtype, fill, wrap=wrap)
+    return sparse_index_mask_triton(index_scores, k, attention_mask, dtype, fill, causal_first=causal_first, wrap=wrap)
 
 
 @sparse_attention_mask.register_fake
-def _sparse_attention_mask_fake(index_scores, k, attention_mask, dtype, fill):
-    check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype, fill)
-    return torch.empty(attention_mask.shape, dtype=dtype, device=index_scores.device)
+def _sparse_attention_mask_fake(index_scores, k, attention_mask, dtype, fill, causal_first=None):
+    check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype, fill, causal_first)
+    b, s, t = index_scores.shape
+    return torch.empty((b, 1, s, t), dtype=dtype, device=index_scores.device)

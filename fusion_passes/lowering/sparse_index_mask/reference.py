@@ -56,14 +56,26 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_sparse_attention_mask_args(
-    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype, fill: float = float("-inf")
+    index_scores: torch.Tensor,
+    k: int,
+    attention_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    fill: float = float("-inf"),
+    causal_first: torch.Tensor | None = None,
 ) -> None:
     """Raise a one-line ValueError for arguments sparse_attention_mask does not define."""
     check_sparse_index_mask_args(index_scores, k)
     if index_scores.dim() != 3:
         raise ValueError(f"sparse_attention_mask: scores [B, S, T] expected, got {tuple(index_scores.shape)}")
     b, s, t = index_scores.shape
-    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, s, t):
+    if (attention_mask is None) == (causal_first is None):
+        raise ValueError("sparse_attention_mask: give the attention mask or the causal first position, one of them")
+    if causal_first is not None and (causal_first.numel() != 1 or causal_first.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(
+            f"sparse_attention_mask: the causal first position must be one int tensor, got "
+            f"{causal_first.dtype} {tuple(causal_first.shape)}"
+        )
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, s, t)):
         raise ValueError(
             f"sparse_attention_mask: the attention mask must be bool [{b}, 1, {s}, {t}], got "
             f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
@@ -74,8 +86,21 @@ def check_sparse_attention_mask_args(
         raise ValueError(f"sparse_attention_mask: fill {fill} must be negative (the bias of a closed key)")
 
 
+def causal_attention_mask(batch: int, s: int, t: int, first: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, S, T]: the decode step's causal mask over a full static cache, query token i at
+    position first + i seeing the positions up to it (transformers' sdpa_mask from the cache position)."""
+    kv_idx = torch.arange(t, device=first.device)
+    q_idx = torch.arange(s, device=first.device) + first.reshape(())
+    return (kv_idx[None, :] <= q_idx[:, None]).expand(batch, 1, s, t)
+
+
 def sparse_attention_mask_reference(
-    index_scores: torch.Tensor, k: int, attention_mask: torch.Tensor, dtype: torch.dtype, fill: float
+    index_scores: torch.Tensor,
+    k: int,
+    attention_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    fill: float,
+    causal_first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dtype [B, 1, S, T]: the additive mask SDPA makes of DeepSeek V3.2's boolean one, where the
     model has dropped the positions outside the top k (attention_mask & ~index_mask):
@@ -85,7 +110,12 @@ def sparse_attention_mask_reference(
 
     ``fill``: SDPA's bias of a closed key, -inf (its math and flash paths), or -65504 where it
     calls cuDNN (a finite bias that cuDNN takes), rounded to ``dtype`` as a constant of it is.
+    ``causal_first`` in place of ``attention_mask``: the causal mask of a decode step whose first
+    token sits at that cache position (``causal_attention_mask``), read from the position alone.
     """
+    if causal_first is not None:
+        b, s, t = index_scores.shape
+        attention_mask = causal_attention_mask(b, s, t, causal_first)
     keep = attention_mask & ~sparse_index_mask_reference(index_scores, k).unsqueeze(1)
     zero = torch.zeros((), dtype=dtype, device=index_scores.device)
     return torch.where(keep, zero, torch.full((), fill, dtype=dtype, device=index_scores.device))

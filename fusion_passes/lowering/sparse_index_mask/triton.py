@@ -58,13 +58,18 @@ def _split_barrier(count_ptr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _store_kept(mask_ptr, offs, inside, kept, attn_row_ptr, stride_at, fill, ADDITIVE: tl.constexpr):
+def _store_kept(mask_ptr, offs, inside, kept, attn_row_ptr, stride_at, fill, last, ADDITIVE: tl.constexpr,
+                CAUSAL: tl.constexpr):  # fmt: skip
     """The row's mask at offs: True where dropped (sparse_index_mask), or (ADDITIVE,
     sparse_attention_mask) 0 where the attention mask and the top k both keep the position and
-    fill elsewhere, in the output's dtype."""
+    fill elsewhere, in the output's dtype. CAUSAL: the attention mask keeps the positions up to
+    ``last`` (the row's token's cache position), and is not read."""
     if ADDITIVE:
-        attn = tl.load(attn_row_ptr + offs.to(tl.int64) * stride_at, mask=inside, other=0)
-        value = tl.where((attn != 0) & kept, 0.0, fill)
+        if CAUSAL:
+            attn = offs.to(tl.int64) <= last
+        else:
+            attn = tl.load(attn_row_ptr + offs.to(tl.int64) * stride_at, mask=inside, other=0) != 0
+        value = tl.where(attn & kept, 0.0, fill)
         tl.store(mask_ptr + offs, value.to(mask_ptr.dtype.element_ty), mask=inside)
     else:
         tl.store(mask_ptr + offs, (kept == 0).to(tl.int1), mask=inside)
@@ -75,6 +80,7 @@ def _index_mask_kernel(
     scores_ptr,  # *fp32/bf16/fp16 [rows, T], rows contiguous
     mask_ptr,  # *bool [rows, T] (ADDITIVE: *out dtype [rows, T])
     attn_ptr,  # ADDITIVE: *bool [B, S, T] (strides stride_ab, stride_as, stride_at; rows = B * S); else None
+    first_ptr,  # CAUSAL: *int the cache position of each sequence's first token (row's: + row % S); else None
     S, stride_ab, stride_as, stride_at,
     fill,  # ADDITIVE: the bias of a closed position (-inf, or cuDNN's -65504)
     work_ptr,  # *int32 [rows, WORK], zeroed: the row's histograms and counts (SPLIT > 1 only)
@@ -89,13 +95,18 @@ def _index_mask_kernel(
     PARTS: tl.constexpr,  # SPLIT rounded up to a power of two
     LOWEST: tl.constexpr,  # unsplit rows: the first pass also finds the lowest key (see below)
     ADDITIVE: tl.constexpr,  # the additive attention mask (sparse_attention_mask), not the bool one
+    CAUSAL: tl.constexpr,  # ADDITIVE: the causal mask from first_ptr, not one read at attn_ptr
 ):
     pid = tl.program_id(0)
     row = (pid // SPLIT).to(tl.int64)
-    if ADDITIVE:
+    if ADDITIVE and not CAUSAL:
         attn_row_ptr = attn_ptr + (row // S) * stride_ab + (row % S) * stride_as
     else:
         attn_row_ptr = attn_ptr  # None: never read
+    if CAUSAL:
+        last = tl.load(first_ptr).to(tl.int64) + row % S
+    else:
+        last = 0
     fill = tl.cast(fill, tl.float32)  # Inductor passes Python floats as fp64
     part = pid % SPLIT
     lo = part * CHUNK
@@ -161,7 +172,7 @@ def _index_mask_kernel(
             offs = start + tl.arange(0, BLOCK)
             inside = offs < hi
             key = _unsigned_key(tl.load(row_ptr + offs, mask=inside, other=0.0).to(tl.float32))
-            _store_kept(mask_ptr + row * T, offs, inside, key >= prefix, attn_row_ptr, stride_at, fill, ADDITIVE)
+            _store_kept(mask_ptr + row * T, offs, inside, key >= prefix, attn_row_ptr, stride_at, fill, last, ADDITIVE, CAUSAL)
             start += BLOCK
     else:
         equal_before = 0
@@ -184,7 +195,7 @@ def _index_mask_kernel(
             is_equal = (key == prefix) & inside
             rank = equal_before + tl.cumsum(is_equal.to(tl.int32), axis=0) - is_equal.to(tl.int32)
             kept = (key > prefix) | (is_equal & (rank < remaining))
-            _store_kept(mask_ptr + row * T, offs, inside, kept, attn_row_ptr, stride_at, fill, ADDITIVE)
+            _store_kept(mask_ptr + row * T, offs, inside, kept, attn_row_ptr, stride_at, fill, last, ADDITIVE, CAUSAL)
             equal_before += tl.sum(is_equal.to(tl.int32), axis=0)
             start += BLOCK
 
@@ -232,6 +243,7 @@ def sparse_index_mask_triton(
     dtype: torch.dtype | None = None,
     fill: float = float("-inf"),
     *,
+    causal_first: torch.Tensor | None = None,
     split: int | None = None,
     lowest: bool | None = None,
     num_warps: int | None = None,
@@ -242,21 +254,26 @@ def sparse_index_mask_triton(
     GPU at once); ``lowest``: the lowest-key shortcut (default: on for unsplit launches of more
     than LOWEST_ROWS rows); ``num_warps``: default from the positions a loop step takes.
     With ``attention_mask`` (bool [B, 1, S, T]) and ``dtype``: ``sparse_attention_mask_reference``'s
-    additive [B, 1, S, T] mask instead, written by the same pass."""
+    additive [B, 1, S, T] mask instead, written by the same pass; with ``causal_first`` in place of
+    the mask, the causal one from that first position (compared in the kernel, nothing read)."""
     check_sparse_index_mask_args(index_scores, k)
-    additive = attention_mask is not None
+    additive = attention_mask is not None or causal_first is not None
     if additive:
-        check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype, fill)
+        check_sparse_attention_mask_args(index_scores, k, attention_mask, dtype, fill, causal_first)
     scores = index_scores.contiguous()
     t = scores.shape[-1]
     rows = scores.numel() // t
     if additive:
-        mask = torch.empty(attention_mask.shape, dtype=dtype, device=scores.device)
+        b, s_len, _ = scores.shape
+        mask = torch.empty((b, 1, s_len, t), dtype=dtype, device=scores.device)
         # the bias as the dtype holds it (bf16 rounds -65504 to -65536, as a constant of it does):
         # stored exactly, whatever rounding the kernel's cast would take
         fill = _rounded_to(fill, dtype)
-        attn_strides = (attention_mask.stride(0), attention_mask.stride(2), attention_mask.stride(3))
-        attn, s_len = attention_mask, scores.shape[1]
+        if causal_first is None:
+            attn_strides = (attention_mask.stride(0), attention_mask.stride(2), attention_mask.stride(3))
+        else:  # never read: None for the pointer
+            attn_strides = (0, 0, 0)
+        attn = attention_mask
     else:
         mask = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
         # never read: None for the pointer (a constant, no launch argument; a tensor standing in
@@ -299,7 +316,8 @@ def sparse_index_mask_triton(
     # with it; 256 decode rows of 8192 positions 49.6 -> 52.7 us. So on above LOWEST_ROWS rows.
     lowest = split == 1 and rows > LOWEST_ROWS if lowest is None else lowest
     kernel = wrap(_index_mask_kernel) if wrap is not None else _index_mask_kernel
-    kernel[(rows * split,)](scores, mask, attn, s_len, *attn_strides, fill, work, t, k, chunk, work_size, BLOCK=block,
-                            RADIX=radix, PASSES=passes, SPLIT=split, PARTS=triton.next_power_of_2(split),
-                            LOWEST=lowest, ADDITIVE=additive, num_warps=num_warps)  # fmt: skip
+    kernel[(rows * split,)](scores, mask, attn, causal_first, s_len, *attn_strides, fill, work, t, k, chunk, work_size,
+                            BLOCK=block, RADIX=radix, PASSES=passes, SPLIT=split, PARTS=triton.next_power_of_2(split),
+                            LOWEST=lowest, ADDITIVE=additive, CAUSAL=causal_first is not None,
+                            num_warps=num_warps)  # fmt: skip
     return mask
