@@ -174,7 +174,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"family:    {_family(f)}")
         print(f"in \"all\":  {_in_all(f)}")
         print(f"summary:   {f.summary}")
-        print(f"spellings: {', '.join(s.name for s in f.spellings)}")
+        print(f"spellings: {', '.join(s.name for s in f.spellings) or '(none: a graph rewrite, Fusion.rewrite)'}")
         if f.requires:
             print(f"requires:  {', '.join(f.requires)}")
         print()
@@ -209,8 +209,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _family(f: Any) -> str:
-    """The stem of the module that defines the fusion's spellings (fusion_passes.patterns.<stem>)."""
-    module = getattr(f.spellings[0].pattern, "__module__", None) if f.spellings else None
+    """The stem of the module that defines the fusion's spellings, or its rewrite (fusion_passes.patterns.<stem>)."""
+    defined = f.spellings[0].pattern if f.spellings else f.rewrite
+    module = getattr(defined, "__module__", None)
     return (module or "?").rpartition(".")[2]
 
 

@@ -68,6 +68,17 @@ class GraphExample:
 
 
 @dataclass(frozen=True)
+class Rewritten:
+    """One site a ``Fusion.rewrite`` changed, recorded before its nodes were erased (the report's Site)."""
+
+    spelling: str
+    module: str  # nn.Module path of the site's anchor node
+    location: str  # "file.py:123 in forward" of the anchor's model line
+    before: dict  # the replaced region (regions.py format)
+    after: dict  # what replaced it
+
+
+@dataclass(frozen=True)
 class Spelling:
     """One unfused spelling, the fused call that replaces it, and an optional extra check.
 
@@ -148,6 +159,10 @@ class Fusion:
     # traced with the literal ints ignored (the matcher's first pass) and are not re-traced on the
     # candidate's values: a match_check must then check the ints that decide the numerics.
     shared_nodes: tuple[Any, ...] = ()
+    # Where no pattern can state a site (several sites merged into one op: every layer's cache
+    # write counter): a rewrite of the graph, run in the fusion's turn in place of its patterns
+    # (spellings and example_inputs then empty), returning the sites it changed.
+    rewrite: Callable[[torch.fx.Graph], list[Rewritten]] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
     _traced: set = field(default_factory=set, repr=False)
@@ -173,7 +188,7 @@ class Fusion:
     def source_hash(self) -> str:
         """Hash of everything that decides what this fusion rewrites (for Inductor's cache key)."""
         h = hashlib.sha256(self.name.encode())
-        fns = [self.example_inputs, self.check, self.canonicalize, self.graph_examples] + [
+        fns = [self.example_inputs, self.check, self.canonicalize, self.graph_examples, self.rewrite] + [
             f for s in self.spellings for f in (s.pattern, s.replacement, s.check)
         ]
         for fn in fns:

@@ -16,6 +16,7 @@ from fusion_passes.fusion import Fusion
 from fusion_passes.patterns import (
     allreduce_rms_norm,
     allreduce_rms_norm_quant_fp8,
+    cache_lengths,
     causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -117,6 +118,7 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "canonical (add_)rms_norm_quant_fp8 into it, which the norm-only allreduce fusion "
         "(needing a bare norm) leaves alone",
     ),
+    (cache_lengths, "last: the writes of the cache counters at the graph's end, which no other fusion reads"),
 )
 
 

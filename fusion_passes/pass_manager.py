@@ -188,6 +188,9 @@ class FusionPassManager(CustomGraphPass):
         if fusion.applies_to is not None and not fusion.applies_to(graph):
             self.report.matches[fusion.name] += 0  # it ran: the graph holds no site of it
             return
+        if fusion.rewrite is not None:
+            self._apply_rewrite(fusion, graph, index)
+            return
         self._pending, self._taken = [], []
         token = id(self._pending)
         module = graph.owning_module
@@ -237,6 +240,17 @@ class FusionPassManager(CustomGraphPass):
                 )
             )
         self.report.matches[fusion.name] += 0  # a fusion that ran shows up, even with 0 sites
+
+    def _apply_rewrite(self, fusion: Fusion, graph: torch.fx.Graph, index: int) -> None:
+        """A fusion that rewrites the graph itself (Fusion.rewrite): its sites into the report."""
+        done = self._guarded(f"fusion {fusion.name!r}", lambda: fusion.rewrite(graph), graph)
+        for site in done or ():
+            self.report.add_site(
+                Site(fusion=fusion.name, spelling=site.spelling, graph=index, module=site.module,
+                     location=site.location, ops_removed=region_ops(site.before), ops_added=region_ops(site.after),
+                     before=site.before, after=site.after)  # fmt: skip
+            )
+        self.report.matches[fusion.name] += 0
 
     def _on_match(self, fusion: Fusion, spelling: Spelling, match: Match) -> bool:
         """Last word on a candidate that matched a spelling structurally (dtypes included)."""

@@ -74,6 +74,22 @@ def graph_region(gm: torch.fx.GraphModule, argnames: Sequence[str]) -> Region:
     return {"nodes": nodes, "edges": edges}
 
 
+def nodes_region(ops: Sequence[torch.fx.Node]) -> Region:
+    """The region of ``ops`` (graph nodes, in graph order): the nodes they read from outside it as
+    inputs, named after the nodes; for a rewrite that is not a pattern's match (Fusion.rewrite)."""
+    ids: dict[torch.fx.Node, str] = {}
+    nodes, edges = [], []
+    for i, node in enumerate(ops):
+        for arg in node.all_input_nodes:
+            if arg not in ids and arg not in ops:
+                ids[arg] = f"in_{arg.name}"
+                nodes.append({"id": ids[arg], "label": arg.name, "kind": "input"})
+        ids[node] = f"n{i}"
+        nodes.append({"id": ids[node], "label": _label(node), "kind": "op"})
+        edges += [[ids[a], ids[node]] for a in node.all_input_nodes]
+    return {"nodes": nodes, "edges": edges}
+
+
 def region_ops(region: Region) -> tuple[str, ...]:
     """The op names of a region, without dtypes and getitems."""
     ops = (n["label"].split(" : ")[0] for n in region["nodes"] if n["kind"] == "op")

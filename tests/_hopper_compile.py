@@ -80,6 +80,7 @@ class _CompileForHopper:
 
 def _cases():
     """(name, launcher, args): one launch of each kernel checked here, with small CPU tensors."""
+    from fusion_passes.lowering.cache_lengths.triton import advance_lengths_triton
     from fusion_passes.lowering.causal_conv1d.triton import causal_conv1d_triton
     from fusion_passes.lowering.causal_conv1d_update.triton import causal_conv1d_update_triton
     from fusion_passes.lowering.common.fp8 import QuantFP8
@@ -135,6 +136,9 @@ def _cases():
     yield "gated_delta_step", gated_delta_step_triton, step
     persistent = functools.partial(gated_delta_step_triton, block_v=32, num_warps=1, programs=3, stages=2)
     yield "gated_delta_step (persistent)", persistent, step
+    # every layer's cache write counters (DeepSeek V3.2's two a layer), over two launches
+    counters = [torch.tensor(7, dtype=torch.int64) for _ in range(20)]
+    yield "advance_lengths", advance_lengths_triton, ([torch.tensor(40)] * 20, counters, [1] * 20)
     # a prefill's grouped attention through a causal mask: 8 / 2 heads of 128, and of 256
     for d in (128, 256):
         q, kv = torch.randn(1, 8, 300, d, dtype=bf16), torch.randn(1, 2, 316, d, dtype=bf16)
@@ -198,7 +202,7 @@ def _cases():
 
 # The cases whose launches update a state in place (positions of the launcher's arguments), as
 # their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
-_WRITES_INPUTS = {"causal_conv1d_update": (1,), "gated_delta_step": (7,), "gated_delta_step (persistent)": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
+_WRITES_INPUTS = {"advance_lengths": (1,), "causal_conv1d_update": (1,), "gated_delta_step": (7,), "gated_delta_step (persistent)": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
                   "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
                   "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,)}  # fmt: skip
@@ -239,7 +243,7 @@ def _trace_on_fake_cuda(name, launcher, args) -> torch.fx.Graph:
     strides and dtypes (a static FP8 scale, a tensor inside the quant tuple, too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fusion_passes.lowering.common.direct_launch import trace_launch
+    from fusion_passes.lowering.common.direct_launch import tensor_positions, trace_launch
     from fusion_passes.lowering.common.fp8 import QuantFP8
 
     mode = FakeTensorMode()
@@ -247,13 +251,15 @@ def _trace_on_fake_cuda(name, launcher, args) -> torch.fx.Graph:
     def fake(value):
         if isinstance(value, QuantFP8) and value.scale is not None:
             return value._replace(scale=fake(value.scale))
+        if isinstance(value, list):  # a Tensor[] argument
+            return [fake(v) for v in value]
         if not isinstance(value, torch.Tensor):
             return value
         with mode:
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda")
 
     fakes = [fake(a) for a in args]
-    positions = [i for i, a in enumerate(fakes) if isinstance(a, torch.Tensor)]
+    positions = tensor_positions(fakes)
     graph = trace_launch(launcher, fakes, positions, _WRITES_INPUTS.get(name, ())).graph
     if not any(n.target is torch.ops.higher_order.triton_kernel_wrapper_functional for n in graph.nodes):
         raise RuntimeError("the trace holds no Triton launch")

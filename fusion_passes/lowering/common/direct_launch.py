@@ -55,8 +55,9 @@ def inline_triton_launches(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in LAUNCHERS:
             continue
-        args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
-        if not (isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda"):
+        args = [torch.fx.map_arg(a, lambda n: n.meta["val"]) for a in node.args]
+        first = next((value for _, value in _tensors(args)), None)
+        if not (isinstance(first, torch.Tensor) and first.device.type == "cuda"):
             continue
         _inline(graph, node, LAUNCHERS[node.target], args, WRITES_INPUTS.get(node.target, ()))
         count += 1
@@ -76,24 +77,52 @@ def check_lowerable(graph: torch.fx.Graph) -> None:
             raise RuntimeError(f"the traced launch calls {node.target}, which Inductor cannot lower here")
 
 
+Position = int | tuple[int, int]  # an argument, or an element of a list argument (Tensor[])
+
+
+def _tensors(args: list[Any]) -> list[tuple[Position, Any]]:
+    """(position, value) of every tensor (or fx Node) among ``args``, list arguments' elements included."""
+    found: list[tuple[Position, Any]] = []
+    for i, a in enumerate(args):
+        if isinstance(a, list):  # a Tensor[] argument (fx keeps lists; tuples are other values)
+            found += [((i, j), e) for j, e in enumerate(a) if isinstance(e, (torch.Tensor, torch.fx.Node))]
+        elif isinstance(a, (torch.Tensor, torch.fx.Node)):
+            found.append((i, a))
+    return found
+
+
+def tensor_positions(args: list[Any]) -> list[Position]:
+    """Where ``args`` hold tensors (or fx Nodes): the positions trace_launch takes."""
+    return [position for position, _ in _tensors(args)]
+
+
+def _at(args: list[Any], position: Position) -> Any:
+    return args[position] if isinstance(position, int) else args[position[0]][position[1]]
+
+
 def trace_launch(
     launcher: Callable[..., Any],
     args: list[Any],
-    tensor_positions: list[int],
+    tensor_positions: list[Position],
     writes_inputs: tuple[int, ...] = (),
 ) -> torch.fx.GraphModule:
     """``launcher(*args, wrap=torch.library.wrap_triton)`` traced functionalized on ``args`` (the
-    tensors at ``tensor_positions`` become the graph's inputs, in that order): the graph that
-    replaces the op's node. Raises where it could not: a launch that writes an input the op does
-    not return updated, or one that calls an op Inductor cannot lower after its post-grad passes."""
+    tensors at ``tensor_positions``, an argument's index or a list argument's (index, element),
+    become the graph's inputs, in that order): the graph that replaces the op's node. Raises where
+    it could not: a launch that writes an input the op does not return updated, or one that calls
+    an op Inductor cannot lower after its post-grad passes. ``writes_inputs`` names arguments: a
+    list argument's every element."""
 
     def launch(*tensors):
-        full = list(args)
-        for i, t in zip(tensor_positions, tensors):
-            full[i] = t
+        full = [list(a) if isinstance(a, list) else a for a in args]
+        for position, t in zip(tensor_positions, tensors):
+            if isinstance(position, int):
+                full[position] = t
+            else:
+                full[position[0]][position[1]] = t
         return launcher(*full, wrap=torch.library.wrap_triton)
 
-    tensors = [args[i] for i in tensor_positions]
+    tensors = [_at(args, position) for position in tensor_positions]
     # The values are Inductor's fake tensors: trace under their mode (the Triton HOP needs it).
     # Imported here: Inductor's pattern matcher costs ~2.5 s to import, and importing
     # fusion_passes (its ops, for a user or the CLI's first line) needs none of it.
@@ -110,7 +139,11 @@ def trace_launch(
     # which is dropped here (the op's output is the updated value; Inductor reinplaces it). Any
     # other write-back into the op's inputs would break the functional post-grad graph.
     placeholders_in_order = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    written = {placeholders_in_order[tensor_positions.index(i)] for i in writes_inputs if i in tensor_positions}
+    written = {
+        placeholders_in_order[k]
+        for k, position in enumerate(tensor_positions)
+        if (position if isinstance(position, int) else position[0]) in writes_inputs
+    }
     returned: set[torch.fx.Node] = set()
     torch.fx.node.map_arg(sub.graph.output_node().args[0], returned.add)
     for n in list(sub.graph.nodes):
@@ -138,10 +171,10 @@ def _inline(
     writes_inputs: tuple[int, ...] = (),
 ) -> None:
     """Trace ``launcher`` (functionalized) on the node's fake values and splice it in."""
-    tensor_positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
-    sub = trace_launch(launcher, args, tensor_positions, writes_inputs)
+    positions = tensor_positions(list(node.args))
+    sub = trace_launch(launcher, args, positions, writes_inputs)
     env: dict[torch.fx.Node, Any] = {}
-    placeholders = iter(node.args[i] for i in tensor_positions)
+    placeholders = iter(_at(list(node.args), position) for position in positions)
     result: Any = None
     with graph.inserting_before(node):
         for sub_node in sub.graph.nodes:
