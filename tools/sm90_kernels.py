@@ -187,9 +187,7 @@ def generated_code(gm, inputs, kwargs, pass_manager, inductor_options: dict) -> 
     raise RuntimeError("Inductor returned without generating code")
 
 
-_LAUNCH = re.compile(r"\n\s+(\w+)\.run\(|\n\s+(extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(")
-_SOURCE = re.compile(r"^(\w+) = async_compile\.triton\('\w+', '''.*?^# Topologically Sorted Source Nodes: \[([^\]]*)\]",
-                     re.S | re.M)  # fmt: skip
+_LAUNCH = re.compile(r"\n\s+(\w+)\.run\(|\n\s+(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(")
 
 
 def launches(code: str) -> list[tuple[str, str]]:
