@@ -76,6 +76,7 @@ class Rewritten:
     location: str  # "file.py:123 in forward" of the anchor's model line
     before: dict  # the replaced region (regions.py format)
     after: dict  # what replaced it
+    added: tuple[torch.fx.Node, ...] = ()  # the fused op nodes it put in the graph (the site's, in the report)
 
 
 @dataclass(frozen=True)

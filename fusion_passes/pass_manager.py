@@ -242,9 +242,17 @@ class FusionPassManager(CustomGraphPass):
         self.report.matches[fusion.name] += 0  # a fusion that ran shows up, even with 0 sites
 
     def _apply_rewrite(self, fusion: Fusion, graph: torch.fx.Graph, index: int) -> None:
-        """A fusion that rewrites the graph itself (Fusion.rewrite): its sites into the report."""
+        """A fusion that rewrites the graph itself (Fusion.rewrite): its sites into the report, the
+        fused ops of earlier sites that it consumed marked taken by it."""
+        tagged = {n: n.meta[SITE_KEY] for n in graph.nodes if isinstance(n.meta.get(SITE_KEY), int)}
         done = self._guarded(f"fusion {fusion.name!r}", lambda: fusion.rewrite(graph), graph)
-        for site in done or ():
+        if done is None:
+            return
+        left = set(graph.nodes)
+        self._set_fates([(i, f"taken by {fusion.name}") for n, i in tagged.items() if n not in left])
+        for site in done:
+            for node in site.added:
+                node.meta[SITE_KEY] = len(self.report.sites)
             self.report.add_site(
                 Site(fusion=fusion.name, spelling=site.spelling, graph=index, module=site.module,
                      location=site.location, ops_removed=region_ops(site.before), ops_added=region_ops(site.after),

@@ -185,6 +185,9 @@ def _cases():
     for form, slots in (("first slot", torch.tensor(5)), ("slot per token", torch.tensor([7, 0, 9]))):
         write_args = (kv[..., :128], torch.randn(2, 1, 3, 64, dtype=bf16), kv[..., 128:], *kv_caches, slots)
         yield f"mla_kv_cache_write ({form})", mla.mla_kv_cache_write_triton, write_args
+    # the indexer's launch into its cache and the KV write in one, each cache at its own positions
+    merged_args = (*qk_cache_args[:8], *write_args[:5], torch.tensor(6), 1e-6)
+    yield "mla_indexer_qk_rope_kv_cache", mla.mla_indexer_qk_rope_kv_cache_triton, merged_args
     # FP8: per-token, DeepSeek's 128-column groups with power-of-two (UE8M0) scales, a static scale
     norm = RMSNormForm(1e-6, 0.0, False)
     schemes = {"per_token": QuantFP8("per_token"), "per_group": QuantFP8("per_group", None, 128, True),
@@ -205,7 +208,8 @@ def _cases():
 _WRITES_INPUTS = {"advance_lengths": (1,), "causal_conv1d_update": (1,), "gated_delta_step": (7,), "gated_delta_step (persistent)": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
                   "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
-                  "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,)}  # fmt: skip
+                  "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,),
+                  "mla_indexer_qk_rope_kv_cache": (6, 11, 12)}  # fmt: skip
 
 
 @contextlib.contextmanager

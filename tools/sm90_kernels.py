@@ -3,7 +3,7 @@ machine without a GPU: stock Inductor against fusion_passes, launches per layer 
 attention, MoE, other) and the "other" kernels by name. No timing: launch counts only.
 
     python -m tools.sm90_kernels deepseek-v3.2 [--context 40] [--batch 1] [--layers 2]
-        [--opt-in sparse_attention_mask ...] [--inductor combo_kernels=True] [--code out.py]
+        [--opt-in sparse_attention_mask ...] [--inductor combo_kernels=True] [--code out.py] [--json out.json]
 
 How: the step (a StaticCache decode step, models/decode.py) is traced by torch.compile on the CPU
 and its ATen graph taken where Inductor receives it; its device constants become cuda:0 and its
@@ -31,6 +31,8 @@ import types
 from collections import Counter
 
 import torch
+
+from fusion_passes.kernels import classify_kernel
 
 _H200 = types.SimpleNamespace(
     name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, warp_size=32, regs_per_multiprocessor=65536,
@@ -202,16 +204,13 @@ def launches(code: str) -> list[tuple[str, str]]:
     out = []
     for user, extern in _LAUNCH.findall(call):
         name = user or extern
-        if "grouped_mm" in name:
-            cls = "moe"
-        elif extern and re.search(r"mm\b|addmm|baddbmm", name):
-            cls = "gemm"
-        elif extern and "attention" in name:
-            cls = "attention"
-        elif user and sources.get(name) and all(s.startswith("attn_output") for s in sources[name]):
+        if extern:  # library calls: GEMMs, the grouped GEMM, SDPA, fallbacks
+            cls = ("moe" if "grouped_mm" in name else "gemm" if re.search(r"\b(b?mm|addmm|baddbmm)\b", name)
+                   else "attention" if "attention" in name else "other")  # fmt: skip
+        elif sources.get(name) and all(s.startswith("attn_output") for s in sources[name]):
             cls = "attention"  # SDPA's math decomposition (module docstring)
-        else:
-            cls = "other"
+        else:  # as bench_decode classes the profiler's names: Inductor's glue is "other" whatever it fused
+            cls = classify_kernel(name)
         out.append((name, cls))
     return out
 
@@ -225,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--opt-in", nargs="*", default=[], help="opt-in fusions added to the defaults")
     parser.add_argument("--inductor", nargs="*", default=[], help="Inductor options, NAME=VALUE (both variants)")
     parser.add_argument("--code", help="write fusion_passes' generated code here")
+    parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
@@ -250,6 +250,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.code, "w") as f:
             f.write(variants["fusion_passes"])
     counted = {name: launches(code) for name, code in variants.items()}
+    if args.json:
+        import json
+
+        classes = ("gemm", "attention", "moe", "other")
+        record = {
+            "model": args.model, "batch": args.batch, "context": args.context, "layers": args.layers,
+            "opt_in": args.opt_in, "fusions": {k: v for k, v in report.final().items() if v},
+            "per_layer": {name: {c: sum(cls == c for _, cls in found) / args.layers for c in classes}
+                          for name, found in counted.items()},
+            "other": {name: dict(Counter(k for k, cls in found if cls == "other")) for name, found in counted.items()},
+        }  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
     print(f"{args.model} decode step, batch {args.batch}, {args.context} cached tokens, {args.layers} tiny layers; "
           f"Inductor's sm_90 code")  # fmt: skip
     print("fusions:", {k: v for k, v in report.final().items() if v})

@@ -78,7 +78,7 @@ def merge_counter_writes(graph: torch.fx.Graph) -> list[Rewritten]:
             copy.replace_input_with(add, out)
             graph.erase_node(add)
     after = nodes_region([op, *(copy for copy, _ in writes)])
-    return [Rewritten("counter_plus_step", module, location, before, after)]
+    return [Rewritten("counter_plus_step", module, location, before, after, (op,))]
 
 
 CACHE_LENGTHS = Fusion(

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._guards import detect_fake_mode
 
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
@@ -54,8 +55,11 @@ from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_in
 from fusion_passes.fusion import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,
+    Rewritten,
     Spelling,
 )
+from fusion_passes.regions import nodes_region
+from fusion_passes.report import module_path, source_location
 
 # --- RoPE as transformers writes it (traced; keep the op order exactly) ---
 
@@ -632,6 +636,78 @@ def _indexer_qk_fusion(into_cache: bool) -> Fusion:
 MLA_INDEXER_QK_ROPE = _indexer_qk_fusion(into_cache=False)
 MLA_INDEXER_QK_ROPE_CACHE = _indexer_qk_fusion(into_cache=True)
 
+# --- mla_indexer_qk_rope_kv_cache: a decode step's indexer launch and KV cache write in one ---
+
+_INDEXER_QK = torch.ops.fusion_passes.mla_indexer_qk_rope.default
+_KV_WRITE = torch.ops.fusion_passes.mla_kv_cache_write.default
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def merge_indexer_and_kv_writes(graph: torch.fx.Graph) -> list[Rewritten]:
+    """Each layer's indexer launch into its cache (mla_indexer_qk_rope with a cache) and its KV
+    cache write (mla_kv_cache_write) become one mla_indexer_qk_rope_kv_cache launch. The two read
+    no output of each other and run after the step's GEMMs; the replacement nodes carry no module
+    path, so a layer's pair is the i-th of each in graph order, taken only where the counts agree
+    and neither node feeds the other."""
+    indexer = [n for n in graph.find_nodes(op="call_function", target=_INDEXER_QK) if n.args[6] is not None]
+    writes = list(graph.find_nodes(op="call_function", target=_KV_WRITE))
+    if not indexer or len(indexer) != len(writes):
+        return []
+    done = []
+    for idx, kv in zip(indexer, writes):
+        if idx in _ancestors(kv) or kv in _ancestors(idx):
+            continue
+        before = nodes_region([idx, kv])
+        module, location = module_path(idx), source_location(idx)
+        q, k, weight, bias, cos, sin, cache, positions, eps, *rest = idx.args
+        interleave = rest[0] if rest else idx.kwargs.get("interleave", False)
+        args = (q, k, weight, bias, cos, sin, cache, positions, *kv.args, eps, interleave)
+        later = max(idx, kv, key=list(graph.nodes).index)
+        with graph.inserting_after(later):
+            merged = graph.call_function(torch.ops.fusion_passes.mla_indexer_qk_rope_kv_cache.default, args)
+        values = torch.fx.map_arg(args, lambda n: n.meta["val"])
+        with detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)]):
+            merged.meta["val"] = merged.target(*values)
+        for old, offset in ((idx, 0), (kv, 2)):
+            for user in list(old.users):
+                user.args = (merged, user.args[1] + offset)
+            graph.erase_node(old)
+        for user in merged.users:
+            user.meta["val"] = merged.meta["val"][user.args[1]]
+        done.append(Rewritten("indexer_then_kv_write", module, location, before, nodes_region([merged]), (merged,)))
+    return done
+
+
+MLA_INDEXER_QK_ROPE_KV_CACHE = Fusion(
+    name="mla_indexer_qk_rope_kv_cache",
+    summary="V3.2 decode: the indexer's launch into its cache + the KV cache write -> one launch",
+    doc="""The two launches of a DeepSeek V3.2 decode step's attention that follow its GEMMs, merged.
+
+    Unfused: query, idx_cache = fusion_passes.mla_indexer_qk_rope(q, k, w, b, cos, sin, idx_cache, positions, ...)
+             k_cache, v_cache = fusion_passes.mla_kv_cache_write(k_nope, k_pe, value, k_cache, v_cache, kv_positions)
+             (two launches, neither reading the other's outputs; at decode each is mostly launch latency)
+    Fused:   query, idx_cache, k_cache, v_cache = fusion_passes.mla_indexer_qk_rope_kv_cache(...)
+             one launch: the indexer's programs, then the KV write's, outputs theirs bit for bit.
+    No pattern pairs them (they share no input: each cache counts its own slots), so this is a
+    graph rewrite (Fusion.rewrite) pairing each layer's two ops.""",
+    spellings=(),
+    example_inputs=lambda: (),
+    rewrite=merge_indexer_and_kv_writes,
+    requires=("mla_indexer_qk_rope_cache", "mla_kv_cache_write"),
+    opt_in="not yet timed on a GPU, as the two ops it merges",
+    applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=_KV_WRITE)),
+    builtin=True,
+)
+
 FUSIONS = (
     MLA_KV_NORM_ROPE,
     MLA_KV_NORM_ROPE_ROTATE_HALF,
@@ -648,4 +724,6 @@ FUSIONS = (
     # After the indexer's q and key ops, and the key's cache fold, which their spellings start from.
     MLA_INDEXER_QK_ROPE,
     MLA_INDEXER_QK_ROPE_CACHE,
+    # After both ops it merges.
+    MLA_INDEXER_QK_ROPE_KV_CACHE,
 )

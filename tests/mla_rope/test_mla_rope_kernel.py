@@ -319,6 +319,36 @@ def test_indexer_q_and_k_in_one_launch_are_the_two_kernels(dtype, interleave, ca
     torch.testing.assert_close(keys, ref[1], rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
 
 
+@pytest.mark.parametrize("kv_case", [KV_WRITE_CASES[0], KV_WRITE_CASES[2]], ids=["decode", "slot_per_token"])
+@pytest.mark.parametrize("case", [c for c in INDEXER_QK_CASES if c[5] is not None], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_indexer_and_kv_cache_writes_in_one_launch_are_the_kernels(dtype, case, kv_case):
+    """mla_indexer_qk_rope_kv_cache: the indexer's merged launch (into its cache) and the KV cache
+    write in one launch, each cache at its own positions: bit-equal to the two launches, in place
+    when inlined."""
+    from fusion_passes.lowering.mla_rope.reference import mla_indexer_qk_rope_kv_cache_reference
+    from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_kv_cache_triton
+
+    b, s, h, d, p, slots, positions = case
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, slots, dtype, False, seed=h + d)
+    q = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(s)).to(DEVICE, dtype).view(b, s, h, d)
+    positions = torch.tensor(positions, device=DEVICE)
+    kb, kh, ks, nope, r, v, t, kv_positions, shared = kv_case
+    kv = _kv_write_inputs(b, kh, ks, nope, r, v, t, dtype, seed=nope + ks, shared_pe=shared)
+    kv_positions = torch.tensor(kv_positions, device=DEVICE)
+    args = (q, k, weight, bias, cos, sin, cache, positions, *kv, kv_positions, 1e-6)
+    query, keys, k_out, v_out = mla_indexer_qk_rope_kv_cache_triton(*args)
+    two = mla_indexer_qk_rope_triton(q, k, weight, bias, cos, sin, cache, positions, 1e-6)
+    kv_two = mla_kv_cache_write_triton(*kv, kv_positions)
+    assert all(torch.equal(a, e) for a, e in zip((query, keys, k_out, v_out), (*two, *kv_two), strict=True))
+    ref = mla_indexer_qk_rope_kv_cache_reference(*args)
+    assert torch.equal(k_out, ref[2]) and torch.equal(v_out, ref[3]) and torch.equal(query, ref[0])
+    inputs = [t.clone() for t in (cache, kv[3], kv[4])]  # in place, as Inductor launches it
+    out = mla_indexer_qk_rope_kv_cache_triton(q, k, weight, bias, cos, sin, inputs[0], positions, *kv[:3], inputs[1],
+                                              inputs[2], kv_positions, 1e-6, wrap=lambda f: f)  # fmt: skip
+    assert all(o is i for o, i in zip(out[1:], inputs)) and all(torch.equal(a, e) for a, e in zip(inputs, (keys, k_out, v_out)))
+
+
 @pytest.mark.parametrize(
     "cache,positions,message",
     [(True, None, "a cache without positions"), (False, torch.tensor(1), "positions without a cache")],

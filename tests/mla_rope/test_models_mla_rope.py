@@ -90,7 +90,8 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     indexer's query (mla_indexer_qk_rope_cache), and its key and value into the KV cache through
     one mla_kv_cache_write (every cache write's index_put gone), and the indexer scores' causal
     mask is computed in their kernel; every step's output and every cache tensor equal the default
-    fusions' bit for bit."""
+    fusions' bit for bit. Merged further (mla_indexer_qk_rope_kv_cache: the indexer's launch and
+    the KV cache write in one; cache_lengths: the four counters in one kernel), the same bits."""
     import fusion_passes
     from fusion_passes.models import build_model
     from fusion_passes.models.decode import DecodeStep
@@ -99,14 +100,15 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
     runs = {}
     opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache", "sparse_index_scores_causal"]
-    for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in])):
+    merged = ["all", *opt_in, "mla_indexer_qk_rope_kv_cache", "cache_lengths"]
+    for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in]), ("merged", merged)):
         report = fusion_passes.Report()
         torch._dynamo.reset()
         compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
         with torch.no_grad():
             step.restore()
             outs = [compiled(*step.inputs(i)).clone() for i in range(2)]
-        runs[name] = (outs, [t.clone() for t in step.cache_tensors()], report)
+        runs[name] = (outs, [t.clone() for t in step.cache_tensors()] + [t.clone() for t in step._lengths], report)
     report = runs["cache"][2]
     # the key's cache fold is merged on with the indexer's query: its op is gone from the final graph
     final = report.final()
@@ -121,4 +123,13 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     assert runs["defaults"][2].ops_after()["aten.index_put.default"] == 6 and "aten.index_put.default" not in after
     assert report.ops_before()["aten.index_put.default"] == runs["defaults"][2].ops_before()["aten.index_put.default"]
     for ours, theirs in zip(runs["cache"][0] + runs["cache"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
+        assert torch.equal(ours, theirs)
+    report = runs["merged"][2]
+    final, after = report.final(), report.ops_after()
+    assert (final["mla_indexer_qk_rope_kv_cache"], final["cache_lengths"]) == (2, 1) and not report.errors
+    assert (final["mla_indexer_qk_rope_cache"], final["mla_kv_cache_write"]) == (0, 0)  # taken by the merge
+    assert after["fusion_passes.mla_indexer_qk_rope_kv_cache.default"] == 2
+    assert not {"fusion_passes.mla_indexer_qk_rope.default", "fusion_passes.mla_kv_cache_write.default"} & set(after)
+    assert after["fusion_passes.advance_lengths.default"] == 1
+    for ours, theirs in zip(runs["merged"][0] + runs["merged"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
         assert torch.equal(ours, theirs)

@@ -528,3 +528,50 @@ def test_indexer_query_and_key_with_their_own_cos_stay_two_launches():
     assert "fusion_passes.mla_indexer_qk_rope.default" not in after
     assert (after["fusion_passes.mla_q_rope.default"], after["fusion_passes.mla_indexer_k_norm_rope_cache.default"]) == (1, 1)
     assert torch.equal(merged[6], _run_on_caches(fn, args, ["all", "mla_indexer_k_norm_rope_cache"])[0][6])
+
+
+def _indexer_and_kv_write(q, k, weight, bias, cos, sin, idx_cache, kv, k_pe, k_cache, v_cache, cache_position,
+                          dependent=False):  # fmt: skip
+    """A decode step's two cache launches as the fusions leave them: the indexer's (into its cache)
+    and the KV write, each cache at its own counter (read off the step's position twice).
+    ``dependent``: the value written reads the indexer's query (kept as is unless a query element
+    is NaN: the same values; the two then cannot merge)."""
+    query, idx_cache = torch.ops.fusion_passes.mla_indexer_qk_rope(
+        q, k, weight, bias, cos, sin, idx_cache, cache_position[0], 1e-6, False
+    )
+    k_nope, value = kv.split([k_cache.shape[-1] - k_pe.shape[-1], v_cache.shape[-1]], dim=-1)
+    if dependent:
+        value = torch.where(query[0, 0, 0, 0].isnan(), value * 2, value)
+    k_cache, v_cache = torch.ops.fusion_passes.mla_kv_cache_write(k_nope, k_pe, value, k_cache, v_cache, cache_position[0])
+    return query, idx_cache, k_cache, v_cache
+
+
+def _merge_inputs():
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 1, 32, generator=g)
+    weight, bias = torch.randn(32, generator=g), torch.randn(32, generator=g)
+    cos, sin = torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)
+    kv = torch.randn(2, 1, 3, 40, generator=g).transpose(1, 2)  # [B, H, S, NOPE + V], strided
+    k_pe = torch.randn(2, 1, 1, 8, generator=g)
+    caches = torch.randn(2, 9, 32, generator=g), torch.randn(2, 3, 9, 24, generator=g), torch.randn(2, 3, 9, 24, generator=g)
+    return q, k, weight, bias, cos, sin, caches[0], kv, k_pe, caches[1], caches[2], torch.tensor([6])
+
+
+@pytest.mark.parametrize("dependent", [False, True])
+def test_the_indexer_launch_and_the_kv_write_merge_where_independent(dependent):
+    args = _merge_inputs()
+    expected = _indexer_and_kv_write(*[a.clone() for a in args], dependent=dependent)
+
+    def step(*a):
+        return _indexer_and_kv_write(*a, dependent=dependent)
+
+    out, report = compile_with(["mla_indexer_qk_rope_kv_cache"], step, [a.clone() for a in args])
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
+    before, after = report.ops_before(), report.ops_after()
+    if dependent:  # the KV write reads the indexer's query: no merge
+        assert report.matches["mla_indexer_qk_rope_kv_cache"] == 0 and before == after
+    else:
+        assert report.final()["mla_indexer_qk_rope_kv_cache"] == 1
+        assert (before["fusion_passes.mla_indexer_qk_rope.default"], after["fusion_passes.mla_indexer_qk_rope.default"]) == (1, 0)
+        assert (before["fusion_passes.mla_kv_cache_write.default"], after["fusion_passes.mla_kv_cache_write.default"]) == (1, 0)
+        assert after["fusion_passes.mla_indexer_qk_rope_kv_cache.default"] == 1

@@ -27,7 +27,11 @@ the KV cache in one kernel, not a kernel per cache:
     k_cache, v_cache = mla_kv_cache_write(k_nope, k_pe, value, k_cache, v_cache, positions)
 The indexer's two RoPE branches (they share cos and sin) go in one launch too:
     query, k = mla_indexer_qk_rope(q, k, w, b, cos, sin, cache, positions, eps, interleave)
-(with a cache: the cache with the key written, as mla_indexer_k_norm_rope_cache)
+(with a cache: the cache with the key written, as mla_indexer_k_norm_rope_cache), and at decode
+with MLA's KV cache write as well (a step's launches after its GEMMs: the indexer's and the KV
+cache's, which read no output of each other):
+    query, cache, k_cache, v_cache = mla_indexer_qk_rope_kv_cache(q, k, w, b, cos, sin, cache, positions,
+                                         k_nope, k_pe, value, k_cache, v_cache, kv_positions, eps, interleave)
 
 The math lives in ``mla_rope_reference``; CUDA tensors go to the kernels of ``mla_rope_triton``.
 """
@@ -44,6 +48,7 @@ from fusion_passes.lowering.mla_rope.reference import (
     check_mla_kv_cache_write_args,
     mla_indexer_k_norm_rope_cache_reference,
     mla_indexer_k_norm_rope_reference,
+    mla_indexer_qk_rope_kv_cache_reference,
     mla_indexer_qk_rope_reference,
     mla_kv_cache_write_reference,
     mla_kv_norm_rope_reference,
@@ -73,6 +78,8 @@ mla_indexer_k_norm_rope_cache = op_from_reference(
 mla_kv_cache_write = op_from_reference("mla_kv_cache_write", mla_kv_cache_write_reference)
 #   mla_indexer_qk_rope       the indexer's query RoPE and key (or key into its cache) in one launch
 mla_indexer_qk_rope = op_from_reference("mla_indexer_qk_rope", mla_indexer_qk_rope_reference)
+#   mla_indexer_qk_rope_kv_cache   that op into the indexer's cache and mla_kv_cache_write in one launch
+mla_indexer_qk_rope_kv_cache = op_from_reference("mla_indexer_qk_rope_kv_cache", mla_indexer_qk_rope_kv_cache_reference)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
@@ -127,6 +134,14 @@ def _mla_indexer_qk_rope_cuda(*args, wrap=None):
     return mla_indexer_qk_rope_triton(*args, wrap=wrap)
 
 
+@mla_indexer_qk_rope_kv_cache.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_indexer_qk_rope_kv_cache.default, writes_inputs=(6, 11, 12))
+def _mla_indexer_qk_rope_kv_cache_cuda(*args, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_kv_cache_triton
+
+    return mla_indexer_qk_rope_kv_cache_triton(*args, wrap=wrap)
+
+
 @mla_kv_cache_write.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_kv_cache_write.default, writes_inputs=(3, 4))
 def _mla_kv_cache_write_cuda(*args, wrap=None):
@@ -179,3 +194,10 @@ def _mla_indexer_qk_rope_fake(q, k, weight, bias, cos, sin, cache, positions, ep
     check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
     keys = k.new_empty(k.shape) if cache is None else torch.empty_like(cache, memory_format=torch.contiguous_format)
     return q.new_empty(q.shape), keys
+
+
+@mla_indexer_qk_rope_kv_cache.register_fake
+def _mla_indexer_qk_rope_kv_cache_fake(q, k, weight, bias, cos, sin, cache, positions, k_nope, k_pe, value, k_cache,
+                                       v_cache, kv_positions, eps, interleave=False):  # fmt: skip
+    query, keys = _mla_indexer_qk_rope_fake(q, k, weight, bias, cos, sin, cache, positions, eps, interleave)
+    return (query, keys, *_mla_kv_cache_write_fake(k_nope, k_pe, value, k_cache, v_cache, kv_positions))

@@ -304,3 +304,28 @@ def mla_indexer_qk_rope_reference(
     if cache is None:
         return query, mla_indexer_k_norm_rope_reference(k, weight, bias, cos, sin, eps, interleave)
     return query, mla_indexer_k_norm_rope_cache_reference(k, weight, bias, cos, sin, cache, positions, eps, interleave)
+
+
+def mla_indexer_qk_rope_kv_cache_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_positions: torch.Tensor,
+    eps: float,
+    interleave: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's DSA indexer and MLA cache writes in one op: (query, the indexer's cache with
+    its key written) as mla_indexer_qk_rope with a cache, then (k_cache, v_cache) as
+    mla_kv_cache_write at ``kv_positions`` (the KV cache counts its own slots)."""
+    query, keys = mla_indexer_qk_rope_reference(q, k, weight, bias, cos, sin, cache, positions, eps, interleave)
+    return (query, keys, *mla_kv_cache_write_reference(k_nope, k_pe, value, k_cache, v_cache, kv_positions))

@@ -602,7 +602,8 @@ def _indexer_k_target(k, cache, positions, wrap, op: str):
 
 
 @triton.jit
-def _mla_kv_cache_write_kernel(
+def _kv_write_rows(
+    program,  # this program's rows: [program * ROWS, (program + 1) * ROWS)
     k_nope_ptr,  # *dtype [B, H, S, NOPE] (strides kn_*; unit column stride)
     k_pe_ptr,  # *dtype [B, 1 or H, S, R]: the rotated key part every head shares (strides kp_*)
     v_ptr,  # *dtype [B, H, S, V] (strides v_*)
@@ -617,17 +618,11 @@ def _mla_kv_cache_write_kernel(
     v_stride_b, v_stride_h, v_stride_s,
     kc_stride_b, kc_stride_h, kc_stride_t,
     vc_stride_b, vc_stride_h, vc_stride_t,
-    H: tl.constexpr,
-    NOPE: tl.constexpr,
-    R: tl.constexpr,
-    V: tl.constexpr,
-    BLOCK_NOPE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    ROWS: tl.constexpr,
+    H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     SLOTS: tl.constexpr,  # 1: consecutive slots from one; 2: a slot per token
-):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+):  # fmt: skip
+    rows = program * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
     s = rows % S
@@ -652,14 +647,31 @@ def _mla_kv_cache_write_kernel(
     tl.store(v_row + cols, tl.load(src + cols, mask=row_mask & (cols < V)), mask=row_mask & (cols < V))
 
 
+@triton.jit
+def _mla_kv_cache_write_kernel(
+    k_nope_ptr, k_pe_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_rows, S, T,
+    kn_stride_b, kn_stride_h, kn_stride_s, kp_stride_b, kp_stride_h, kp_stride_s, v_stride_b, v_stride_h, v_stride_s,
+    kc_stride_b, kc_stride_h, kc_stride_t, vc_stride_b, vc_stride_h, vc_stride_t,
+    H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
+    """mla_kv_cache_write: the rows of _kv_write_rows, ROWS a program."""
+    _kv_write_rows(
+        tl.program_id(0), k_nope_ptr, k_pe_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_rows, S, T,
+        kn_stride_b, kn_stride_h, kn_stride_s, kp_stride_b, kp_stride_h, kp_stride_s, v_stride_b, v_stride_h,
+        v_stride_s, kc_stride_b, kc_stride_h, kc_stride_t, vc_stride_b, vc_stride_h, vc_stride_t,
+        H, NOPE, R, V, BLOCK_NOPE, BLOCK_R, BLOCK_V, ROWS, SLOTS,
+    )  # fmt: skip
+
+
 # Rows (a head of a token) a program copies: 2048 elements of key and value (DeepSeek V3.2: 192 +
 # 128 a row, so 4 rows; a decode step's 128 heads take 32 programs).
 _KV_WRITE_ELEMENTS = 2048
 
 
-def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, *, wrap: Callable | None = None):
-    """(k_cache, v_cache) as mla_kv_cache_write_reference: written in place when ``wrap`` is
-    given (Inductor inlines the launch; the op's outputs are the caches), else into copies."""
+def _kv_write_plan(k_nope, k_pe, value, k_cache, v_cache, positions, wrap, op: str):
+    """(runtime arguments, constexprs, programs, (k_out, v_out)) of a launch of _kv_write_rows:
+    the caches written in place when ``wrap`` is given (Inductor inlines the launch), else copies."""
     check_mla_kv_cache_write_args(k_nope, k_pe, value, k_cache, v_cache, positions)
     b, h, s, nope = k_nope.shape
     r, v = k_pe.shape[-1], value.shape[-1]
@@ -667,24 +679,33 @@ def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, 
     k_out, v_out = (k_cache, v_cache) if wrap is not None else (k_cache.clone(), v_cache.clone())
     for name, cache in (("k_cache", k_out), ("v_cache", v_out)):
         if cache.stride(-1) != 1:
-            raise ValueError(f"mla_kv_cache_write: the {name}'s last dim must be contiguous, got strides {cache.stride()}")
+            raise ValueError(f"{op}: the {name}'s last dim must be contiguous, got strides {cache.stride()}")
     positions = positions.reshape(-1)
     slots = slots_mode(positions, s)
     padded = triton.next_power_of_2(nope) + triton.next_power_of_2(r) + triton.next_power_of_2(v)
     rows = max(1, triton.next_power_of_2(max(1, _KV_WRITE_ELEMENTS // padded)) // 2) if padded > 0 else 1
     n_rows = b * h * s
     kp_stride_h = k_pe.stride(1) if k_pe.shape[1] > 1 else 0
-    (wrap or _identity)(_mla_kv_cache_write_kernel)[(triton.cdiv(n_rows, rows),)](
+    args = (
         k_nope, k_pe, value, k_out, v_out, positions, n_rows, s, k_cache.shape[2],
-        k_nope.stride(0), k_nope.stride(1), k_nope.stride(2),
-        k_pe.stride(0), kp_stride_h, k_pe.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        k_nope.stride(0), k_nope.stride(1), k_nope.stride(2), k_pe.stride(0), kp_stride_h, k_pe.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         v_out.stride(0), v_out.stride(1), v_out.stride(2),
-        H=h, NOPE=nope, R=r, V=v, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_V=triton.next_power_of_2(v), ROWS=rows, SLOTS=slots, num_warps=4,
     )  # fmt: skip
-    return k_out, v_out
+    constexprs = {"H": h, "NOPE": nope, "R": r, "V": v, "BLOCK_NOPE": triton.next_power_of_2(nope),
+                  "BLOCK_R": triton.next_power_of_2(r), "BLOCK_V": triton.next_power_of_2(v), "ROWS": rows,
+                  "SLOTS": slots}  # fmt: skip
+    return args, constexprs, triton.cdiv(n_rows, rows), (k_out, v_out)
+
+
+def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, *, wrap: Callable | None = None):
+    """(k_cache, v_cache) as mla_kv_cache_write_reference: written in place when ``wrap`` is
+    given (Inductor inlines the launch; the op's outputs are the caches), else into copies."""
+    args, constexprs, programs, outs = _kv_write_plan(
+        k_nope, k_pe, value, k_cache, v_cache, positions, wrap, "mla_kv_cache_write"
+    )
+    (wrap or _identity)(_mla_kv_cache_write_kernel)[(programs,)](*args, **constexprs, num_warps=4)
+    return outs
 
 
 def mla_indexer_qk_rope_triton(
@@ -713,3 +734,79 @@ def mla_indexer_qk_rope_triton(
         POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form, num_warps=4,
     )  # fmt: skip
     return query, out
+
+
+@triton.jit
+def _mla_indexer_qk_rope_kv_kernel(
+    q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S, T, stride_k,
+    stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps,
+    k_programs,  # programs of the indexer key branch (the first ones)
+    head_blocks,  # indexer q programs per token
+    qk_programs,  # programs of both indexer branches; the rest write the KV cache
+    k_nope_ptr, k_pe_ptr, v_ptr, k_cache_ptr, v_cache_ptr, kv_pos_ptr, kv_rows, KV_S, KV_T,
+    kn_stride_b, kn_stride_h, kn_stride_s, kp_stride_b, kp_stride_h, kp_stride_s, v_stride_b, v_stride_h, v_stride_s,
+    kc_stride_b, kc_stride_h, kc_stride_t, vc_stride_b, vc_stride_h, vc_stride_t,
+    D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, POSITIONS: tl.constexpr,
+    BLOCK_H: tl.constexpr, Q_BLOCK_PASS: tl.constexpr,
+    KV_H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, KV_ROWS: tl.constexpr, KV_SLOTS: tl.constexpr,
+):  # fmt: skip
+    """mla_indexer_qk_rope_kv_cache: _mla_indexer_qk_rope_kernel's programs (the indexer's key into
+    its cache, its query), then _mla_kv_cache_write_kernel's (MLA's key and value into the KV
+    cache), each program doing one program's work of those kernels: their outputs bit for bit."""
+    program = tl.program_id(0)
+    if program < k_programs:
+        _indexer_k_rows(
+            program, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
+            stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS,
+            BLOCK_HALF, ROWS, POSITIONS,
+        )  # fmt: skip
+    elif program < qk_programs:
+        q_program = program - k_programs
+        _q_rope_heads(
+            (q_program // head_blocks).to(tl.int64), q_program % head_blocks, q_ptr, cos_ptr, sin_ptr, q_out_ptr,
+            H, S, stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, True, INTERLEAVE, False, BLOCK_H,
+            Q_BLOCK_PASS, BLOCK_HALF,
+        )  # fmt: skip
+    else:
+        _kv_write_rows(
+            program - qk_programs, k_nope_ptr, k_pe_ptr, v_ptr, k_cache_ptr, v_cache_ptr, kv_pos_ptr, kv_rows,
+            KV_S, KV_T, kn_stride_b, kn_stride_h, kn_stride_s, kp_stride_b, kp_stride_h, kp_stride_s, v_stride_b,
+            v_stride_h, v_stride_s, kc_stride_b, kc_stride_h, kc_stride_t, vc_stride_b, vc_stride_h, vc_stride_t,
+            KV_H, NOPE, R, V, BLOCK_NOPE, BLOCK_R, BLOCK_V, KV_ROWS, KV_SLOTS,
+        )  # fmt: skip
+
+
+def mla_indexer_qk_rope_kv_cache_triton(
+    q, k, weight, bias, cos, sin, cache, positions, k_nope, k_pe, value, k_cache, v_cache, kv_positions, eps,
+    interleave=False, *, wrap: Callable | None = None,
+):  # fmt: skip
+    """(query, cache, k_cache, v_cache) as mla_indexer_qk_rope_kv_cache_reference, in one launch:
+    mla_indexer_qk_rope_triton's programs (into the indexer cache), then mla_kv_cache_write_triton's,
+    each with its launch shape (4 warps, both kernels'). The caches are written in place when
+    ``wrap`` is given, else into copies."""
+    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
+    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
+    b, s, d = k.shape
+    k_rows = _rows(k, (b, s))
+    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
+    cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
+    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
+        k, cache, positions, wrap, "mla_indexer_qk_rope_kv_cache"
+    )
+    form = _indexer_k_form(d, p, interleave)
+    k_programs = triton.cdiv(b * s, form["ROWS"])
+    qk_programs = k_programs + tokens * head_blocks
+    kv_args, kv_form, kv_programs, (k_out, v_out) = _kv_write_plan(
+        k_nope, k_pe, value, k_cache, v_cache, kv_positions, wrap, "mla_indexer_qk_rope_kv_cache"
+    )
+    kv_form = {("KV_" + name if name in ("H", "ROWS", "SLOTS") else name): v for name, v in kv_form.items()}
+    (wrap or _identity)(_mla_indexer_qk_rope_kv_kernel)[(qk_programs + kv_programs,)](
+        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, positions,
+        b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
+        cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks, qk_programs,
+        *kv_args, POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form, **kv_form,
+        num_warps=4,
+    )  # fmt: skip
+    return query, out, k_out, v_out
