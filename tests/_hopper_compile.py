@@ -188,6 +188,11 @@ def _cases():
     # the indexer's launch into its cache and the KV write in one, each cache at its own positions
     merged_args = (*qk_cache_args[:8], *write_args[:5], torch.tensor(6), 1e-6)
     yield "mla_indexer_qk_rope_kv_cache", mla.mla_indexer_qk_rope_kv_cache_triton, merged_args
+    # regrouped: q_a_layernorm (1536) with MLA's kv branch, and MLA's query with the merged launch above
+    q_a = (torch.randn(2, 3, 1536, dtype=bf16), torch.randn(1536, dtype=bf16), 1e-6, 0.0, True)
+    yield "mla_q_a_kv_norm_rope", mla.mla_q_a_kv_norm_rope_triton, (*q_a, torch.randn(2, 3, 576, dtype=bf16),
+                                                                   latent_w, c32, s32, 1e-6)  # fmt: skip
+    yield "mla_q_indexer_kv_cache", mla.mla_q_indexer_kv_cache_triton, (mq, c32, s32, True, *merged_args)
     # FP8: per-token, DeepSeek's 128-column groups with power-of-two (UE8M0) scales, a static scale
     norm = RMSNormForm(1e-6, 0.0, False)
     schemes = {"per_token": QuantFP8("per_token"), "per_group": QuantFP8("per_group", None, 128, True),
@@ -209,7 +214,7 @@ _WRITES_INPUTS = {"advance_lengths": (1,), "causal_conv1d_update": (1,), "gated_
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
                   "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
                   "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,),
-                  "mla_indexer_qk_rope_kv_cache": (6, 11, 12)}  # fmt: skip
+                  "mla_indexer_qk_rope_kv_cache": (6, 11, 12), "mla_q_indexer_kv_cache": (10, 15, 16)}  # fmt: skip
 
 
 @contextlib.contextmanager

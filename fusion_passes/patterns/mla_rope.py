@@ -34,6 +34,7 @@ the checks reject cos/sin that do not fit (another shape, dtype, or axis).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -708,6 +709,129 @@ MLA_INDEXER_QK_ROPE_KV_CACHE = Fusion(
     builtin=True,
 )
 
+# --- mla_decode_regroup: a DeepSeek V3.2 decode step's pre-attention launches regrouped ---
+
+_Q_KV = torch.ops.fusion_passes.mla_q_kv_rope.default
+_QK_KV_CACHE = torch.ops.fusion_passes.mla_indexer_qk_rope_kv_cache.default
+_RMS_NORM = torch.ops.fusion_passes.rms_norm.default
+_VIEWS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.permute.default, torch.ops.aten.clone.default}  # fmt: skip
+
+
+def _full_args(node: torch.fx.Node) -> list[Any]:
+    """The node's arguments in schema order, defaults filled in."""
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value))
+    return out
+
+
+def _under_views(node):
+    while isinstance(node, torch.fx.Node) and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _q_a_norm(q_kv: torch.fx.Node):
+    """The canonical rms_norm whose output q_b_proj projects into q_kv's query, or None."""
+    mm = _under_views(q_kv.args[0])
+    if not (isinstance(mm, torch.fx.Node) and mm.target is torch.ops.aten.mm.default):
+        return None
+    norm = _under_views(mm.args[0])
+    if not (isinstance(norm, torch.fx.Node) and norm.target is _RMS_NORM):
+        return None
+    x, weight = norm.args[0].meta.get("val"), norm.args[1].meta.get("val")
+    out = norm.meta.get("val")
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight, out)) or not x.dtype == weight.dtype == out.dtype:
+        return None  # the merged kernel stores the norm in x's dtype, weighting as the kv branch does
+    return norm
+
+
+def _with_fake_value(node: torch.fx.Node) -> None:
+    values = torch.fx.map_arg(node.args, lambda n: n.meta["val"])
+    with detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]):
+        node.meta["val"] = node.target(*values)
+
+
+def _repoint(old: torch.fx.Node, new: torch.fx.Node, offset: int) -> None:
+    """old's getitem users read new's outputs from ``offset`` on (old returns a tuple)."""
+    for user in list(old.users):
+        user.args = (new, user.args[1] + offset)
+        user.meta["val"] = new.meta["val"][user.args[1]]
+
+
+def regroup_decode_launches(graph: torch.fx.Graph) -> list[Rewritten]:
+    """Per layer: q_a_layernorm (a canonical rms_norm), mla_q_kv_rope and
+    mla_indexer_qk_rope_kv_cache (three launches) -> mla_q_a_kv_norm_rope before the
+    up-projections (the two norms: the kv branch no longer waits for q_b_proj) and
+    mla_q_indexer_kv_cache after them (MLA's query RoPE with the indexer's launch and the KV
+    write): two launches. A layer's q_kv and cache ops are the i-th of each in graph order, taken
+    where the counts agree and q_kv's query comes from q_b_proj of the norm."""
+    q_kvs = list(graph.find_nodes(op="call_function", target=_Q_KV))
+    caches = list(graph.find_nodes(op="call_function", target=_QK_KV_CACHE))
+    if not q_kvs or len(q_kvs) != len(caches):
+        return []
+    done = []
+    for q_kv, cache_op in zip(q_kvs, caches):
+        norm = _q_a_norm(q_kv)
+        # one launch for the norm and the kv branch: kv must not come from the norm (nor the
+        # MLA query from the cache launch)
+        if norm is None or norm in _ancestors(q_kv.args[1]) or cache_op in _ancestors(q_kv):
+            continue
+        before = nodes_region([norm, q_kv, cache_op])
+        module, location = module_path(norm), source_location(norm)
+        q, kv, weight, cos, sin, eps, weight_offset, cast, interleave = _full_args(q_kv)
+        x, x_weight, x_eps, x_offset, x_cast = _full_args(norm)
+        with graph.inserting_before(norm):
+            first = graph.call_function(
+                torch.ops.fusion_passes.mla_q_a_kv_norm_rope.default,
+                (x, x_weight, x_eps, x_offset, x_cast, kv, weight, cos, sin, eps, weight_offset, cast, interleave),
+            )
+            normed = graph.call_function(operator.getitem, (first, 0))
+        _with_fake_value(first)
+        normed.meta["val"] = first.meta["val"][0]
+        norm.replace_all_uses_with(normed)
+        graph.erase_node(norm)
+        with graph.inserting_after(cache_op):
+            second = graph.call_function(
+                torch.ops.fusion_passes.mla_q_indexer_kv_cache.default, (q, cos, sin, interleave, *_full_args(cache_op))
+            )
+        _with_fake_value(second)
+        for user in list(q_kv.users):  # (query, normed, k_pe): the query from the second launch
+            target, index = (second, 0) if user.args[1] == 0 else (first, user.args[1])
+            user.args = (target, index)
+            user.meta["val"] = target.meta["val"][index]
+        _repoint(cache_op, second, 1)
+        graph.erase_node(q_kv)
+        graph.erase_node(cache_op)
+        done.append(Rewritten("q_a_norm_kv_then_q_indexer_kv", module, location, before,
+                              nodes_region([first, second]), (first, second)))  # fmt: skip
+    return done
+
+
+MLA_DECODE_REGROUP = Fusion(
+    name="mla_decode_regroup",
+    summary="V3.2 decode: q_a_layernorm + mla_q_kv_rope + the indexer / KV write launch -> two launches",
+    doc="""DeepSeek V3.2's pre-attention launches at decode, regrouped by what they wait for.
+
+    Unfused: x = fusion_passes.rms_norm(q_a, ...)                  (q_a_layernorm; q_b_proj reads it)
+             query, kv_n, k_pe = fusion_passes.mla_q_kv_rope(q_b_proj(x), kv_a, ...)   (waits for q_b_proj)
+             iq, icache, kc, vc = fusion_passes.mla_indexer_qk_rope_kv_cache(...)     (after the GEMMs)
+             three launches a layer
+    Fused:   x, kv_n, k_pe = fusion_passes.mla_q_a_kv_norm_rope(q_a, ..., kv_a, ...)    (before the up-projections)
+             query, iq, icache, kc, vc = fusion_passes.mla_q_indexer_kv_cache(q_b_proj(x), ...)
+             two launches; the kv branch, MLA's query and the caches bit for bit the kernels' they
+             replace, q_a's norm by the kv branch's norm rows (within two ulps of rms_norm's reference).
+    A rewrite (Fusion.rewrite) pairing each layer's ops in graph order.""",
+    spellings=(),
+    example_inputs=lambda: (),
+    rewrite=regroup_decode_launches,
+    requires=("mla_indexer_qk_rope_kv_cache",),
+    opt_in="not yet timed on a GPU, as the ops it regroups",
+    applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=_QK_KV_CACHE)),
+    builtin=True,
+)
+
 FUSIONS = (
     MLA_KV_NORM_ROPE,
     MLA_KV_NORM_ROPE_ROTATE_HALF,
@@ -726,4 +850,6 @@ FUSIONS = (
     MLA_INDEXER_QK_ROPE_CACHE,
     # After both ops it merges.
     MLA_INDEXER_QK_ROPE_KV_CACHE,
+    # After that merge and mla_q_kv_rope, whose ops it regroups.
+    MLA_DECODE_REGROUP,
 )

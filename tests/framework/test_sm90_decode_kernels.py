@@ -1,7 +1,8 @@
 """A tiny DeepSeek V3.2 decode step as Inductor writes it for sm_90 (tools/sm90_kernels, in a
 process of its own: it answers CUDA's queries as an H200's for the whole process): with the
-decode-path opt-ins, the launches the folds remove are gone from the generated code, and fewer
-than half of stock Inductor's "other" kernels a layer are left."""
+decode-path opt-ins, the launches the folds remove are gone from the generated code, a layer's
+pre-attention path is four launches, and fewer than half of stock Inductor's "other" kernels a
+layer are left."""
 
 import json
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 OPT_IN = ["mla_indexer_qk_rope_cache", "mla_kv_cache_write", "sparse_index_scores_causal", "sparse_attention_mask",
-          "sparse_attention_mask_causal", "cache_lengths", "mla_indexer_qk_rope_kv_cache"]  # fmt: skip
+          "sparse_attention_mask_causal", "cache_lengths", "mla_indexer_qk_rope_kv_cache", "mla_decode_regroup"]  # fmt: skip
 
 
 @pytest.mark.slow  # two compiles for sm_90 and a C++ extension built once (about 80 s)
@@ -32,6 +33,10 @@ def test_deepseek_v32_decode_kernels_for_sm90(tmp_path):
     # no cache write nor counter written by an Inductor kernel: the folds write them
     assert not [k for k in other if "index_copy" in k or "index_put" in k and "sort" not in k or "add_copy_" in k], other
     launches = {prefix: sum(n for k, n in other.items() if k.startswith(prefix))
-                for prefix in ("_advance_lengths_kernel", "_mla_indexer_qk_rope_kv_kernel", "_index_mask_kernel")}  # fmt: skip
-    assert launches == {"_advance_lengths_kernel": 1, "_mla_indexer_qk_rope_kv_kernel": 2, "_index_mask_kernel": 2}
+                for prefix in ("_advance_lengths_kernel", "_mla_q_a_kv_norm_rope_kernel", "_mla_q_indexer_kv_kernel",
+                               "_index_scores_kernel", "_index_mask_kernel")}  # fmt: skip
+    # a layer's attention path: four launches between its GEMMs and the attention
+    assert launches == {"_advance_lengths_kernel": 1, "_mla_q_a_kv_norm_rope_kernel": 2, "_mla_q_indexer_kv_kernel": 2,
+                        "_index_scores_kernel": 2, "_index_mask_kernel": 2}, launches  # fmt: skip
+    assert not [k for k in other if "rms_norm" not in k and "mean" in k and "rsqrt" in k], other  # q_a's norm launched with kv
     assert not [k for k in other if "_le_" in k], other  # no causal mask built: both folds compare positions

@@ -460,3 +460,59 @@ def test_q_kv_rope_traces_to_one_launch_for_inductor():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "1 [(4, 1, 1)]"
+
+
+@pytest.mark.parametrize("x_width", [1536, 40])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "rotate_half"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_a_norm_and_kv_branch_in_one_launch(dtype, interleave, x_width):
+    """mla_q_a_kv_norm_rope: the kv branch bit-equal to mla_kv_norm_rope's kernel, q_a's norm rows
+    (the kv branch's norm, no rope part) bit-equal to that kernel's latent for the same rows, and
+    within two ulps of the canonical rms_norm's reference, in both weight forms."""
+    from fusion_passes.lowering.mla_rope.reference import mla_q_a_kv_norm_rope_reference
+    from fusion_passes.lowering.mla_rope.triton import mla_q_a_kv_norm_rope_triton
+
+    r, p, b, s = 512, 64, 2, 3
+    g = torch.Generator().manual_seed(x_width)
+    kv = torch.randn(b, s, r + p, generator=g).to(DEVICE, dtype)
+    x = (2 * torch.randn(b, s, x_width, generator=g)).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(r, generator=g)).to(DEVICE, dtype)
+    x_weight = (1 + 0.1 * torch.randn(x_width, generator=g)).to(DEVICE, dtype)
+    cos, sin = _cos_sin((b, s), p // 2 if interleave else p, dtype, g)
+    for offset, cast in ((0.0, True), (1.0, False)):  # Llama's form; (1 + w) after the weight
+        out = mla_q_a_kv_norm_rope_triton(x, x_weight, 1e-6, offset, cast, kv, weight, cos, sin, 1e-6, 0.0, True,
+                                          interleave)  # fmt: skip
+        kv_alone = mla_kv_norm_rope_triton(kv, weight, cos, sin, 1e-6, 0.0, True, interleave)
+        assert torch.equal(out[1], kv_alone[0]) and torch.equal(out[2], kv_alone[1])
+        x_as_kv = torch.cat([x, kv[..., r:]], dim=-1)  # the same norm rows, through the kv kernel
+        assert torch.equal(out[0], mla_kv_norm_rope_triton(x_as_kv, x_weight, cos, sin, 1e-6, offset, cast, interleave)[0])
+        ref = mla_q_a_kv_norm_rope_reference(x, x_weight, 1e-6, offset, cast, kv, weight, cos, sin, 1e-6, 0.0, True,
+                                             interleave)  # fmt: skip
+        torch.testing.assert_close(out[0], ref[0], rtol=2 * ULP[dtype], atol=2 * ULP[dtype])
+
+
+@pytest.mark.parametrize("kv_case", [KV_WRITE_CASES[0], KV_WRITE_CASES[2]], ids=["decode", "slot_per_token"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_query_indexer_and_kv_cache_writes_in_one_launch_are_the_kernels(dtype, kv_case):
+    """mla_q_indexer_kv_cache: MLA's query RoPE (rope last, heads first) with the indexer's launch
+    and the KV write: every output bit-equal to the separate kernels', in place when inlined."""
+    from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_kv_cache_triton, mla_q_indexer_kv_cache_triton
+
+    b, s, h, d, p, slots, positions = INDEXER_QK_CASES[1]
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, slots, dtype, False, seed=h + d)
+    q = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(s)).to(DEVICE, dtype).view(b, s, h, d)
+    positions = torch.tensor(positions, device=DEVICE)
+    kb, kh, ks, nope, r, v, t, kv_positions, shared = kv_case
+    kv = _kv_write_inputs(b, kh, ks, nope, r, v, t, dtype, seed=nope + ks, shared_pe=shared)
+    kv_positions = torch.tensor(kv_positions, device=DEVICE)
+    g = torch.Generator().manual_seed(7)
+    mq = torch.randn(b, s, 5, 48 + 32, generator=g).to(DEVICE, dtype)
+    mcos, msin = _cos_sin((b, s), 16, dtype, g)  # MLA's interleaved rope of 32
+    indexer = (q, k, weight, bias, cos, sin, cache, positions, *kv, kv_positions, 1e-6)
+    out = mla_q_indexer_kv_cache_triton(mq, mcos, msin, True, *indexer)
+    separate = (mla_q_rope_triton(mq, mcos, msin, False, True, True), *mla_indexer_qk_rope_kv_cache_triton(*indexer))
+    assert all(torch.equal(a, e) for a, e in zip(out, separate, strict=True))
+    inputs = [t.clone() for t in (cache, kv[3], kv[4])]
+    placed = mla_q_indexer_kv_cache_triton(mq, mcos, msin, True, q, k, weight, bias, cos, sin, inputs[0], positions,
+                                           *kv[:3], inputs[1], inputs[2], kv_positions, 1e-6, wrap=lambda f: f)  # fmt: skip
+    assert all(o is i for o, i in zip(placed[2:], inputs)) and all(torch.equal(a, e) for a, e in zip(placed, separate))

@@ -101,7 +101,8 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     runs = {}
     opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache", "sparse_index_scores_causal"]
     merged = ["all", *opt_in, "mla_indexer_qk_rope_kv_cache", "cache_lengths"]
-    for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in]), ("merged", merged)):
+    for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in]), ("merged", merged),
+                          ("regrouped", [*merged, "mla_decode_regroup"])):  # fmt: skip
         report = fusion_passes.Report()
         torch._dynamo.reset()
         compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
@@ -133,3 +134,19 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     assert after["fusion_passes.advance_lengths.default"] == 1
     for ours, theirs in zip(runs["merged"][0] + runs["merged"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
         assert torch.equal(ours, theirs)
+    # regrouped: q_a_layernorm with the kv branch before the up-projections, MLA's query with the
+    # indexer and the KV write after them: two launches where there were three
+    report = runs["regrouped"][2]
+    final, after = report.final(), report.ops_after()
+    assert final["mla_decode_regroup"] == 2 and final["mla_indexer_qk_rope_kv_cache"] == 0 and not report.errors
+    assert after["fusion_passes.mla_q_a_kv_norm_rope.default"] == 2 and after["fusion_passes.mla_q_indexer_kv_cache.default"] == 2
+    assert not {"fusion_passes.mla_q_kv_rope.default", "fusion_passes.mla_indexer_qk_rope_kv_cache.default"} & set(after)
+    # q_a's norm is now the kv branch's norm rows, not Inductor's kernel of the reference: the
+    # bits may differ, within bf16's tolerance of the defaults' step (outputs and every cache)
+    from fusion_passes.numerics import compare
+
+    for ours, theirs in zip(runs["regrouped"][0] + runs["regrouped"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
+        if ours.is_floating_point():
+            assert compare(ours, theirs).ok, compare(ours, theirs)
+        else:  # the write counters
+            assert torch.equal(ours, theirs)

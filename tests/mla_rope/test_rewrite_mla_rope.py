@@ -575,3 +575,55 @@ def test_the_indexer_launch_and_the_kv_write_merge_where_independent(dependent):
         assert (before["fusion_passes.mla_indexer_qk_rope.default"], after["fusion_passes.mla_indexer_qk_rope.default"]) == (1, 0)
         assert (before["fusion_passes.mla_kv_cache_write.default"], after["fusion_passes.mla_kv_cache_write.default"]) == (1, 0)
         assert after["fusion_passes.mla_indexer_qk_rope_kv_cache.default"] == 1
+
+
+def _pre_attention_launches(x, x_weight, w_qb, kv_a, kv_weight, cos, sin, q, k, weight, bias, icos, isin, idx_cache,
+                            kv, k_pe, k_cache, v_cache, cache_position, normed=True):  # fmt: skip
+    """A decode step's pre-attention ops as the fusions leave them at decode: q_a_layernorm (a
+    canonical rms_norm; ``normed`` False: q_b_proj reads q_a_proj's output unnormalised),
+    q_b_proj, mla_q_kv_rope, then the indexer and the KV write in one launch."""
+    q_a = torch.ops.fusion_passes.rms_norm(x, x_weight, 1e-6, 0.0, True) if normed else x
+    mq = (q_a.reshape(-1, q_a.shape[-1]) @ w_qb).view(1, 1, 3, -1)
+    query, kv_n, k_pe_roped = torch.ops.fusion_passes.mla_q_kv_rope(mq, kv_a, kv_weight, cos, sin, 1e-6)
+    k_nope, value = kv.split([k_cache.shape[-1] - k_pe.shape[-1], v_cache.shape[-1]], dim=-1)
+    out = torch.ops.fusion_passes.mla_indexer_qk_rope_kv_cache(
+        q, k, weight, bias, icos, isin, idx_cache, cache_position[0], k_nope, k_pe, value, k_cache, v_cache,
+        cache_position[0], 1e-6, False,
+    )  # fmt: skip
+    return query, kv_n, k_pe_roped, *out
+
+
+def _regroup_inputs():
+    g = torch.Generator().manual_seed(11)
+    x, x_weight, w_qb = torch.randn(1, 1, 24, generator=g), torch.randn(24, generator=g), torch.randn(24, 3 * 24, generator=g)
+    kv_a, kv_weight = torch.randn(1, 1, 16 + 8, generator=g), torch.randn(16, generator=g)
+    cos, sin = torch.randn(1, 1, 4, generator=g), torch.randn(1, 1, 4, generator=g)  # interleaved rope of 8
+    q, k = torch.randn(1, 1, 2, 32, generator=g), torch.randn(1, 1, 32, generator=g)
+    weight, bias = torch.randn(32, generator=g), torch.randn(32, generator=g)
+    icos, isin = torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g)
+    kv = torch.randn(1, 1, 3, 40, generator=g).transpose(1, 2)
+    k_pe = torch.randn(1, 1, 1, 8, generator=g)
+    caches = torch.randn(1, 9, 32, generator=g), torch.randn(1, 3, 9, 24, generator=g), torch.randn(1, 3, 9, 24, generator=g)
+    return (x, x_weight, w_qb, kv_a, kv_weight, cos, sin, q, k, weight, bias, icos, isin, caches[0], kv, k_pe,
+            caches[1], caches[2], torch.tensor([6]))  # fmt: skip
+
+
+@pytest.mark.parametrize("normed", [True, False])
+def test_the_pre_attention_launches_regroup_where_q_b_proj_reads_the_norm(normed):
+    args = _regroup_inputs()
+
+    def step(*a):
+        return _pre_attention_launches(*a, normed=normed)
+
+    expected = step(*[a.clone() for a in args])
+    out, report = compile_with(["mla_decode_regroup"], step, [a.clone() for a in args])
+    for o, e in zip(out, expected, strict=True):
+        torch.testing.assert_close(o, e, rtol=2e-6, atol=2e-6)  # fp32: q_a's norm in another order
+    before, after = report.ops_before(), report.ops_after()
+    if not normed:  # no q_a_layernorm to launch with the kv branch: left as it was
+        assert report.matches["mla_decode_regroup"] == 0 and before == after
+        return
+    assert report.final()["mla_decode_regroup"] == 1
+    assert (before["fusion_passes.mla_q_kv_rope.default"], after["fusion_passes.mla_q_kv_rope.default"]) == (1, 0)
+    assert after["fusion_passes.mla_q_a_kv_norm_rope.default"] == 1 and after["fusion_passes.mla_q_indexer_kv_cache.default"] == 1
+    assert after["fusion_passes.rms_norm.default"] == 0 and after["fusion_passes.mla_indexer_qk_rope_kv_cache.default"] == 0

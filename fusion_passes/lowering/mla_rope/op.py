@@ -50,6 +50,8 @@ from fusion_passes.lowering.mla_rope.reference import (
     mla_indexer_k_norm_rope_reference,
     mla_indexer_qk_rope_kv_cache_reference,
     mla_indexer_qk_rope_reference,
+    mla_q_a_kv_norm_rope_reference,
+    mla_q_indexer_kv_cache_reference,
     mla_kv_cache_write_reference,
     mla_kv_norm_rope_reference,
     mla_q_kv_rope_reference,
@@ -80,6 +82,10 @@ mla_kv_cache_write = op_from_reference("mla_kv_cache_write", mla_kv_cache_write_
 mla_indexer_qk_rope = op_from_reference("mla_indexer_qk_rope", mla_indexer_qk_rope_reference)
 #   mla_indexer_qk_rope_kv_cache   that op into the indexer's cache and mla_kv_cache_write in one launch
 mla_indexer_qk_rope_kv_cache = op_from_reference("mla_indexer_qk_rope_kv_cache", mla_indexer_qk_rope_kv_cache_reference)
+#   mla_q_a_kv_norm_rope      q_a_layernorm (a canonical rms_norm) and mla_kv_norm_rope in one launch
+#   mla_q_indexer_kv_cache    MLA's query RoPE and mla_indexer_qk_rope_kv_cache in one launch
+mla_q_a_kv_norm_rope = op_from_reference("mla_q_a_kv_norm_rope", mla_q_a_kv_norm_rope_reference)
+mla_q_indexer_kv_cache = op_from_reference("mla_q_indexer_kv_cache", mla_q_indexer_kv_cache_reference)
 
 
 # The CUDA kernels double as direct launchers (`wrap` given when Inductor inlines the launch).
@@ -142,6 +148,22 @@ def _mla_indexer_qk_rope_kv_cache_cuda(*args, wrap=None):
     return mla_indexer_qk_rope_kv_cache_triton(*args, wrap=wrap)
 
 
+@mla_q_a_kv_norm_rope.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_q_a_kv_norm_rope.default)
+def _mla_q_a_kv_norm_rope_cuda(*args, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_q_a_kv_norm_rope_triton
+
+    return mla_q_a_kv_norm_rope_triton(*args, wrap=wrap)
+
+
+@mla_q_indexer_kv_cache.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.mla_q_indexer_kv_cache.default, writes_inputs=(10, 15, 16))
+def _mla_q_indexer_kv_cache_cuda(*args, wrap=None):
+    from fusion_passes.lowering.mla_rope.triton import mla_q_indexer_kv_cache_triton
+
+    return mla_q_indexer_kv_cache_triton(*args, wrap=wrap)
+
+
 @mla_kv_cache_write.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.mla_kv_cache_write.default, writes_inputs=(3, 4))
 def _mla_kv_cache_write_cuda(*args, wrap=None):
@@ -201,3 +223,18 @@ def _mla_indexer_qk_rope_kv_cache_fake(q, k, weight, bias, cos, sin, cache, posi
                                        v_cache, kv_positions, eps, interleave=False):  # fmt: skip
     query, keys = _mla_indexer_qk_rope_fake(q, k, weight, bias, cos, sin, cache, positions, eps, interleave)
     return (query, keys, *_mla_kv_cache_write_fake(k_nope, k_pe, value, k_cache, v_cache, kv_positions))
+
+
+@mla_q_a_kv_norm_rope.register_fake
+def _mla_q_a_kv_norm_rope_fake(x, x_weight, x_eps, x_weight_offset, x_cast_before_weight, kv, weight, cos, sin, eps,
+                               weight_offset=0.0, cast_before_weight=True, interleave=True):  # fmt: skip
+    normed, k_pe = _mla_kv_norm_rope_fake(kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave)
+    return x.new_empty(x.shape), normed, k_pe
+
+
+@mla_q_indexer_kv_cache.register_fake
+def _mla_q_indexer_kv_cache_fake(mq, mq_cos, mq_sin, mq_interleave, q, k, weight, bias, cos, sin, cache, positions,
+                                 k_nope, k_pe, value, k_cache, v_cache, kv_positions, eps, interleave=False):  # fmt: skip
+    rest = _mla_indexer_qk_rope_kv_cache_fake(q, k, weight, bias, cos, sin, cache, positions, k_nope, k_pe, value,
+                                              k_cache, v_cache, kv_positions, eps, interleave)  # fmt: skip
+    return (_mla_q_rope_fake(mq, mq_cos, mq_sin, False, mq_interleave, True), *rest)

@@ -329,3 +329,56 @@ def mla_indexer_qk_rope_kv_cache_reference(
     mla_kv_cache_write at ``kv_positions`` (the KV cache counts its own slots)."""
     query, keys = mla_indexer_qk_rope_reference(q, k, weight, bias, cos, sin, cache, positions, eps, interleave)
     return (query, keys, *mla_kv_cache_write_reference(k_nope, k_pe, value, k_cache, v_cache, kv_positions))
+
+
+def mla_q_a_kv_norm_rope_reference(
+    x: torch.Tensor,
+    x_weight: torch.Tensor,
+    x_eps: float,
+    x_weight_offset: float,
+    x_cast_before_weight: bool,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = True,
+    interleave: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's two norms before its up-projections in one op: (rms_norm(x) as the canonical rms_norm
+    op computes it (q_a_layernorm of q_a_proj's output), *mla_kv_norm_rope(kv, ...))."""
+    normed = rms_norm_reference(x, x_weight, x_eps, x_weight_offset, x_cast_before_weight)
+    return (normed, *mla_kv_norm_rope_reference(kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave))
+
+
+def mla_q_indexer_kv_cache_reference(
+    mq: torch.Tensor,
+    mq_cos: torch.Tensor,
+    mq_sin: torch.Tensor,
+    mq_interleave: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_positions: torch.Tensor,
+    eps: float,
+    interleave: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's launch after MLA's and the indexer's up-projections in one op: (MLA's query
+    as mla_q_rope(mq, mq_cos, mq_sin) in MLA's form (rope last, heads first), *the
+    mla_indexer_qk_rope_kv_cache outputs)."""
+    mla_query = mla_q_rope_reference(mq, mq_cos, mq_sin, False, mq_interleave, True)
+    return (mla_query, *mla_indexer_qk_rope_kv_cache_reference(
+        q, k, weight, bias, cos, sin, cache, positions, k_nope, k_pe, value, k_cache, v_cache, kv_positions, eps,
+        interleave,
+    ))  # fmt: skip

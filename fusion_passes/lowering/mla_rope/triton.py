@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from fusion_passes.lowering.common.cache_slots import slots_mode
+from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
 from fusion_passes.lowering.mla_rope.reference import (
     check_indexer_k_args,
     check_indexer_k_cache_args,
@@ -810,3 +811,146 @@ def mla_indexer_qk_rope_kv_cache_triton(
         num_warps=4,
     )  # fmt: skip
     return query, out, k_out, v_out
+
+
+@triton.jit
+def _mla_q_a_kv_norm_rope_kernel(
+    kv_ptr, weight_ptr, cos_ptr, sin_ptr, normed_ptr, pe_ptr, M, R, stride_kv, stride_cos, stride_sin, eps,
+    weight_offset,
+    x_ptr, x_weight_ptr, x_normed_ptr, x_rows, x_width, stride_x, x_eps, x_weight_offset,
+    kv_programs,  # programs of the kv branch (the first ones); the rest normalise x (q_a)
+    HALF: tl.constexpr, INTERLEAVE: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr,
+    X_CAST_BEFORE_WEIGHT: tl.constexpr, X_BLOCK: tl.constexpr, X_ROWS: tl.constexpr,
+):  # fmt: skip
+    """mla_q_a_kv_norm_rope: MLA's kv branch (_mla_kv_norm_rope_kernel's programs) and the RMSNorm
+    of q_a_proj's output (q_a_layernorm) in one launch; the norm rows are the kv branch's norm
+    without a rope part (HALF 0: its loads and stores masked off)."""
+    program = tl.program_id(0)
+    if program < kv_programs:
+        _kv_norm_rope_rows(
+            program, kv_ptr, weight_ptr, cos_ptr, sin_ptr, normed_ptr, pe_ptr, M, R, stride_kv,
+            stride_cos, stride_sin, eps, weight_offset, HALF, INTERLEAVE, CAST_BEFORE_WEIGHT,
+            BLOCK_R, BLOCK_HALF, ROWS,
+        )  # fmt: skip
+    else:
+        _kv_norm_rope_rows(
+            program - kv_programs, x_ptr, x_weight_ptr, cos_ptr, sin_ptr, x_normed_ptr, x_normed_ptr, x_rows, x_width,
+            stride_x, 0, 0, x_eps, x_weight_offset, 0, INTERLEAVE, X_CAST_BEFORE_WEIGHT, X_BLOCK, 1, X_ROWS,
+        )  # fmt: skip
+
+
+def mla_q_a_kv_norm_rope_triton(
+    x, x_weight, x_eps, x_weight_offset, x_cast_before_weight, kv, weight, cos, sin, eps, weight_offset=0.0,
+    cast_before_weight=True, interleave=True, *, wrap: Callable | None = None,
+):  # fmt: skip
+    """(x normed, kv normed, k_pe) as mla_q_a_kv_norm_rope_reference, in one launch: the kv
+    programs of mla_kv_norm_rope_triton, then rows of x normalised as its latent is."""
+    check_rms_norm_args(x, x_weight, x_weight_offset, x_cast_before_weight)
+    (normed, k_pe), kv_args, kv_programs = _kv_plan(
+        kv, weight, cos, sin, eps, weight_offset, cast_before_weight, interleave, None
+    )
+    width = x.shape[-1]
+    x_rows = _rows(x, tuple(x.shape[:-1]))
+    x_normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = _rows_per_program(width)
+    args = {
+        **kv_args, "x_ptr": x_rows, "x_weight_ptr": x_weight.contiguous(), "x_normed_ptr": x_normed,
+        "x_rows": x_rows.shape[0], "x_width": width, "stride_x": x_rows.stride(0), "x_eps": x_eps,
+        "x_weight_offset": x_weight_offset, "kv_programs": kv_programs, "X_CAST_BEFORE_WEIGHT": x_cast_before_weight,
+        "X_BLOCK": triton.next_power_of_2(width), "X_ROWS": rows,
+    }  # fmt: skip
+    grid = (kv_programs + triton.cdiv(x_rows.shape[0], rows),)
+    (wrap or _identity)(_mla_q_a_kv_norm_rope_kernel)[grid](**args, num_warps=_WARPS)
+    return x_normed, normed, k_pe
+
+
+@triton.jit
+def _mla_q_indexer_kv_kernel(
+    q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S, T, stride_k,
+    stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps, k_programs, head_blocks, qk_programs,
+    k_nope_ptr, k_pe_ptr, v_ptr, k_cache_ptr, v_cache_ptr, kv_pos_ptr, kv_rows, KV_S, KV_T,
+    kn_stride_b, kn_stride_h, kn_stride_s, kp_stride_b, kp_stride_h, kp_stride_s, v_stride_b, v_stride_h, v_stride_s,
+    kc_stride_b, kc_stride_h, kc_stride_t, vc_stride_b, vc_stride_h, vc_stride_t,
+    kv_end,  # qk_programs + the KV write's programs; the rest rotate MLA's query
+    mq_ptr, mq_cos_ptr, mq_sin_ptr, mq_out_ptr, MQ_H, MQ_S, mq_stride_qt, mq_stride_qh, mq_stride_cos, mq_stride_sin,
+    mq_head_blocks,
+    D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, POSITIONS: tl.constexpr,
+    BLOCK_H: tl.constexpr, Q_BLOCK_PASS: tl.constexpr,
+    KV_H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, KV_ROWS: tl.constexpr, KV_SLOTS: tl.constexpr,
+    MQ_D: tl.constexpr, MQ_HALF: tl.constexpr, MQ_INTERLEAVE: tl.constexpr, MQ_BLOCK_H: tl.constexpr,
+    MQ_BLOCK_PASS: tl.constexpr, MQ_BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """mla_q_indexer_kv_cache: _mla_indexer_qk_rope_kv_kernel's programs, then MLA's query RoPE
+    (_mla_q_rope_kernel's programs: rope last, heads first), each program one program's work of
+    those kernels, so the outputs are theirs bit for bit."""
+    program = tl.program_id(0)
+    if program < k_programs:
+        _indexer_k_rows(
+            program, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
+            stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS,
+            BLOCK_HALF, ROWS, POSITIONS,
+        )  # fmt: skip
+    elif program < qk_programs:
+        q_program = program - k_programs
+        _q_rope_heads(
+            (q_program // head_blocks).to(tl.int64), q_program % head_blocks, q_ptr, cos_ptr, sin_ptr, q_out_ptr,
+            H, S, stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, True, INTERLEAVE, False, BLOCK_H,
+            Q_BLOCK_PASS, BLOCK_HALF,
+        )  # fmt: skip
+    elif program < kv_end:
+        _kv_write_rows(
+            program - qk_programs, k_nope_ptr, k_pe_ptr, v_ptr, k_cache_ptr, v_cache_ptr, kv_pos_ptr, kv_rows,
+            KV_S, KV_T, kn_stride_b, kn_stride_h, kn_stride_s, kp_stride_b, kp_stride_h, kp_stride_s, v_stride_b,
+            v_stride_h, v_stride_s, kc_stride_b, kc_stride_h, kc_stride_t, vc_stride_b, vc_stride_h, vc_stride_t,
+            KV_H, NOPE, R, V, BLOCK_NOPE, BLOCK_R, BLOCK_V, KV_ROWS, KV_SLOTS,
+        )  # fmt: skip
+    else:
+        q_program = program - kv_end
+        _q_rope_heads(
+            (q_program // mq_head_blocks).to(tl.int64), q_program % mq_head_blocks, mq_ptr, mq_cos_ptr, mq_sin_ptr,
+            mq_out_ptr, MQ_H, MQ_S, mq_stride_qt, mq_stride_qh, mq_stride_cos, mq_stride_sin, MQ_D, MQ_HALF, False,
+            MQ_INTERLEAVE, True, MQ_BLOCK_H, MQ_BLOCK_PASS, MQ_BLOCK_HALF,
+        )  # fmt: skip
+
+
+def mla_q_indexer_kv_cache_triton(
+    mq, mq_cos, mq_sin, mq_interleave, q, k, weight, bias, cos, sin, cache, positions, k_nope, k_pe, value, k_cache,
+    v_cache, kv_positions, eps, interleave=False, *, wrap: Callable | None = None,
+):  # fmt: skip
+    """(MLA's query, the indexer's query, its cache, k_cache, v_cache) as
+    mla_q_indexer_kv_cache_reference, in one launch: mla_indexer_qk_rope_kv_cache_triton's
+    programs, then mla_q_rope_triton's for MLA's query (rope last, heads first), each with its
+    launch shape (4 warps)."""
+    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
+    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
+    b, s, d = k.shape
+    k_rows = _rows(k, (b, s))
+    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
+    cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
+    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
+        k, cache, positions, wrap, "mla_q_indexer_kv_cache"
+    )
+    form = _indexer_k_form(d, p, interleave)
+    k_programs = triton.cdiv(b * s, form["ROWS"])
+    qk_programs = k_programs + tokens * head_blocks
+    kv_args, kv_form, kv_programs, (k_out, v_out) = _kv_write_plan(
+        k_nope, k_pe, value, k_cache, v_cache, kv_positions, wrap, "mla_q_indexer_kv_cache"
+    )
+    kv_form = {("KV_" + name if name in ("H", "ROWS", "SLOTS") else name): v for name, v in kv_form.items()}
+    mla_query, mq_args, (mq_tokens, mq_head_blocks) = _q_plan(mq, mq_cos, mq_sin, False, mq_interleave, True, None)
+    kv_end = qk_programs + kv_programs
+    (wrap or _identity)(_mla_q_indexer_kv_kernel)[(kv_end + mq_tokens * mq_head_blocks,)](
+        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, positions,
+        b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
+        cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks, qk_programs,
+        *kv_args, kv_end, mq_args["q_ptr"], mq_args["cos_ptr"], mq_args["sin_ptr"], mla_query, mq_args["H"],
+        mq_args["S"], mq_args["stride_qt"], mq_args["stride_qh"], mq_args["stride_cos"], mq_args["stride_sin"],
+        mq_head_blocks, POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form,
+        **kv_form, MQ_D=mq_args["D"], MQ_HALF=mq_args["HALF"], MQ_INTERLEAVE=mq_interleave,
+        MQ_BLOCK_H=mq_args["BLOCK_H"], MQ_BLOCK_PASS=mq_args["BLOCK_PASS"], MQ_BLOCK_HALF=mq_args["BLOCK_HALF"],
+        num_warps=4,
+    )  # fmt: skip
+    return mla_query, query, out, k_out, v_out
