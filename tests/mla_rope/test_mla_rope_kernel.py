@@ -319,6 +319,18 @@ def test_indexer_q_and_k_in_one_launch_are_the_two_kernels(dtype, interleave, ca
     torch.testing.assert_close(keys, ref[1], rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
 
 
+def _indexer_and_kv_inputs(dtype, case, kv_case):
+    """The indexer's inputs (into its cache) of INDEXER_QK_CASES' case and the KV write's of
+    KV_WRITE_CASES' kv_case (the indexer's batch), positions on the device."""
+    b, s, h, d, p, slots, positions = case
+    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, slots, dtype, False, seed=h + d)
+    q = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(s)).to(DEVICE, dtype).view(b, s, h, d)
+    _, kh, ks, nope, r, v, t, kv_positions, shared = kv_case
+    kv = _kv_write_inputs(b, kh, ks, nope, r, v, t, dtype, seed=nope + ks, shared_pe=shared)
+    return (q, k, weight, bias, cos, sin, cache, torch.tensor(positions, device=DEVICE), kv,
+            torch.tensor(kv_positions, device=DEVICE))  # fmt: skip
+
+
 @pytest.mark.parametrize("kv_case", [KV_WRITE_CASES[0], KV_WRITE_CASES[2]], ids=["decode", "slot_per_token"])
 @pytest.mark.parametrize("case", [c for c in INDEXER_QK_CASES if c[5] is not None], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -329,13 +341,7 @@ def test_indexer_and_kv_cache_writes_in_one_launch_are_the_kernels(dtype, case, 
     from fusion_passes.lowering.mla_rope.reference import mla_indexer_qk_rope_kv_cache_reference
     from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_kv_cache_triton
 
-    b, s, h, d, p, slots, positions = case
-    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, slots, dtype, False, seed=h + d)
-    q = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(s)).to(DEVICE, dtype).view(b, s, h, d)
-    positions = torch.tensor(positions, device=DEVICE)
-    kb, kh, ks, nope, r, v, t, kv_positions, shared = kv_case
-    kv = _kv_write_inputs(b, kh, ks, nope, r, v, t, dtype, seed=nope + ks, shared_pe=shared)
-    kv_positions = torch.tensor(kv_positions, device=DEVICE)
+    q, k, weight, bias, cos, sin, cache, positions, kv, kv_positions = _indexer_and_kv_inputs(dtype, case, kv_case)
     args = (q, k, weight, bias, cos, sin, cache, positions, *kv, kv_positions, 1e-6)
     query, keys, k_out, v_out = mla_indexer_qk_rope_kv_cache_triton(*args)
     two = mla_indexer_qk_rope_triton(q, k, weight, bias, cos, sin, cache, positions, 1e-6)
@@ -498,13 +504,10 @@ def test_mla_query_indexer_and_kv_cache_writes_in_one_launch_are_the_kernels(dty
     and the KV write: every output bit-equal to the separate kernels', in place when inlined."""
     from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_kv_cache_triton, mla_q_indexer_kv_cache_triton
 
-    b, s, h, d, p, slots, positions = INDEXER_QK_CASES[1]
-    k, weight, bias, cos, sin, cache = _indexer_k_inputs(b, s, d, p, slots, dtype, False, seed=h + d)
-    q = torch.randn(b, s, h * d, generator=torch.Generator().manual_seed(s)).to(DEVICE, dtype).view(b, s, h, d)
-    positions = torch.tensor(positions, device=DEVICE)
-    kb, kh, ks, nope, r, v, t, kv_positions, shared = kv_case
-    kv = _kv_write_inputs(b, kh, ks, nope, r, v, t, dtype, seed=nope + ks, shared_pe=shared)
-    kv_positions = torch.tensor(kv_positions, device=DEVICE)
+    q, k, weight, bias, cos, sin, cache, positions, kv, kv_positions = _indexer_and_kv_inputs(
+        dtype, INDEXER_QK_CASES[1], kv_case
+    )
+    b, s = k.shape[:2]
     g = torch.Generator().manual_seed(7)
     mq = torch.randn(b, s, 5, 48 + 32, generator=g).to(DEVICE, dtype)
     mcos, msin = _cos_sin((b, s), 16, dtype, g)  # MLA's interleaved rope of 32

@@ -315,7 +315,22 @@ def _mla_indexer_qk_rope_kernel(
     and query (RoPE first, [B, S, H, D]) in one launch, sharing cos and sin; each program does the
     work of one program of _mla_indexer_k_norm_rope_kernel or of _mla_q_rope_kernel, so the
     outputs are theirs bit for bit."""
-    program = tl.program_id(0)
+    _indexer_qk_program(
+        tl.program_id(0), q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S,
+        T, stride_k, stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps, k_programs, head_blocks,
+        D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS, BLOCK_HALF, ROWS, POSITIONS, BLOCK_H, Q_BLOCK_PASS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _indexer_qk_program(
+    program, q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S, T, stride_k,
+    stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps, k_programs, head_blocks,
+    D: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, POSITIONS: tl.constexpr,
+    BLOCK_H: tl.constexpr, Q_BLOCK_PASS: tl.constexpr,
+):  # fmt: skip
+    """One program of the indexer's launch: key rows (the first k_programs), else query heads."""
     if program < k_programs:
         _indexer_k_rows(
             program, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
@@ -709,32 +724,40 @@ def mla_kv_cache_write_triton(k_nope, k_pe, value, k_cache, v_cache, positions, 
     return outs
 
 
-def mla_indexer_qk_rope_triton(
-    q, k, weight, bias, cos, sin, cache, positions, eps, interleave=False, *, wrap: Callable | None = None
-):
-    """(q_out, k_out or the cache) as mla_indexer_qk_rope_reference, in one launch: the key
-    programs of mla_indexer_k_norm_rope(_cache)_triton, then the q programs of mla_q_rope_triton
-    (the indexer's form: rope first, [B, S, H, D]), each with its launch shape; one warp count
-    for both (4, the key kernel's: the two were timed apart only). The cache, given, is written in
-    place when ``wrap`` is given, else into a copy."""
+def _indexer_qk_plan(q, k, weight, bias, cos, sin, cache, positions, eps, interleave, wrap, op: str):
+    """(positional arguments of _mla_indexer_qk_rope_kernel, its constexprs, its program count,
+    (query, key or cache)): the key programs of mla_indexer_k_norm_rope(_cache)_triton, then the q
+    programs of mla_q_rope_triton (the indexer's form: rope first, [B, S, H, D]), each with its
+    launch shape. The merged launches below start with these arguments and programs."""
     check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
     p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
     b, s, d = k.shape
     k_rows = _rows(k, (b, s))
     query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
     cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
-    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
-        k, cache, positions, wrap, "mla_indexer_qk_rope"
-    )
+    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(k, cache, positions, wrap, op)
     form = _indexer_k_form(d, p, interleave)
     k_programs = triton.cdiv(b * s, form["ROWS"])
-    (wrap or _identity)(_mla_indexer_qk_rope_kernel)[(k_programs + tokens * head_blocks,)](
+    args = [
         q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, positions,
         b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
         cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks,
-        POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form, num_warps=4,
-    )  # fmt: skip
-    return query, out
+    ]  # fmt: skip
+    constexprs = {"POSITIONS": mode, "BLOCK_H": q_args["BLOCK_H"], "Q_BLOCK_PASS": q_args["BLOCK_PASS"], **form}
+    return args, constexprs, k_programs + tokens * head_blocks, (query, out)
+
+
+def mla_indexer_qk_rope_triton(
+    q, k, weight, bias, cos, sin, cache, positions, eps, interleave=False, *, wrap: Callable | None = None
+):
+    """(q_out, k_out or the cache) as mla_indexer_qk_rope_reference, in one launch (_indexer_qk_plan);
+    one warp count for both branches (4, the key kernel's: the two were timed apart only). The
+    cache, given, is written in place when ``wrap`` is given, else into a copy."""
+    args, constexprs, programs, outs = _indexer_qk_plan(
+        q, k, weight, bias, cos, sin, cache, positions, eps, interleave, wrap, "mla_indexer_qk_rope"
+    )
+    (wrap or _identity)(_mla_indexer_qk_rope_kernel)[(programs,)](*args, **constexprs, num_warps=4)
+    return outs
 
 
 @triton.jit
@@ -757,18 +780,11 @@ def _mla_indexer_qk_rope_kv_kernel(
     its cache, its query), then _mla_kv_cache_write_kernel's (MLA's key and value into the KV
     cache), each program doing one program's work of those kernels: their outputs bit for bit."""
     program = tl.program_id(0)
-    if program < k_programs:
-        _indexer_k_rows(
-            program, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
-            stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS,
-            BLOCK_HALF, ROWS, POSITIONS,
-        )  # fmt: skip
-    elif program < qk_programs:
-        q_program = program - k_programs
-        _q_rope_heads(
-            (q_program // head_blocks).to(tl.int64), q_program % head_blocks, q_ptr, cos_ptr, sin_ptr, q_out_ptr,
-            H, S, stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, True, INTERLEAVE, False, BLOCK_H,
-            Q_BLOCK_PASS, BLOCK_HALF,
+    if program < qk_programs:
+        _indexer_qk_program(
+            program, q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S, T,
+            stride_k, stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps, k_programs,
+            head_blocks, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS, BLOCK_HALF, ROWS, POSITIONS, BLOCK_H, Q_BLOCK_PASS,
         )  # fmt: skip
     else:
         _kv_write_rows(
@@ -787,30 +803,20 @@ def mla_indexer_qk_rope_kv_cache_triton(
     mla_indexer_qk_rope_triton's programs (into the indexer cache), then mla_kv_cache_write_triton's,
     each with its launch shape (4 warps, both kernels'). The caches are written in place when
     ``wrap`` is given, else into copies."""
-    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
-    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
-    b, s, d = k.shape
-    k_rows = _rows(k, (b, s))
-    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
-    cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
-    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
-        k, cache, positions, wrap, "mla_indexer_qk_rope_kv_cache"
+    op = "mla_indexer_qk_rope_kv_cache"
+    args, constexprs, qk_programs, outs = _indexer_qk_plan(
+        q, k, weight, bias, cos, sin, cache, positions, eps, interleave, wrap, op
     )
-    form = _indexer_k_form(d, p, interleave)
-    k_programs = triton.cdiv(b * s, form["ROWS"])
-    qk_programs = k_programs + tokens * head_blocks
-    kv_args, kv_form, kv_programs, (k_out, v_out) = _kv_write_plan(
-        k_nope, k_pe, value, k_cache, v_cache, kv_positions, wrap, "mla_indexer_qk_rope_kv_cache"
-    )
-    kv_form = {("KV_" + name if name in ("H", "ROWS", "SLOTS") else name): v for name, v in kv_form.items()}
+    kv_args, kv_form, kv_programs, kv_outs = _kv_write_plan(k_nope, k_pe, value, k_cache, v_cache, kv_positions, wrap, op)
     (wrap or _identity)(_mla_indexer_qk_rope_kv_kernel)[(qk_programs + kv_programs,)](
-        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, positions,
-        b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
-        cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks, qk_programs,
-        *kv_args, POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form, **kv_form,
-        num_warps=4,
-    )  # fmt: skip
-    return query, out, k_out, v_out
+        *args, qk_programs, *kv_args, **constexprs, **_merged_kv_form(kv_form), num_warps=4
+    )
+    return (*outs, *kv_outs)
+
+
+def _merged_kv_form(kv_form: dict) -> dict:
+    """_kv_write_plan's constexprs as the merged kernels name them (the indexer's H, ROWS: KV_*)."""
+    return {("KV_" + name if name in ("H", "ROWS", "SLOTS") else name): v for name, v in kv_form.items()}
 
 
 @triton.jit
@@ -887,18 +893,11 @@ def _mla_q_indexer_kv_kernel(
     (_mla_q_rope_kernel's programs: rope last, heads first), each program one program's work of
     those kernels, so the outputs are theirs bit for bit."""
     program = tl.program_id(0)
-    if program < k_programs:
-        _indexer_k_rows(
-            program, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, M, S, T, stride_k,
-            stride_cos, stride_sin, stride_ob, stride_os, eps, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS,
-            BLOCK_HALF, ROWS, POSITIONS,
-        )  # fmt: skip
-    elif program < qk_programs:
-        q_program = program - k_programs
-        _q_rope_heads(
-            (q_program // head_blocks).to(tl.int64), q_program % head_blocks, q_ptr, cos_ptr, sin_ptr, q_out_ptr,
-            H, S, stride_qt, stride_qh, stride_cos, stride_sin, D, HALF, True, INTERLEAVE, False, BLOCK_H,
-            Q_BLOCK_PASS, BLOCK_HALF,
+    if program < qk_programs:
+        _indexer_qk_program(
+            program, q_ptr, k_ptr, weight_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, out_ptr, pos_ptr, M, H, S, T,
+            stride_k, stride_qt, stride_qh, stride_cos, stride_sin, stride_ob, stride_os, eps, k_programs,
+            head_blocks, D, HALF, INTERLEAVE, BLOCK_D, BLOCK_PASS, BLOCK_HALF, ROWS, POSITIONS, BLOCK_H, Q_BLOCK_PASS,
         )  # fmt: skip
     elif program < kv_end:
         _kv_write_rows(
@@ -924,33 +923,18 @@ def mla_q_indexer_kv_cache_triton(
     mla_q_indexer_kv_cache_reference, in one launch: mla_indexer_qk_rope_kv_cache_triton's
     programs, then mla_q_rope_triton's for MLA's query (rope last, heads first), each with its
     launch shape (4 warps)."""
-    check_mla_indexer_qk_args(q, k, weight, bias, cos, sin, cache, positions, interleave)
-    p = check_indexer_k_args(k, weight, bias, cos, sin, interleave)
-    b, s, d = k.shape
-    k_rows = _rows(k, (b, s))
-    query, q_args, (tokens, head_blocks) = _q_plan(q, cos, sin, True, interleave, False, None)
-    cos_rows, sin_rows = q_args["cos_ptr"], q_args["sin_ptr"]
-    out, positions, mode, (s_rows, t, stride_ob, stride_os) = _indexer_k_target(
-        k, cache, positions, wrap, "mla_q_indexer_kv_cache"
+    op = "mla_q_indexer_kv_cache"
+    args, constexprs, qk_programs, outs = _indexer_qk_plan(
+        q, k, weight, bias, cos, sin, cache, positions, eps, interleave, wrap, op
     )
-    form = _indexer_k_form(d, p, interleave)
-    k_programs = triton.cdiv(b * s, form["ROWS"])
-    qk_programs = k_programs + tokens * head_blocks
-    kv_args, kv_form, kv_programs, (k_out, v_out) = _kv_write_plan(
-        k_nope, k_pe, value, k_cache, v_cache, kv_positions, wrap, "mla_q_indexer_kv_cache"
-    )
-    kv_form = {("KV_" + name if name in ("H", "ROWS", "SLOTS") else name): v for name, v in kv_form.items()}
+    kv_args, kv_form, kv_programs, kv_outs = _kv_write_plan(k_nope, k_pe, value, k_cache, v_cache, kv_positions, wrap, op)
     mla_query, mq_args, (mq_tokens, mq_head_blocks) = _q_plan(mq, mq_cos, mq_sin, False, mq_interleave, True, None)
     kv_end = qk_programs + kv_programs
+    mq_values = [mq_args[name] for name in ("q_ptr", "cos_ptr", "sin_ptr", "out_ptr", "H", "S", "stride_qt",
+                                             "stride_qh", "stride_cos", "stride_sin")]  # fmt: skip
+    mq_form = {f"MQ_{name}": mq_args[name] for name in ("D", "HALF", "BLOCK_H", "BLOCK_PASS", "BLOCK_HALF")}
     (wrap or _identity)(_mla_q_indexer_kv_kernel)[(kv_end + mq_tokens * mq_head_blocks,)](
-        q_args["q_ptr"], k_rows, weight.contiguous(), bias.contiguous(), cos_rows, sin_rows, query, out, positions,
-        b * s, q_args["H"], s_rows, t, k_rows.stride(0), q_args["stride_qt"], q_args["stride_qh"],
-        cos_rows.stride(0), sin_rows.stride(0), stride_ob, stride_os, eps, k_programs, head_blocks, qk_programs,
-        *kv_args, kv_end, mq_args["q_ptr"], mq_args["cos_ptr"], mq_args["sin_ptr"], mla_query, mq_args["H"],
-        mq_args["S"], mq_args["stride_qt"], mq_args["stride_qh"], mq_args["stride_cos"], mq_args["stride_sin"],
-        mq_head_blocks, POSITIONS=mode, BLOCK_H=q_args["BLOCK_H"], Q_BLOCK_PASS=q_args["BLOCK_PASS"], **form,
-        **kv_form, MQ_D=mq_args["D"], MQ_HALF=mq_args["HALF"], MQ_INTERLEAVE=mq_interleave,
-        MQ_BLOCK_H=mq_args["BLOCK_H"], MQ_BLOCK_PASS=mq_args["BLOCK_PASS"], MQ_BLOCK_HALF=mq_args["BLOCK_HALF"],
-        num_warps=4,
+        *args, qk_programs, *kv_args, kv_end, *mq_values, mq_head_blocks, **constexprs, **_merged_kv_form(kv_form),
+        **mq_form, MQ_INTERLEAVE=mq_interleave, num_warps=4,
     )  # fmt: skip
-    return mla_query, query, out, k_out, v_out
+    return (mla_query, *outs, *kv_outs)
