@@ -162,7 +162,9 @@ class Fusion:
     shared_nodes: tuple[Any, ...] = ()
     # Where no pattern can state a site (several sites merged into one op: every layer's cache
     # write counter): a rewrite of the graph, run in the fusion's turn in place of its patterns
-    # (spellings and example_inputs then empty), returning the sites it changed.
+    # (spellings and example_inputs then empty), returning the sites it changed. verify=True does
+    # not re-run these sites: a rewrite only regroups canonical ops into ops whose references are
+    # the same calls (tested bit for bit against the ops they merge).
     rewrite: Callable[[torch.fx.Graph], list[Rewritten]] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
