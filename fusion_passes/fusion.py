@@ -164,7 +164,7 @@ class Fusion:
     # write counter): a rewrite of the graph, run in the fusion's turn in place of its patterns
     # (spellings and example_inputs then empty), returning the sites it changed. verify=True does
     # not re-run these sites: a rewrite only regroups canonical ops into ops whose references are
-    # the same calls (tested bit for bit against the ops they merge).
+    # the same calls (their kernels tested against those of the ops they merge).
     rewrite: Callable[[torch.fx.Graph], list[Rewritten]] | None = None
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
