@@ -27,7 +27,7 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from fusion_passes.lowering.common.ops import LOWER_BACK
+from fusion_passes.lowering.common.ops import LOWER_BACK, schema_values
 from fusion_passes.report import op_name
 
 
@@ -48,15 +48,11 @@ def lower_back(graph: torch.fx.Graph) -> Counter:
 
 def _register(target, patterns: PatternMatcherPass, lowered: Counter) -> None:
     reference = LOWER_BACK[target]
-    schema = target._schema
 
     @register_graph_pattern(CallFunctionVarArgs(target), pass_dict=patterns)
     def _(match: Match, *args, **kwargs) -> None:
         # Bind by the schema so defaults a call left out reach the reference as the op saw them.
-        values = list(args) + [
-            kwargs[a.name] if a.name in kwargs else a.default_value
-            for a in schema.arguments[len(args) :]
-        ]
+        values = schema_values(target, args, kwargs)
         tensors = [i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)]
 
         def replacement(*nodes):

@@ -21,3 +21,15 @@ def op_changes(report):
     """The op counts a rewrite changed: op -> (before, after)."""
     before, after = report.ops_before(), report.ops_after()
     return {op: (before[op], after[op]) for op in set(before) | set(after) if before[op] != after[op]}
+
+
+def decode_steps(step, fusions, steps: int = 2):
+    """A DecodeStep compiled with ``fusions`` and run ``steps`` steps from its prefill: (each
+    step's output, then every cache tensor and write counter after them; the report)."""
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
+    with torch.no_grad():
+        step.restore()
+        outs = [compiled(*step.inputs(i)).clone() for i in range(steps)]
+    return outs + [t.clone() for t in step.cache_tensors()] + [t.clone() for t in step._lengths], report

@@ -59,6 +59,7 @@ from fusion_passes.fusion import (
     Rewritten,
     Spelling,
 )
+from fusion_passes.lowering.common.ops import schema_values
 from fusion_passes.regions import nodes_region
 from fusion_passes.report import module_path, source_location
 
@@ -719,11 +720,7 @@ _VIEWS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops
 
 
 def _full_args(node: torch.fx.Node) -> list[Any]:
-    """The node's arguments in schema order, defaults filled in."""
-    out = []
-    for i, arg in enumerate(node.target._schema.arguments):
-        out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value))
-    return out
+    return schema_values(node.target, node.args, node.kwargs)
 
 
 def _under_views(node):

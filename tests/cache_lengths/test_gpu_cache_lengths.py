@@ -34,6 +34,9 @@ def test_counters_written_in_place_by_one_kernel(n):
             out = step(k, v)
         torch.testing.assert_close(out, layers["eager"](k, v))
     assert not report.errors and report.final()["cache_lengths"] == 1
+    before, after = report.ops_before(), report.ops_after()
+    assert after["fusion_passes.advance_lengths.default"] == 1
+    assert before["aten.add.Tensor"] - after["aten.add.Tensor"] == n  # each counter's add
     for a, b in zip(layers["compiled"].state(), layers["eager"].state(), strict=True):
         assert torch.equal(a, b)
     call = code.split("def call(")[-1]

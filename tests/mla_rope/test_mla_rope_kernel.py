@@ -502,6 +502,7 @@ def test_q_a_norm_and_kv_branch_in_one_launch(dtype, interleave, x_width):
 def test_mla_query_indexer_and_kv_cache_writes_in_one_launch_are_the_kernels(dtype, kv_case):
     """mla_q_indexer_kv_cache: MLA's query RoPE (rope last, heads first) with the indexer's launch
     and the KV write: every output bit-equal to the separate kernels', in place when inlined."""
+    from fusion_passes.lowering.mla_rope.reference import mla_q_indexer_kv_cache_reference
     from fusion_passes.lowering.mla_rope.triton import mla_indexer_qk_rope_kv_cache_triton, mla_q_indexer_kv_cache_triton
 
     q, k, weight, bias, cos, sin, cache, positions, kv, kv_positions = _indexer_and_kv_inputs(
@@ -515,6 +516,10 @@ def test_mla_query_indexer_and_kv_cache_writes_in_one_launch_are_the_kernels(dty
     out = mla_q_indexer_kv_cache_triton(mq, mcos, msin, True, *indexer)
     separate = (mla_q_rope_triton(mq, mcos, msin, False, True, True), *mla_indexer_qk_rope_kv_cache_triton(*indexer))
     assert all(torch.equal(a, e) for a, e in zip(out, separate, strict=True))
+    ref = mla_q_indexer_kv_cache_reference(mq, mcos, msin, True, *indexer)
+    # RoPE and the cache copies alone: bit-exact; the indexer key's LayerNorm within its bounds
+    assert all(torch.equal(out[i], ref[i]) for i in (0, 1, 3, 4))
+    torch.testing.assert_close(out[2], ref[2], rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
     inputs = [t.clone() for t in (cache, kv[3], kv[4])]
     placed = mla_q_indexer_kv_cache_triton(mq, mcos, msin, True, q, k, weight, bias, cos, sin, inputs[0], positions,
                                            *kv[:3], inputs[1], inputs[2], kv_positions, 1e-6, wrap=lambda f: f)  # fmt: skip

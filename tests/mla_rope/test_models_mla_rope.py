@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _compiled_models import compiled_model
+from _rewrites import decode_steps
 
 from fusion_passes.numerics import compare, tolerance
 
@@ -83,7 +84,7 @@ def test_q_and_kv_branches_merge_into_one_launch_per_layer():
     assert torch.equal(merged.fused, two_launches.fused)
 
 
-@pytest.mark.slow  # two whole-model compiles
+@pytest.mark.slow  # four whole-model compiles
 def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     """A real decode step on transformers' StaticCache with the cache-write fusions: each layer's
     indexer key goes into the indexer cache (mla_indexer_k_norm_rope_cache) in the launch of the
@@ -92,25 +93,17 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     mask is computed in their kernel; every step's output and every cache tensor equal the default
     fusions' bit for bit. Merged further (mla_indexer_qk_rope_kv_cache: the indexer's launch and
     the KV cache write in one; cache_lengths: the four counters in one kernel), the same bits."""
-    import fusion_passes
     from fusion_passes.models import build_model
     from fusion_passes.models.decode import DecodeStep
 
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
-    runs = {}
     opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache", "sparse_index_scores_causal"]
     merged = ["all", *opt_in, "mla_indexer_qk_rope_kv_cache", "cache_lengths"]
-    for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in]), ("merged", merged),
-                          ("regrouped", [*merged, "mla_decode_regroup"])):  # fmt: skip
-        report = fusion_passes.Report()
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
-        with torch.no_grad():
-            step.restore()
-            outs = [compiled(*step.inputs(i)).clone() for i in range(2)]
-        runs[name] = (outs, [t.clone() for t in step.cache_tensors()] + [t.clone() for t in step._lengths], report)
-    report = runs["cache"][2]
+    runs = {name: decode_steps(step, fusions)
+            for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in]), ("merged", merged),
+                                  ("regrouped", [*merged, "mla_decode_regroup"]))}  # fmt: skip
+    report = runs["cache"][1]
     # the key's cache fold is merged on with the indexer's query: its op is gone from the final graph
     final = report.final()
     assert (final["mla_indexer_qk_rope_cache"], final["mla_kv_cache_write"], report.matches["mla_indexer_k_norm_rope_cache"]) == (2, 2, 2)
@@ -121,31 +114,29 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
     assert not {"fusion_passes.mla_indexer_k_norm_rope.default", "fusion_passes.mla_indexer_k_norm_rope_cache.default",
                 "fusion_passes.mla_q_rope.default"} & set(after)  # fmt: skip
     # per layer the defaults keep three cache writes (key, value, indexer key); none is left
-    assert runs["defaults"][2].ops_after()["aten.index_put.default"] == 6 and "aten.index_put.default" not in after
-    assert report.ops_before()["aten.index_put.default"] == runs["defaults"][2].ops_before()["aten.index_put.default"]
-    for ours, theirs in zip(runs["cache"][0] + runs["cache"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
+    assert runs["defaults"][1].ops_after()["aten.index_put.default"] == 6 and "aten.index_put.default" not in after
+    assert report.ops_before()["aten.index_put.default"] == runs["defaults"][1].ops_before()["aten.index_put.default"]
+    for ours, theirs in zip(runs["cache"][0], runs["defaults"][0], strict=True):
         assert torch.equal(ours, theirs)
-    report = runs["merged"][2]
+    report = runs["merged"][1]
     final, after = report.final(), report.ops_after()
     assert (final["mla_indexer_qk_rope_kv_cache"], final["cache_lengths"]) == (2, 1) and not report.errors
     assert (final["mla_indexer_qk_rope_cache"], final["mla_kv_cache_write"]) == (0, 0)  # taken by the merge
     assert after["fusion_passes.mla_indexer_qk_rope_kv_cache.default"] == 2
     assert not {"fusion_passes.mla_indexer_qk_rope.default", "fusion_passes.mla_kv_cache_write.default"} & set(after)
     assert after["fusion_passes.advance_lengths.default"] == 1
-    for ours, theirs in zip(runs["merged"][0] + runs["merged"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
+    for ours, theirs in zip(runs["merged"][0], runs["defaults"][0], strict=True):
         assert torch.equal(ours, theirs)
     # regrouped: q_a_layernorm with the kv branch before the up-projections, MLA's query with the
     # indexer and the KV write after them: two launches where there were three
-    report = runs["regrouped"][2]
+    report = runs["regrouped"][1]
     final, after = report.final(), report.ops_after()
     assert final["mla_decode_regroup"] == 2 and final["mla_indexer_qk_rope_kv_cache"] == 0 and not report.errors
     assert after["fusion_passes.mla_q_a_kv_norm_rope.default"] == 2 and after["fusion_passes.mla_q_indexer_kv_cache.default"] == 2
     assert not {"fusion_passes.mla_q_kv_rope.default", "fusion_passes.mla_indexer_qk_rope_kv_cache.default"} & set(after)
     # q_a's norm is now the kv branch's norm rows, not Inductor's kernel of the reference: the
     # bits may differ, within bf16's tolerance of the defaults' step (outputs and every cache)
-    from fusion_passes.numerics import compare
-
-    for ours, theirs in zip(runs["regrouped"][0] + runs["regrouped"][1], runs["defaults"][0] + runs["defaults"][1], strict=True):
+    for ours, theirs in zip(runs["regrouped"][0], runs["defaults"][0], strict=True):
         if ours.is_floating_point():
             assert compare(ours, theirs).ok, compare(ours, theirs)
         else:  # the write counters

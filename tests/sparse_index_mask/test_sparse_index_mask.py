@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fusion_passes
-from _rewrites import compile_with
+from _rewrites import compile_with, decode_steps
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import compare, tolerance
@@ -299,19 +299,9 @@ def test_deepseek_v32_decode_causal_attention_mask_from_the_position():
     equal the step with the mask read, bit for bit, over 2 steps."""
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
-    runs = {}
-    for name, extra in (("read", ["sparse_attention_mask"]),
-                        ("folded", ["sparse_attention_mask_causal", "sparse_index_scores_causal"])):  # fmt: skip
-        report = fusion_passes.Report()
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend=fusion_passes.backend(["all", *extra], report=report), fullgraph=True)
-        with torch.no_grad():
-            step.restore()
-            outs = [compiled(*step.inputs(i)).clone() for i in range(2)]
-            runs[name] = (outs, [c.clone() for c in step.cache_tensors()], report)
-    report = runs["folded"][2]
+    read, _ = decode_steps(step, ["all", "sparse_attention_mask"])
+    folded, report = decode_steps(step, ["all", "sparse_attention_mask_causal", "sparse_index_scores_causal"])
     assert report.final()["sparse_attention_mask_causal"] == 2 and report.final()["sparse_index_scores_causal"] == 2
     before, after = report.ops_before(), report.ops_after()
     assert before["aten.le.Tensor"] >= 1 and after["aten.le.Tensor"] == 0
-    for a, b in zip(runs["folded"][0] + runs["folded"][1], runs["read"][0] + runs["read"][1], strict=True):
-        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(folded, read, strict=True))

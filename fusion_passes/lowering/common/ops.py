@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,3 +56,11 @@ def op_from_reference(
     if lower_back:
         LOWER_BACK[getattr(torch.ops.fusion_passes, name).default] = reference
     return custom
+
+
+def schema_values(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """An op call's arguments in its schema's order, the defaults a call left out filled in (as the
+    op sees them)."""
+    return list(args) + [
+        kwargs[a.name] if a.name in kwargs else a.default_value for a in target._schema.arguments[len(args) :]
+    ]
