@@ -654,6 +654,11 @@ def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def _full_args(node: torch.fx.Node) -> list[Any]:
+    """The node's op arguments in schema order, defaults filled in."""
+    return schema_values(node.target, node.args, node.kwargs)
+
+
 def merge_indexer_and_kv_writes(graph: torch.fx.Graph) -> list[Rewritten]:
     """Each layer's indexer launch into its cache (mla_indexer_qk_rope with a cache) and its KV
     cache write (mla_kv_cache_write) become one mla_indexer_qk_rope_kv_cache launch. The two read
@@ -670,9 +675,8 @@ def merge_indexer_and_kv_writes(graph: torch.fx.Graph) -> list[Rewritten]:
             continue
         before = nodes_region([idx, kv])
         module, location = module_path(idx), source_location(idx)
-        q, k, weight, bias, cos, sin, cache, positions, eps, *rest = idx.args
-        interleave = rest[0] if rest else idx.kwargs.get("interleave", False)
-        args = (q, k, weight, bias, cos, sin, cache, positions, *kv.args, eps, interleave)
+        q, k, weight, bias, cos, sin, cache, positions, eps, interleave = _full_args(idx)
+        args = (q, k, weight, bias, cos, sin, cache, positions, *_full_args(kv), eps, interleave)
         later = max(idx, kv, key=list(graph.nodes).index)
         with graph.inserting_after(later):
             merged = graph.call_function(torch.ops.fusion_passes.mla_indexer_qk_rope_kv_cache.default, args)
@@ -717,10 +721,6 @@ _QK_KV_CACHE = torch.ops.fusion_passes.mla_indexer_qk_rope_kv_cache.default
 _RMS_NORM = torch.ops.fusion_passes.rms_norm.default
 _VIEWS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.permute.default, torch.ops.aten.clone.default}  # fmt: skip
-
-
-def _full_args(node: torch.fx.Node) -> list[Any]:
-    return schema_values(node.target, node.args, node.kwargs)
 
 
 def _under_views(node):
