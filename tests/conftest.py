@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU only under the interpreter, and the variable is read when
     # triton is first imported: set it before any test module imports a kernel.
@@ -51,6 +52,10 @@ def pytest_collection_modifyitems(config, items):
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") == "1" != INTERPRET_AT_START:
+            # Set by a test module on import, it turns every kernel imported after it into an
+            # interpreted one: the GPU tests would run (and fail) in the interpreter.
+            raise pytest.UsageError("TRITON_INTERPRET=1 was set during collection on a CUDA machine")
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (GPU tests run on the GPU machine)")
     for item in items:

@@ -1,4 +1,5 @@
-"""advance_lengths' Triton kernel (Triton's interpreter on CPU) against its reference: several
+"""advance_lengths' Triton kernel (Triton's interpreter on CPU, compiled on CUDA tensors where a GPU
+is present) against its reference: several
 counters of mixed int dtypes, more than one launch's worth, in place with counters that are their
 own starts (or another's), and the one-line errors."""
 
@@ -6,16 +7,19 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # torch does not import triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Chosen before triton is first imported, and only without a GPU: set in a GPU run, it would
+    # turn every kernel the same process imports afterwards into an interpreted one.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import fusion_passes  # noqa: E402,F401  (registers torch.ops.fusion_passes)
 from fusion_passes.lowering.cache_lengths.reference import advance_lengths_reference  # noqa: E402
 from fusion_passes.lowering.cache_lengths.triton import PER_LAUNCH, advance_lengths_triton  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _counters(n: int, seed: int):
