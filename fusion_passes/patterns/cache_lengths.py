@@ -88,8 +88,6 @@ CACHE_LENGTHS = Fusion(
     spellings=(),
     example_inputs=lambda: (),
     rewrite=merge_counter_writes,
-    opt_in="not yet timed on a GPU: stock Inductor writes each counter in a one-thread kernel of its own (0.86 us "
-    "each on one H200, two per DeepSeek V3.2 layer)",
     builtin=True,
 )
 

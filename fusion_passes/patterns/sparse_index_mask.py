@@ -184,8 +184,6 @@ SPARSE_ATTENTION_MASK = Fusion(
     scalars={"k": K_SENTINEL, "fill": FILL_SENTINEL},
     check=_check_attention,
     requires=("sparse_index_mask_topk",),
-    opt_in="not yet seen to match on a GPU: in a DeepSeek V3.2 decode step on one H200 (cuDNN attention, whose bias "
-    "is -65504) the combining kernel stayed with the form of then, which took -inf only",
     applies_to=lambda graph: bool(graph.find_nodes(op="call_function", target=torch.ops.fusion_passes.sparse_index_mask.default)),
     builtin=True,
 )
@@ -243,7 +241,6 @@ SPARSE_ATTENTION_MASK_CAUSAL = Fusion(
     match_check=lambda match: causal_mask_refusal(match, head_selected=False),
     shared_nodes=(torch.ops.aten.expand.default,),
     requires=("sparse_attention_mask",),
-    opt_in="not yet timed on a GPU, as sparse_attention_mask, which it starts from",
     applies_to=lambda graph: bool(
         graph.find_nodes(op="call_function", target=torch.ops.fusion_passes.sparse_attention_mask.default)
     ),

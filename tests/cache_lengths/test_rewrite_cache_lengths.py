@@ -12,6 +12,7 @@ from torch import nn
 import fusion_passes
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
+from fusion_passes.registry import get_fusions
 
 
 class StaticLayers(nn.Module):
@@ -100,12 +101,14 @@ def test_only_int_counters_advanced_by_a_literal_are_merged():
 
 @pytest.mark.parametrize("model,counters", [("qwen3", 2), pytest.param("deepseek-v3.2", 4, marks=pytest.mark.slow)])
 def test_decode_step_counters(model, counters):
-    """A tiny model's decode step (StaticCache, 2 layers): its counters (DeepSeek V3.2's indexer
-    keeps a second a layer) in one op; outputs, caches and counters equal the step without it."""
+    """A tiny model's decode step (StaticCache, 2 layers) with the defaults: its counters (DeepSeek
+    V3.2's indexer keeps a second a layer) in one op; outputs, caches and counters equal the step
+    with every other default."""
     built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
-    without, defaults = decode_steps(step, ["all"])
-    with_op, report = decode_steps(step, ["all", "cache_lengths"])
+    others = [f.name for f in get_fusions("all") if f.name != "cache_lengths"]
+    without, defaults = decode_steps(step, others)
+    with_op, report = decode_steps(step, ["all"])
     assert report.final()["cache_lengths"] == 1 and len(step._lengths) == counters
     after = report.ops_after()
     assert after["fusion_passes.advance_lengths.default"] == 1

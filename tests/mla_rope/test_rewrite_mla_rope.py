@@ -273,6 +273,12 @@ def test_mla_fusions_are_in_all_after_rms_norm():
         "mla_indexer_q_rope",
         "mla_q_kv_rope",
         "mla_q_kv_rope_rotate_half",
+        # the decode step's cache folds and the regroup (mla_indexer_qk_rope without a cache is opt-in)
+        "mla_indexer_k_norm_rope_cache",
+        "mla_kv_cache_write",
+        "mla_indexer_qk_rope_cache",
+        "mla_indexer_qk_rope_kv_cache",
+        "mla_decode_regroup",
     ]
     assert names.index("rms_norm") < names.index("mla_kv_norm_rope")
     requested = [f.name for f in fusion_passes.registry.get_fusions(["mla_kv_norm_rope"])]
@@ -487,8 +493,11 @@ def test_indexer_query_and_key_merge_into_one_launch(into_cache, dtype):
     """The indexer's q RoPE op and key op (or the key's cache fold) become one mla_indexer_qk_rope;
     its outputs are the two ops' bit for bit (the defaults', or the cache fold's)."""
     q, k, w, b, cos, sin = _indexer_inputs(dtype)
-    if into_cache:  # requires enables the key's cache fold along with it
-        fn, base = indexer_q_and_key_into_cache, ["all", "mla_indexer_k_norm_rope_cache"]
+    if into_cache:  # the defaults hold the merge: the two launches are the defaults without it
+        fn = indexer_q_and_key_into_cache
+        # (and without the two fusions that start from its op, whose requires would enable it again)
+        merged_later = {"mla_indexer_qk_rope_cache", "mla_indexer_qk_rope_kv_cache", "mla_decode_regroup"}
+        base = [f.name for f in fusion_passes.registry.get_fusions("all") if f.name not in merged_later]
         cache = torch.randn(B, CACHE_SLOTS, 2 * ROPE, generator=torch.Generator().manual_seed(2)).to(dtype)
         args = (q, k, w, b, cos, sin, cache, torch.tensor(3))
     else:
