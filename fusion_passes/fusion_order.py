@@ -35,6 +35,7 @@ from fusion_passes.patterns import (
     rope,
     silu_mul_quant_fp8,
     sparse_index_mask,
+    sparse_decode_attention,
     sparse_index_scores,
 )
 
@@ -110,6 +111,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "one token: the two never share a site); after the same regions. Its opt-in form without "
         "the repeat (masked_prefill_attention_mha) comes second, so that a repeat site is the "
         "grouped form's, its copies gone",
+    ),
+    (
+        sparse_decode_attention,
+        "after sparse_index_mask, whose sparse_attention_mask op its SDPA call's mask must be; after "
+        "masked_prefill_attention (that one takes several query tokens, this one one: no shared site)",
     ),
     (allreduce_rms_norm, "after the norms: it folds the allreduce before a canonical (add_)rms_norm into it"),
     (

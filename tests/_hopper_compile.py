@@ -86,6 +86,7 @@ def _cases():
     from fusion_passes.lowering.common.fp8 import QuantFP8
     from fusion_passes.lowering.rms_norm.reference import RMSNormForm
     from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
+    from fusion_passes.lowering.masked_attention.decode import masked_decode_attention_triton
     from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
@@ -145,6 +146,12 @@ def _cases():
         keep = (torch.arange(316)[None, :] <= torch.arange(300)[:, None])[None, None]
         causal = torch.zeros(keep.shape, dtype=bf16).masked_fill(~keep, float("-inf"))
         yield f"masked_attention (head dim {d})", masked_attention_triton, (q, kv, kv.clone(), causal, d**-0.5)
+    # at one query token: DeepSeek V3.2's 192 / 128 head dims through a -65504 index mask
+    q1, k1, v1 = torch.randn(1, 4, 1, 192, dtype=bf16), torch.randn(1, 4, 300, 192, dtype=bf16), torch.randn(1, 4, 300, 128, dtype=bf16)
+    index = torch.zeros(1, 1, 1, 300, dtype=bf16).masked_fill(torch.rand(1, 1, 1, 300) > 0.25, -65504.0)
+    yield "masked_attention (one token, 192 / 128)", masked_decode_attention_triton, (q1, k1, v1, index, 0.07)
+    split = functools.partial(masked_decode_attention_triton, splits=3)
+    yield "masked_attention (one token, 3 splits and their combine)", split, (q1, k1, v1, index, 0.07)
     # Qwen3-style per-head QK-norm + full RoPE, and MiniMax-M2's whole-row norm + partial RoPE
     q, k, head_w = torch.randn(2, 3, 4, 64, dtype=bf16), torch.randn(2, 3, 2, 64, dtype=bf16), torch.randn(64, dtype=bf16)
     cos, sin = torch.randn(1, 3, 64, dtype=bf16), torch.randn(1, 3, 64, dtype=bf16)

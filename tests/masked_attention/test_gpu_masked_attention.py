@@ -88,3 +88,30 @@ def test_deepseek_v32_prefill_with_the_mha_attention_fused():
     assert report.final()["masked_prefill_attention_mha"] == 2
     assert len(re.findall(r"_masked_attention_kernel_\d+\.run\(", code)) == 2
     assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm
+
+
+def test_deepseek_decode_through_the_index_mask():
+    """A tiny DeepSeek V3.2 decode step (StaticCache of 64 cached tokens, the indexer's top-k
+    keeping fewer) with the defaults and sparse_decode_attention: its SDPA call per layer becomes
+    the masked decode kernel, the outputs over 2 steps within bf16 tolerance of the defaults'."""
+    from _gpu_decode import compile_step
+
+    from fusion_passes.models import build_model
+    from fusion_passes.models.decode import DecodeStep
+
+    torch._dynamo.reset()
+    built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2, device="cuda")
+    step = DecodeStep(built.module, batch=1, context=64, steps=2)
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    report = fusion_passes.Report()
+    fused, (code,) = compile_step(step, fusion_passes.backend([*defaults, "sparse_decode_attention"], report=report))
+    plain, _ = compile_step(step, fusion_passes.backend(defaults))
+    assert report.final()["sparse_decode_attention"] == 2 and not report.errors
+    assert len(re.findall(r"_masked_decode_kernel_\d+\.run\(", code)) == 2
+    runs = []
+    for fn in (fused, plain):
+        step.restore()
+        with torch.no_grad():
+            runs.append([fn(*step.inputs(i)).clone() for i in range(2)])
+    for got, want in zip(*runs, strict=True):
+        assert compare(got, want).rel_norm <= tolerance(torch.bfloat16).rel_norm

@@ -7,7 +7,8 @@ every query block, the masked ones too).
 Fused:
     out = masked_attention(query, key, value, mask, scale)     # [B, Hq, S, Dv]
 a flash-attention kernel that skips the key blocks the mask closes (after a small kernel that
-summarizes the mask's blocks). The math lives in ``reference``.
+summarizes the mask's blocks); at one query token (a decode step) one program per query head that
+loads only the key and value rows the mask opens (``decode``). The math lives in ``reference``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ masked_attention = op_from_reference(
 @masked_attention.register_kernel("cuda")
 @register_launcher(torch.ops.fusion_passes.masked_attention.default)
 def _masked_attention_cuda(query, key, value, mask, scale, wrap=None):
+    if query.shape[2] == 1:
+        from fusion_passes.lowering.masked_attention.decode import masked_decode_attention_triton
+
+        return masked_decode_attention_triton(query, key, value, mask, scale, wrap=wrap)
     from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
 
     return masked_attention_triton(query, key, value, mask, scale, wrap=wrap)
