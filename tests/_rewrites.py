@@ -33,3 +33,20 @@ def decode_steps(step, fusions, steps: int = 2):
         step.restore()
         outs = [compiled(*step.inputs(i)).clone() for i in range(steps)]
     return outs + [t.clone() for t in step.cache_tensors()] + [t.clone() for t in step._lengths], report
+
+
+def defaults_without(*names: str) -> list[str]:
+    """The default fusions less ``names`` and less every default that requires one of them (its
+    ``requires`` would enable it again): the defaults as they were before ``names`` joined them."""
+    from fusion_passes.registry import get_fusions
+
+    dropped = set(names)
+    defaults = get_fusions("all")
+    changed = True
+    while changed:
+        changed = False
+        for f in defaults:
+            if f.name not in dropped and dropped & set(f.requires):
+                dropped.add(f.name)
+                changed = True
+    return [f.name for f in defaults if f.name not in dropped]

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _rewrites import compile_with, decode_steps
+from _rewrites import compile_with, decode_steps, defaults_without
 from torch import nn
 
 import fusion_passes
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
-from fusion_passes.registry import get_fusions
 
 
 class StaticLayers(nn.Module):
@@ -106,8 +105,7 @@ def test_decode_step_counters(model, counters):
     with every other default."""
     built = build_model(model, size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
-    others = [f.name for f in get_fusions("all") if f.name != "cache_lengths"]
-    without, defaults = decode_steps(step, others)
+    without, defaults = decode_steps(step, defaults_without("cache_lengths"))
     with_op, report = decode_steps(step, ["all"])
     assert report.final()["cache_lengths"] == 1 and len(step._lengths) == counters
     after = report.ops_after()

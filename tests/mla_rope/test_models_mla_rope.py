@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from _compiled_models import compiled_model
-from _rewrites import decode_steps
+from _rewrites import decode_steps, defaults_without
 
+import fusion_passes
 from fusion_passes.numerics import compare, tolerance
 
 # (model, dtype, rope_interleave): the tiny configs interleave (as the published ones do); V3 also
@@ -98,11 +99,14 @@ def test_deepseek_v32_decode_writes_its_caches_in_the_kernels():
 
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
-    opt_in = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache", "sparse_index_scores_causal"]
-    merged = ["all", *opt_in, "mla_indexer_qk_rope_kv_cache", "cache_lengths"]
+    folds = ["mla_indexer_k_norm_rope_cache", "mla_kv_cache_write", "mla_indexer_qk_rope_cache", "sparse_index_scores_causal"]
+    # the steps built up from the defaults without the decode folds (all of them defaults now)
+    before = defaults_without(*folds, "cache_lengths")
+    merged = [*before, *folds, "mla_indexer_qk_rope_kv_cache", "cache_lengths"]
     runs = {name: decode_steps(step, fusions)
-            for name, fusions in (("defaults", "all"), ("cache", ["all", *opt_in]), ("merged", merged),
+            for name, fusions in (("defaults", before), ("cache", [*before, *folds]), ("merged", merged),
                                   ("regrouped", [*merged, "mla_decode_regroup"]))}  # fmt: skip
+    assert set(runs["regrouped"][1].final()) >= {f.name for f in fusion_passes.registry.get_fusions("all")}
     report = runs["cache"][1]
     # the key's cache fold is merged on with the indexer's query: its op is gone from the final graph
     final = report.final()

@@ -13,7 +13,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 import fusion_passes
-from _rewrites import compile_with
+from _rewrites import compile_with, defaults_without
 from fusion_passes.patterns.mla_rope import ONE_LAUNCH_MAX_TOKENS
 from fusion_passes.patterns.rms_norm import functional_rms_norm, llama_rms_norm
 
@@ -495,9 +495,7 @@ def test_indexer_query_and_key_merge_into_one_launch(into_cache, dtype):
     q, k, w, b, cos, sin = _indexer_inputs(dtype)
     if into_cache:  # the defaults hold the merge: the two launches are the defaults without it
         fn = indexer_q_and_key_into_cache
-        # (and without the two fusions that start from its op, whose requires would enable it again)
-        merged_later = {"mla_indexer_qk_rope_cache", "mla_indexer_qk_rope_kv_cache", "mla_decode_regroup"}
-        base = [f.name for f in fusion_passes.registry.get_fusions("all") if f.name not in merged_later]
+        base = defaults_without("mla_indexer_qk_rope_cache")
         cache = torch.randn(B, CACHE_SLOTS, 2 * ROPE, generator=torch.Generator().manual_seed(2)).to(dtype)
         args = (q, k, w, b, cos, sin, cache, torch.tensor(3))
     else:

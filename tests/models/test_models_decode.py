@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from _rewrites import defaults_without
 from torch._inductor.graph import GraphLowering
 
 import fusion_passes
@@ -19,7 +20,6 @@ from fusion_passes.kernels import _BLOCKING, classify_kernel, count_kernels, hos
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeError, DecodeStep
 from fusion_passes.numerics import compare, tolerance
-from fusion_passes.registry import get_fusions
 
 STEPS = 3
 
@@ -89,8 +89,7 @@ def test_decode_step_leaves_per_head_qk_norm_rope_to_inductor():
     k cache write into one kernel: the fused op is refused there, with the reason, and the step
     compiles to as many kernels as stock Inductor's (without cache_lengths, which takes the write
     counters' adds: on the CPU Inductor fuses those into its other kernels)."""
-    others = tuple(f.name for f in get_fusions("all") if f.name != "cache_lengths")
-    _, report, ours = _compiled("qwen3", "fusion_passes", others)
+    _, report, ours = _compiled("qwen3", "fusion_passes", tuple(defaults_without("cache_lengths")))
     _, _, stock = _compiled("qwen3", "inductor")
     assert report.final()["qk_norm_rope"] == 0
     refused = [r for r in report.rejected if "goes into the KV cache" in r.reason]

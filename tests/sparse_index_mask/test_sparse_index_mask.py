@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fusion_passes
-from _rewrites import compile_with, decode_steps
+from _rewrites import compile_with, decode_steps, defaults_without
 from fusion_passes.models import build_model
 from fusion_passes.models.decode import DecodeStep
 from fusion_passes.numerics import compare, tolerance
@@ -147,11 +147,10 @@ def test_deepseek_v32_decode_with_a_live_index_mask():
     eager by more than bf16's tolerance, so eager is not the yardstick here."""
     built = build_model("deepseek-v3.2", size="tiny", dtype=torch.bfloat16, layers=2)
     step = DecodeStep(built.module, batch=2, context=8, steps=2)
-    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
     runs = {}
-    # without the kernel; with it, and the opt-in that writes the additive mask by it
-    without = [n for n in defaults if n not in ("sparse_index_mask_topk", "sparse_attention_mask")]
-    for name, fusions in (("without", without), ("live", [*defaults, "sparse_attention_mask"])):
+    # without the kernel (and the fusions starting from its op); with the defaults, which write the
+    # additive mask by it from the step's first position (sparse_attention_mask_causal)
+    for name, fusions in (("without", defaults_without("sparse_index_mask_topk")), ("live", "all")):
         report = fusion_passes.Report()
         torch._dynamo.reset()
         compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
@@ -160,7 +159,8 @@ def test_deepseek_v32_decode_with_a_live_index_mask():
             runs[name] = ([compiled(*step.inputs(i)).clone() for i in range(2)], report)
     report = runs["live"][1]
     assert (report.final()["sparse_index_mask_all"], report.matches["sparse_index_mask_topk"]) == (0, 2)
-    assert report.final()["sparse_attention_mask"] == 2  # the SDPA's additive mask written by the kernel
+    # the SDPA's additive mask written by the kernel, the causal mask compared there, not read
+    assert (report.final()["sparse_attention_mask"], report.final()["sparse_attention_mask_causal"]) == (0, 2)
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.scatter.value"], after["aten.scatter.value"]) == (2, 0)
     # the indexers' two, and the MoE router's three, which moe_route_grouped_one_group takes
