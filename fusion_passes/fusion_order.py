@@ -33,6 +33,7 @@ from fusion_passes.patterns import (
     rms_norm,
     rms_norm_quant_fp8,
     rope,
+    router_logits,
     silu_mul_quant_fp8,
     sparse_index_mask,
     sparse_decode_attention,
@@ -84,6 +85,7 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "RoPE families (its cse_before deduplicates q / k / v's copies of one quantization)",
     ),
     (silu_mul_quant_fp8, "independent of the others (the MLP's activation, no norm); kept beside the other FP8 family"),
+    (router_logits, "independent of the others (two upcasts and an fp32 GEMM); before moe_route, which reads its logits"),
     (
         moe_route,
         "independent of the others (a softmax or sigmoid, a top-k and a renormalisation of the "

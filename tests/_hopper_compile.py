@@ -93,6 +93,7 @@ def _cases():
     from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
     from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_cache_triton, qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
+    from fusion_passes.lowering.router_logits.triton import router_logits_triton
     from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
     from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
@@ -150,6 +151,9 @@ def _cases():
     q1, k1, v1 = torch.randn(1, 4, 1, 192, dtype=bf16), torch.randn(1, 4, 300, 192, dtype=bf16), torch.randn(1, 4, 300, 128, dtype=bf16)
     index = torch.zeros(1, 1, 1, 300, dtype=bf16).masked_fill(torch.rand(1, 1, 1, 300) > 0.25, -65504.0)
     yield "masked_attention (one token, 192 / 128)", masked_decode_attention_triton, (q1, k1, v1, index, 0.07)
+    # a router's fp32 logits from bf16: DeepSeek V3's 256 experts at one token, and 5 tokens of 72
+    yield "router_logits (1 token)", router_logits_triton, (torch.randn(1, 7168, dtype=bf16), torch.randn(256, 7168, dtype=bf16))
+    yield "router_logits (5 tokens)", router_logits_triton, (torch.randn(5, 300, dtype=bf16), torch.randn(72, 300, dtype=bf16))
     split = functools.partial(masked_decode_attention_triton, splits=3)
     yield "masked_attention (one token, 3 splits and their combine)", split, (q1, k1, v1, index, 0.07)
     # Qwen3-style per-head QK-norm + full RoPE, and MiniMax-M2's whole-row norm + partial RoPE
