@@ -90,7 +90,7 @@ def _cases():
     from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
-    from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
+    from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton, moe_sort_gather_triton
     from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_cache_triton, qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
     from fusion_passes.lowering.router_logits.triton import router_logits_triton
@@ -126,6 +126,9 @@ def _cases():
         cargs = (iq, icache, torch.randn(2, s, 64, dtype=bf16), 128**-0.5, 0.125, None, torch.tensor(250))
         yield f"sparse_index_scores ({s} tokens, causal from the first position)", sparse_index_scores_triton, cargs
     yield "moe_sort_by_expert", moe_sort_by_expert_triton, (torch.randint(0, 64, (64,)), 64)
+    # the same with the gather of DeepSeek V3's hidden states (7168) for the first grouped GEMM, a sentinel id among them
+    gather_args = (torch.randint(0, 257, (16,)), 256, torch.randn(2, 7168, dtype=bf16), 8)
+    yield "moe_sort_gather", moe_sort_gather_triton, gather_args
     logits = torch.randn(3, 256)
     yield "moe_route", moe_route_triton, (logits, None, 8, True, True)
     yield "moe_route_grouped", moe_route_grouped_triton, (logits, torch.randn(256), 8, 8, 4, True, 2.5)

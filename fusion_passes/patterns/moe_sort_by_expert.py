@@ -29,7 +29,10 @@ from typing import Any
 import torch
 
 from fusion_passes.fusion import Fusion, Spelling
-from fusion_passes.lowering.moe_sort_by_expert.reference import check_moe_sort_by_expert_args
+from fusion_passes.lowering.moe_sort_by_expert.reference import (
+    check_moe_sort_by_expert_args,
+    check_moe_sort_gather_args,
+)
 
 # The sentinel the expert count is traced with (a pattern argument): an odd count no example's
 # other sizes use.
@@ -104,4 +107,87 @@ MOE_SORT_BY_EXPERT = Fusion(
     builtin=True,
 )
 
-FUSIONS = (MOE_SORT_BY_EXPERT,)
+
+# top_k's sentinel (a pattern argument): no example size (15 pairs of 3 tokens, hidden size 16)
+TOP_K_SENTINEL = 5
+
+
+def _sorted_and_gathered(expert_ids, hidden_states, num_experts, top_k, inverse: bool):
+    # transformers' grouped_mm_experts_forward after the sort (moe_sort_by_expert's op by now):
+    #     selected_hidden_states_g = hidden_states[perm // num_top_k]
+    #     sentinel_mask = (expert_ids_g >= self.num_experts).unsqueeze(-1)
+    #     selected_hidden_states_g.masked_fill_(sentinel_mask, 0.0)
+    sorted_ids, perm, offsets, inv_perm = torch.ops.fusion_passes.moe_sort_by_expert(expert_ids, num_experts)
+    selected = hidden_states[perm // top_k]
+    sentinel = (sorted_ids >= num_experts).unsqueeze(-1)
+    # masked_fill(sentinel, 0.0), in the form Inductor's constant folding leaves it (its
+    # scalar_tensor(0.0) becomes full([], 0.0) before the post-grad passes)
+    zero = torch.full([], 0.0, dtype=selected.dtype, device=selected.device)
+    selected = torch.where(sentinel, zero, selected)
+    return (sorted_ids, perm, offsets, inv_perm, selected, sentinel) if inverse else (sorted_ids, perm, offsets, selected, sentinel)
+
+
+def transformers_dispatch_gather(expert_ids, hidden_states, num_experts, top_k):
+    return _sorted_and_gathered(expert_ids, hidden_states, num_experts, top_k, inverse=True)
+
+
+def transformers_dispatch_gather_sort(expert_ids, hidden_states, num_experts, top_k):
+    # the sort-only form of moe_sort_by_expert (its inverse permutation left to the model)
+    return _sorted_and_gathered(expert_ids, hidden_states, num_experts, top_k, inverse=False)
+
+
+def _fused_gather(expert_ids, hidden_states, num_experts, top_k, inverse: bool):
+    sorted_ids, perm, offsets, inv_perm, gathered = torch.ops.fusion_passes.moe_sort_gather(
+        expert_ids, num_experts, hidden_states, top_k
+    )
+    sentinel = (sorted_ids >= num_experts).unsqueeze(-1)  # the later masked_fills' mask, a pointwise op
+    return (sorted_ids, perm, offsets, inv_perm, gathered, sentinel) if inverse else (sorted_ids, perm, offsets, gathered, sentinel)
+
+
+def _gather_check(values: dict[str, Any]) -> str | None:
+    try:
+        check_moe_sort_gather_args(values["expert_ids"], values["num_experts"], values["hidden_states"], values["top_k"])
+    except ValueError as e:
+        return str(e).removeprefix("moe_sort_gather: ")
+    return None
+
+
+def _gather_examples():
+    # 3 tokens x top-5 pairs, hidden size 16, on the meta device (as the sort's)
+    meta = {"device": "meta"}
+    yield torch.empty(15, dtype=torch.int64, **meta), torch.empty(3, 16, dtype=torch.bfloat16, **meta), \
+        NUM_EXPERTS_SENTINEL, TOP_K_SENTINEL  # fmt: skip
+
+
+MOE_SORT_GATHER = Fusion(
+    name="moe_sort_gather",
+    summary="moe_sort_by_expert + the gather of each pair's hidden state into the sorted order (and the "
+    "sentinels' zero rows) -> one kernel",
+    doc="""The first grouped GEMM's input, gathered after the sort in a kernel of its own.
+
+    Unfused: sorted_ids, perm, offsets, inv_perm = fusion_passes.moe_sort_by_expert(expert_ids, E)
+             selected = hidden_states[perm // top_k].masked_fill((sorted_ids >= E)[:, None], 0)
+             (transformers' grouped_mm experts: Inductor's gather kernel after the sort, one a MoE layer)
+    Fused:   sorted_ids, perm, offsets, inv_perm, selected = fusion_passes.moe_sort_gather(expert_ids, E,
+                                                                                        hidden_states, top_k)
+             the sort's kernel with copy programs that rank their pairs again (no program waits on
+             another) and move the rows: bit-equal, one launch fewer a MoE layer
+
+    Needs moe_sort_by_expert's op (its launch table's refusals stand: a prefill's sort stays
+    Inductor's, and with it the gather).""",
+    spellings=(
+        Spelling("transformers_dispatch_gather", transformers_dispatch_gather,
+                 lambda *a: _fused_gather(*a, inverse=True)),
+        Spelling("transformers_dispatch_gather_sort", transformers_dispatch_gather_sort,
+                 lambda *a: _fused_gather(*a, inverse=False)),
+    ),  # fmt: skip
+    example_inputs=_gather_examples,
+    scalars={"num_experts": NUM_EXPERTS_SENTINEL, "top_k": TOP_K_SENTINEL},
+    check=_gather_check,
+    requires=("moe_sort_by_expert",),
+    opt_in="not yet timed on a GPU: Inductor's gather kernel it removes takes 1.4 us per MoE layer on one H200 "
+    "(DeepSeek V3.2, batch 1)",
+    builtin=True,
+)
+
+FUSIONS = (MOE_SORT_BY_EXPERT, MOE_SORT_GATHER)

@@ -54,3 +54,21 @@ def test_decode_step_fuses_every_moe_dispatch(name):
     assert all(torch.equal(a, e) for a, e in zip(cache, stock_cache, strict=True))
     bound = tolerance(torch.bfloat16).rel_norm
     assert all(compare(a, e).rel_norm <= bound for a, e in zip(outs, expected_outs, strict=True))
+
+
+@pytest.mark.slow  # two whole-model compiles
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3.2"])
+def test_decode_step_gathers_in_the_sort(name):
+    """moe_sort_gather on top of the defaults: every MoE layer's sort op takes its gather, and the
+    outputs and caches over several steps equal the defaults' bit for bit."""
+    from _rewrites import decode_steps
+
+    built = build_model(name, size="tiny", dtype=torch.bfloat16, layers=LAYERS)
+    step = DecodeStep(built.module, batch=2, context=6, steps=STEPS)
+    moe_layers = _moe_layers(built.module)
+    defaults, _ = decode_steps(step, "all", steps=STEPS)
+    gathered, report = decode_steps(step, ["all", "moe_sort_gather"], steps=STEPS)
+    assert report.final()["moe_sort_gather"] == moe_layers and report.final()["moe_sort_by_expert"] == 0
+    assert report.ops_after()["fusion_passes.moe_sort_gather.default"] == moe_layers
+    assert "fusion_passes.moe_sort_by_expert.default" not in report.ops_after()
+    assert all(torch.equal(a, b) for a, b in zip(gathered, defaults, strict=True))

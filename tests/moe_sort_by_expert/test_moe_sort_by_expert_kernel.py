@@ -17,8 +17,11 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fusion_passes  # noqa: E402,F401  (registers torch.ops.fusion_passes)
-from fusion_passes.lowering.moe_sort_by_expert.reference import moe_sort_by_expert_reference  # noqa: E402
-from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton  # noqa: E402
+from fusion_passes.lowering.moe_sort_by_expert.reference import (  # noqa: E402
+    moe_sort_by_expert_reference,
+    moe_sort_gather_reference,
+)
+from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton, moe_sort_gather_triton  # noqa: E402
 
 
 def _transformers_ops(expert_ids, num_experts):
@@ -100,3 +103,32 @@ def test_bad_arguments_raise(ids, num_experts, message):
         moe_sort_by_expert_triton(ids.to(DEVICE), num_experts)
     with pytest.raises(ValueError, match=message):
         torch.ops.fusion_passes.moe_sort_by_expert(ids.to(DEVICE), num_experts)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,hidden", [(1, 8, 256, 700), (3, 2, 5, 33), (17, 4, 16, 1030), (64, 8, 64, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sort_and_gather_match_reference(tokens, top_k, experts, hidden, dtype):
+    """moe_sort_gather's kernel: the sort's outputs as moe_sort_by_expert's, and each pair's hidden
+    state in its sorted row, bit for bit; expert-parallel sentinels (id == experts) sorted last
+    with zero rows; hidden states read through a row stride."""
+    g = torch.Generator().manual_seed(tokens * top_k)
+    ids = torch.randint(0, experts + 1, (tokens * top_k,), generator=g).to(DEVICE)
+    wide = torch.randn(tokens, hidden + 7, generator=g).to(DEVICE, dtype)
+    x = wide[:, 3 : 3 + hidden]
+    got = moe_sort_gather_triton(ids, experts, x, top_k)
+    want = moe_sort_gather_reference(ids, experts, x, top_k)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(got[:4], moe_sort_by_expert_triton(ids, experts), strict=True):
+        assert torch.equal(a, b)
+    sentinels = got[0] >= experts
+    assert got[4][sentinels].abs().sum().item() == 0
+
+
+def test_sort_and_gather_bad_arguments_and_opcheck():
+    ids, x = torch.zeros(6, dtype=torch.int64), torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="6 pairs are not 3 tokens x top_k 4"):
+        torch.ops.fusion_passes.moe_sort_gather(ids, 4, x, 4)
+    with pytest.raises(ValueError, match="hidden states \\[T, H\\] expected"):
+        torch.ops.fusion_passes.moe_sort_gather(ids, 4, x[None], 2)
+    torch.library.opcheck(torch.ops.fusion_passes.moe_sort_gather.default, (torch.tensor([3, 0, 1, 3, 2, 0]), 4, x, 2))

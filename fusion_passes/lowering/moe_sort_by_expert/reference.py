@@ -46,3 +46,29 @@ def moe_sort_by_expert_reference(
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
     return sorted_ids, perm, offsets, inv_perm
+
+
+def check_moe_sort_gather_args(expert_ids: torch.Tensor, num_experts: int, hidden_states: torch.Tensor,
+                               top_k: int) -> None:  # fmt: skip
+    """Raise a one-line ValueError for arguments moe_sort_gather does not define."""
+    check_moe_sort_by_expert_args(expert_ids, num_experts)
+    if hidden_states.dim() != 2:
+        raise ValueError(f"moe_sort_gather: hidden states [T, H] expected, got {tuple(hidden_states.shape)}")
+    if top_k < 1 or hidden_states.shape[0] * top_k != expert_ids.shape[0]:
+        raise ValueError(
+            f"moe_sort_gather: {expert_ids.shape[0]} pairs are not {hidden_states.shape[0]} tokens x top_k {top_k}"
+        )
+
+
+def moe_sort_gather_reference(
+    expert_ids: torch.Tensor, num_experts: int, hidden_states: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_sort_by_expert's four outputs, and the hidden states in the sorted pairs' order, an
+    expert-parallel sentinel's row (id >= num_experts) zero, as transformers' grouped_mm experts
+    prepare them for the first grouped GEMM:
+
+        gathered = hidden_states[perm // top_k].masked_fill((sorted_ids >= num_experts)[:, None], 0)
+    """
+    sorted_ids, perm, offsets, inv_perm = moe_sort_by_expert_reference(expert_ids, num_experts)
+    gathered = hidden_states[perm // top_k].masked_fill((sorted_ids >= num_experts).unsqueeze(-1), 0.0)
+    return sorted_ids, perm, offsets, inv_perm, gathered

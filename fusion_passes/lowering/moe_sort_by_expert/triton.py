@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.moe_sort_by_expert.reference import check_moe_sort_by_expert_args
+from fusion_passes.lowering.moe_sort_by_expert.reference import (
+    check_moe_sort_by_expert_args,
+    check_moe_sort_gather_args,
+)
 
 
 @triton.jit
@@ -95,3 +98,114 @@ def moe_sort_by_expert_triton(
         BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, num_warps=4,
     )
     return sorted_ids, perm, offsets, inv_perm
+
+
+@triton.jit
+def _sort_gather_kernel(
+    ids_ptr,  # *int [S]: the flat expert ids (any integer dtype)
+    sorted_ptr,  # *ids.dtype [S]
+    perm_ptr,  # *int64 [S]
+    inv_perm_ptr,  # *int64 [S]
+    offsets_ptr,  # *int32 [E]
+    x_ptr,  # *[T, H] hidden states (row stride stride_x, H contiguous)
+    out_ptr,  # *x.dtype [S, H] contiguous: the gathered rows
+    S,
+    E,
+    H,
+    stride_x,
+    top_k,
+    rank_programs,  # cdiv(S, BLOCK_I)
+    count_programs,  # cdiv(E, BLOCK_E)
+    h_blocks,  # cdiv(H, BLOCK_H)
+    BLOCK_I: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """_sort_pairs_by_expert_kernel's programs, then copy programs: each ranks BLOCK_P pairs again
+    (no program waits on another) and moves their hidden states' BLOCK_H columns to their sorted
+    rows, zero for a sentinel (id >= E)."""
+    # The rank loop is written out in each branch, as in _sort_pairs_by_expert_kernel: Inductor's
+    # analysis of a direct launch takes a value a @triton.jit helper returns as derived from every
+    # argument of the call, so ranks returned by a helper reading ids_ptr would mark the ids written
+    # (a copy of them per launch).
+    pid = tl.program_id(0)
+    if pid < rank_programs:
+        i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+        mi = i < S
+        ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
+        rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
+        j0 = 0
+        while j0 < S:
+            j = j0 + tl.arange(0, BLOCK_J)
+            mj = j < S
+            ej = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64)
+            before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
+            j0 += BLOCK_J
+        tl.store(sorted_ptr + rank, ei.to(sorted_ptr.dtype.element_ty), mask=mi)
+        tl.store(perm_ptr + rank, i.to(tl.int64), mask=mi)
+        tl.store(inv_perm_ptr + i, rank.to(tl.int64), mask=mi)
+    elif pid < rank_programs + count_programs:
+        x = (pid - rank_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
+        count = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        j0 = 0
+        while j0 < S:
+            j = j0 + tl.arange(0, BLOCK_J)
+            ej = tl.load(ids_ptr + j, mask=j < S, other=-1).to(tl.int64)
+            counted = (ej[None, :] >= 0) & (ej[None, :] <= x[:, None])
+            count += tl.sum(counted.to(tl.int32), axis=1)
+            j0 += BLOCK_J
+        tl.store(offsets_ptr + x, count, mask=x < E)
+    else:
+        c = pid - rank_programs - count_programs
+        i = (c // h_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+        h = (c % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mi = i < S
+        ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
+        rank = tl.zeros((BLOCK_P,), dtype=tl.int32)
+        j0 = 0
+        while j0 < S:
+            j = j0 + tl.arange(0, BLOCK_J)
+            mj = j < S
+            ej = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64)
+            before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
+            j0 += BLOCK_J
+        keep = mi & (ei < E)
+        tokens = (i // top_k).to(tl.int64)
+        m = keep[:, None] & (h[None, :] < H)
+        rows = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=m, other=0.0)
+        tl.store(out_ptr + rank[:, None].to(tl.int64) * H + h[None, :], rows, mask=mi[:, None] & (h[None, :] < H))
+
+
+def moe_sort_gather_triton(
+    expert_ids: torch.Tensor, num_experts: int, hidden_states: torch.Tensor, top_k: int, *, wrap: Callable | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, perm, offsets, inv_perm, gathered) as ``moe_sort_gather_reference``."""
+    check_moe_sort_gather_args(expert_ids, num_experts, hidden_states, top_k)
+    ids = expert_ids.contiguous()
+    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    s, hidden = ids.numel(), x.shape[1]
+    device = ids.device
+    sorted_ids = torch.empty(s, dtype=ids.dtype, device=device)
+    perm = torch.empty(s, dtype=torch.int64, device=device)
+    inv_perm = torch.empty(s, dtype=torch.int64, device=device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
+    gathered = torch.empty((s, hidden), dtype=x.dtype, device=device)
+    # the sort's tiles as moe_sort_by_expert_triton's; the copies 4 pairs x 512 columns a program
+    # (DeepSeek V3's 7168: 14 programs per 4 pairs, each moving 4 KiB of bf16)
+    block_i, block_p, block_h = 16, 4, 512
+    block_j = min(128, max(16, triton.next_power_of_2(s))) if isinstance(s, int) else 128
+    block_e = min(64, max(16, triton.next_power_of_2(num_experts)))
+    rank_programs, count_programs = triton.cdiv(s, block_i), triton.cdiv(num_experts, block_e)
+    h_blocks = triton.cdiv(hidden, block_h)
+    copy_programs = triton.cdiv(s, block_p) * h_blocks
+    kernel = wrap(_sort_gather_kernel) if wrap is not None else _sort_gather_kernel
+    kernel[(rank_programs + count_programs + copy_programs,)](
+        ids, sorted_ids, perm, inv_perm, offsets, x, gathered, s, num_experts, hidden, x.stride(0), top_k,
+        rank_programs, count_programs, h_blocks,
+        BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, perm, offsets, inv_perm, gathered
