@@ -68,17 +68,23 @@ def _checker(kv_heads_dim: int):
             return NotASite("one query token (a decode step)")
         if kv_heads_dim == 2:
             key, value = key.transpose(1, 2), value.transpose(1, 2)
-        if not isinstance(mask, torch.Tensor):
-            return "no mask"
-        try:
-            check_masked_attention_args(query, key, value, mask)
-        except ValueError as e:
-            return str(e).removeprefix("masked_attention: ")
-        if max(query.shape[3], value.shape[3]) > MAX_HEAD_DIM:
-            return f"a head dim of {max(query.shape[3], value.shape[3])} (the kernel takes up to {MAX_HEAD_DIM})"
-        return None
+        return masked_attention_refusal(query, key, value, mask)
 
     return check
+
+
+def masked_attention_refusal(query, key, value, mask) -> str | None:
+    """Why the masked_attention op cannot take these SDPA arguments (keys and values [B, Hkv, L, D]),
+    or None."""
+    if not isinstance(mask, torch.Tensor):
+        return "no mask"
+    try:
+        check_masked_attention_args(query, key, value, mask)
+    except ValueError as e:
+        return str(e).removeprefix("masked_attention: ")
+    if max(query.shape[3], value.shape[3]) > MAX_HEAD_DIM:
+        return f"a head dim of {max(query.shape[3], value.shape[3])} (the kernel takes up to {MAX_HEAD_DIM})"
+    return None
 
 
 def _is_prefill_repeat(node) -> bool:
@@ -118,7 +124,7 @@ MASKED_PREFILL_ATTENTION = Fusion(
 
 
 
-def _plain(sdpa):
+def sdpa_with_mask_spelling(sdpa):
     def sdpa_with_mask(query, key, value, mask, scale):
         return sdpa(query, key, value, mask, scale)
 
@@ -156,7 +162,7 @@ MASKED_PREFILL_ATTENTION_MHA = Fusion(
         "rejected with the reason: a per-head mask, a head dim above 256; not matched: a causal call, dropout."
     ),
     spellings=tuple(
-        Spelling(f"sdpa_with_mask_{name}", _plain(sdpa), masked_attention, _checker(1))
+        Spelling(f"sdpa_with_mask_{name}", sdpa_with_mask_spelling(sdpa), masked_attention, _checker(1))
         for name, sdpa in SDPA_BACKENDS.items()
     ),
     example_inputs=_mha_examples,

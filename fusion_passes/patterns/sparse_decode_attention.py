@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from fusion_passes.fusion import Fusion, NotASite, Spelling
-from fusion_passes.lowering.masked_attention.reference import check_masked_attention_args
 from fusion_passes.patterns.gqa_decode_attention import (
     SCALE_SENTINEL,
     SDPA_BACKENDS,
@@ -38,19 +37,16 @@ from fusion_passes.patterns.gqa_decode_attention import (
     key_is_repeat,
     query_tokens,
 )
-from fusion_passes.patterns.masked_prefill_attention import MAX_HEAD_DIM, masked_attention
+from fusion_passes.patterns.masked_prefill_attention import (
+    masked_attention,
+    masked_attention_refusal,
+    sdpa_with_mask_spelling,
+)
 
 _aten = torch.ops.aten
 # what may stand between the mask op and the SDPA call: views, and the expand SDPA's callers add
 _VIEWS = (_aten.view.default, _aten.reshape.default, _aten.expand.default, _aten.unsqueeze.default,
           _aten.slice.Tensor, _aten.alias.default)  # fmt: skip
-
-
-def _sdpa_with_mask(sdpa):
-    def sdpa_with_mask(query, key, value, mask, scale):
-        return sdpa(query, key, value, mask, scale)
-
-    return sdpa_with_mask
 
 
 def is_index_top_k_mask(mask) -> bool:
@@ -88,15 +84,7 @@ def _check(values: dict[str, Any]) -> str | None:
     query, key, value, mask = values["query"], values["key"], values["value"], values["mask"]
     if query.dim() != 4 or query.shape[2] != 1:
         return NotASite(f"a query of {query.shape[2] if query.dim() == 4 else '?'} tokens per head")
-    if not isinstance(mask, torch.Tensor):
-        return "no mask"
-    try:
-        check_masked_attention_args(query, key, value, mask)
-    except ValueError as e:
-        return str(e).removeprefix("masked_attention: ")
-    if max(query.shape[3], value.shape[3]) > MAX_HEAD_DIM:
-        return f"a head dim of {max(query.shape[3], value.shape[3])} (the kernel takes up to {MAX_HEAD_DIM})"
-    return None
+    return masked_attention_refusal(query, key, value, mask)
 
 
 def _examples():
@@ -113,7 +101,7 @@ SPARSE_DECODE_ATTENTION = Fusion(
     "reading only the keys the mask keeps",
     doc=__doc__.split("\n\n", 1)[1],
     spellings=tuple(
-        Spelling(f"sdpa_index_mask_{name}", _sdpa_with_mask(sdpa), masked_attention, _check)
+        Spelling(f"sdpa_index_mask_{name}", sdpa_with_mask_spelling(sdpa), masked_attention, _check)
         for name, sdpa in SDPA_BACKENDS.items()
     ),
     example_inputs=_examples,
