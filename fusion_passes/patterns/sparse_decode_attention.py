@@ -49,9 +49,17 @@ _VIEWS = (_aten.view.default, _aten.reshape.default, _aten.expand.default, _aten
           _aten.slice.Tensor, _aten.alias.default)  # fmt: skip
 
 
+def _end_pad(node) -> bool:
+    """A constant_pad_nd that only appends (every leading pad 0): SDPA's alignment of a bias whose
+    rows are at an odd stride (pad the last dim, slice it back), which keeps the first values."""
+    pads = node.args[1] if len(node.args) > 1 else ()
+    return node.target == _aten.constant_pad_nd.default and all(p == 0 for p in pads[::2])
+
+
 def is_index_top_k_mask(mask) -> bool:
-    """A graph node is fusion_passes.sparse_attention_mask's output, through views."""
-    while getattr(mask, "target", None) in _VIEWS:
+    """A graph node is fusion_passes.sparse_attention_mask's output, through views and end pads
+    (the SDPA call's mask is as wide as the cache: a pad's appended values are sliced off)."""
+    while getattr(mask, "target", None) in _VIEWS or (getattr(mask, "op", None) == "call_function" and _end_pad(mask)):
         mask = mask.args[0]
     return getattr(mask, "target", None) == torch.ops.fusion_passes.sparse_attention_mask.default
 
