@@ -29,6 +29,7 @@ compiles on its own and holds the lock only while it times or profiles.
 
     python -m benchmarks.bench_decode --models deepseek-v3.2 --batch 1 64 --context 1024 --json out.json
     python -m benchmarks.bench_decode --models deepseek-v3.2 --inductor combo_kernels=True   # both variants
+    python -m benchmarks.bench_decode --models deepseek-v3.2 --also sparse=sparse_decode_attention   # + a variant
     python -m benchmarks.bench_decode --smoke     # tiny widths on a CPU: the code path, numerics, no times
 """
 
@@ -158,20 +159,41 @@ def plain_rounds(step: DecodeStep, fns: dict, inputs: tuple, rounds: int, lock: 
 
 
 def compile_variants(
-    step: DecodeStep, opt_in: tuple[str, ...] = (), inductor: dict | None = None
-) -> tuple[dict, fusion_passes.Report]:
+    step: DecodeStep, opt_in: tuple[str, ...] = (), inductor: dict | None = None,
+    also: dict[str, tuple[str, ...]] | None = None,
+) -> tuple[dict, dict[str, fusion_passes.Report]]:
     """Stock Inductor and fusion_passes (its default fusions and the opt-in ones named), compiled
-    on their first call, both with the ``inductor`` config settings (e.g. combo_kernels). No
-    torch._dynamo.reset(): every point's steps stay compiled until it is timed (each is one more
-    entry on DecodeStep's forward; the limit is raised in main)."""
-    report = fusion_passes.Report()
-    fusions = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(opt_in)
+    on their first call, both with the ``inductor`` config settings (e.g. combo_kernels); and for
+    each ``also`` entry LABEL: (FUSION, ...) one more fusion_passes variant, "fusion_passes+LABEL",
+    with those fusions on top (timed beside the others in one process: one stock baseline for
+    all). No torch._dynamo.reset(): every point's steps stay compiled until it is timed (each is
+    one more entry on DecodeStep's forward; the limit is raised in main). Returns the variants
+    and each fusion_passes variant's report."""
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")] + list(opt_in)
     options = dict(inductor or {})
     stock = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False, options=options or None)
-    ours = fusion_passes.backend(fusions, report=report, **options)
-    variants = {"eager": step, "inductor": stock,
-                "fusion_passes": torch.compile(step, backend=ours, fullgraph=True, dynamic=False)}  # fmt: skip
-    return variants, report
+    variants, reports = {"eager": step, "inductor": stock}, {}
+    for label, extra in {"fusion_passes": (), **{f"fusion_passes+{k}": v for k, v in (also or {}).items()}}.items():
+        reports[label] = fusion_passes.Report()
+        backend = fusion_passes.backend(defaults + list(extra), report=reports[label], **options)
+        variants[label] = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    return variants, reports
+
+
+def also_variants(pairs: list[str]) -> dict[str, tuple[str, ...]]:
+    """--also LABEL=FUSION[,FUSION...] ...: {LABEL: fusions}; every name must be a fusion."""
+    known = {f.name for f in fusion_passes.registry.list_fusions()}
+    variants = {}
+    for pair in pairs:
+        label, sep, names = pair.partition("=")
+        fusions = tuple(n for n in names.split(",") if n)
+        if not sep or not label or not fusions:
+            raise ValueError(f"--also takes LABEL=FUSION[,FUSION...], got {pair!r}")
+        unknown = [n for n in fusions if n not in known]
+        if unknown:
+            raise ValueError(f"--also {label}: no fusion named {unknown[0]!r}")
+        variants[label] = fusions
+    return variants
 
 
 def inductor_settings(pairs: list[str]) -> dict:
@@ -195,6 +217,7 @@ class Point:
     compile at once and take turns on the GPU)."""
 
     opt_in: tuple[str, ...] = ()  # opt-in fusions enabled on top of the defaults (main sets it)
+    also: dict[str, tuple[str, ...]] = {}  # more fusion_passes variants, LABEL: fusions on top (main sets it)
     inductor: dict = {}  # torch._inductor.config settings for both compiled variants (main sets it)
     left_rows: int = LEFT_ROWS  # "what is left" rows kept (main sets it)
     plain_rounds: int = PLAIN_ROUNDS  # rounds of the plain-launch measurement (main sets it)
@@ -216,7 +239,7 @@ class Point:
         steps = 1 if self.prefill else max(check_steps, 1)
         self.step = DecodeStep(built.module, batch=self.batch, context=self.context, steps=steps)
         check = check_steps > 0
-        self.variants, report = compile_variants(self.step, self.opt_in, self.inductor)
+        self.variants, reports = compile_variants(self.step, self.opt_in, self.inductor, self.also)
         if self.prefill:
             self.inputs = (self.step.prompt, torch.arange(self.context, device=self.step.prompt.device))
             prefill_inputs, check_steps = self.inputs, 0
@@ -232,18 +255,25 @@ class Point:
             self.step.restore()
             with torch.no_grad():
                 fn(*self.inputs)  # compiled (if it was not yet) and warm
-        row = self.result["variants"]["fusion_passes"]
-        row["final"] = {k: v for k, v in report.final().items() if v}
-        row["lowered_back"] = dict(report.lowered_back())
-        row["errors"] = list(report.errors)
+        for label, report in reports.items():
+            row = self.result["variants"][label]
+            row["final"] = {k: v for k, v in report.final().items() if v}
+            row["lowered_back"] = dict(report.lowered_back())
+            row["errors"] = list(report.errors)
+            if label in self.also_labels():
+                row["opt_in"] = list(self.also[label.removeprefix("fusion_passes+")])
+
+    def also_labels(self) -> list[str]:
+        return [f"fusion_passes+{k}" for k in self.also]
 
     def time(self, lock: str | None) -> None:
         for label, fn in self.variants.items():
             self.result["variants"][label] |= measure(self.step, fn, self.inputs, lock, self.layers)
-        host = self.result["variants"]["fusion_passes"]["host"]
-        for what in ("blocking", "dispatched"):
-            if host[what]:
-                print(f"bench_decode: {self.name}: fusion_passes' step has {what} calls: {host[what]}", file=sys.stderr)
+        for label in ("fusion_passes", *self.also_labels()):
+            host = self.result["variants"][label]["host"]
+            for what in ("blocking", "dispatched"):
+                if host[what]:
+                    print(f"bench_decode: {self.name}: {label}'s step has {what} calls: {host[what]}", file=sys.stderr)
         rounds = plain_rounds(self.step, self.variants, self.inputs, self.plain_rounds, lock)
         for label, samples in rounds.items():
             self.result["variants"][label] |= {"plain_us": statistics.median(samples), "plain_rounds_us": samples}
@@ -279,16 +309,16 @@ def merge(args) -> int:
 
 
 def left_tables(points: list[dict], where) -> list[str]:
-    """The "what is left" table of each point's fusion_passes run (``where(point)`` names it)."""
+    """The "what is left" table of each point's fusion_passes runs (``where(point)`` names it)."""
     lines = []
     for p in points:
-        r = p["variants"]["fusion_passes"]
-        if not r.get("left"):
-            continue
-        lines += ["", f"What is left, {p['model']} {where(p)} (fusion_passes):", "",
-                  "| kernel | region | launches / layer | us / layer |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| `{x['kernel'][:70]}` | {x['region']} | {x['per_layer_launches']:.1f} | {x['per_layer_us']:.1f} |"
-                  for x in r["left"]]  # fmt: skip
+        for label, r in p["variants"].items():
+            if not label.startswith("fusion_passes") or not r.get("left"):
+                continue
+            lines += ["", f"What is left, {p['model']} {where(p)} ({label}):", "",
+                      "| kernel | region | launches / layer | us / layer |", "|---|---|---|---|"]  # fmt: skip
+            lines += [f"| `{x['kernel'][:70]}` | {x['region']} | {x['per_layer_launches']:.1f} | {x['per_layer_us']:.1f} |"
+                      for x in r["left"]]  # fmt: skip
     return lines
 
 
@@ -343,6 +373,9 @@ def main() -> int:
     parser.add_argument("--prefill-only", action="store_true", help="no decode points: the --prefill runs alone")
     parser.add_argument("--opt-in", nargs="+", default=[], metavar="FUSION",
                         help="opt-in fusions to enable on top of the defaults")  # fmt: skip
+    parser.add_argument("--also", nargs="+", default=[], metavar="LABEL=FUSION[,FUSION...]",
+                        help="more fusion_passes variants timed in the same run, each with these fusions on top of "
+                             "the defaults (and --opt-in): one stock baseline for all")  # fmt: skip
     parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config settings for both compiled variants (e.g. combo_kernels=True)")  # fmt: skip
     parser.add_argument("--left-rows", type=int, default=LEFT_ROWS, metavar="N",
@@ -367,6 +400,7 @@ def main() -> int:
     torch._dynamo.config.accumulated_recompile_limit = 1024
     Point.opt_in = tuple(args.opt_in)
     try:
+        Point.also = also_variants(args.also)
         Point.inductor = inductor_settings(args.inductor)
         fusion_passes.backend([], **Point.inductor)  # checks each setting's name and type (one line)
     except (ValueError, TypeError, fusion_passes.FusionError) as e:
@@ -398,14 +432,16 @@ def main() -> int:
     for point in decode + prefill:
         # DeepSeek V3.2's indexer top-k turns ulp differences into other selected tokens:
         # Inductor's own step is ~0.17 from eager there (tiny widths), so the bar is relative to it.
-        ours, stock = (point.result["variants"][v].get("numerics") for v in ("fusion_passes", "inductor"))
-        if ours is None:  # --check-steps 0
-            continue
-        for key in ("out_rel_err", "cache_rel_err"):
-            if ours[key] > max(bound, 2 * stock[key]):
-                where = f"prefill {point.context}" if point.prefill else f"batch {point.batch}"
-                failed.append(f"{point.name} {where}: {key} {ours[key]:.2e} > max({bound}, 2 x "
-                              f"Inductor's {stock[key]:.2e})")  # fmt: skip
+        stock = point.result["variants"]["inductor"].get("numerics")
+        for label in ("fusion_passes", *point.also_labels()):
+            ours = point.result["variants"][label].get("numerics")
+            if ours is None:  # --check-steps 0
+                continue
+            for key in ("out_rel_err", "cache_rel_err"):
+                if ours[key] > max(bound, 2 * stock[key]):
+                    where = f"prefill {point.context}" if point.prefill else f"batch {point.batch}"
+                    failed.append(f"{point.name} {where} ({label}): {key} {ours[key]:.2e} > max({bound}, 2 x "
+                                  f"Inductor's {stock[key]:.2e})")  # fmt: skip
     points, prefills = [p.result for p in decode], [p.result for p in prefill]
     text = report_text(points, prefills)
     common.finish(args, text, {"points": points, "prefill": prefills})

@@ -207,18 +207,35 @@ def test_cli_decode_on_a_model_it_cannot_step(tmp_path):
 
 
 def test_decode_benchmark_smoke(tmp_path):
-    """The decode benchmark's CPU path: tiny widths, numerics against eager, no times."""
+    """The decode benchmark's CPU path: tiny widths, numerics against eager, no times; a second
+    fusion_passes variant (--also) compiled and checked beside the defaults in the same run."""
     out = tmp_path / "decode.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_decode", "--smoke", "--models", "qwen3", "--batch", "1",
-         "--check-steps", "2", "--json", str(out), "--out", str(tmp_path / "decode.md")],
+         "--check-steps", "2", "--also", "cache=qk_norm_rope_cache", "--json", str(out), "--out", str(tmp_path / "decode.md")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (point,) = json.loads(out.read_text())["points"]
     assert (point["model"], point["batch"], point["context"]) == ("qwen3", 1, 8)
-    for label in ("inductor", "fusion_passes"):
+    assert list(point["variants"]) == ["eager", "inductor", "fusion_passes", "fusion_passes+cache"]
+    for label in ("inductor", "fusion_passes", "fusion_passes+cache"):
         assert point["variants"][label]["numerics"]["out_rel_err"] <= tolerance(torch.bfloat16).rel_norm
+    extra = point["variants"]["fusion_passes+cache"]
+    assert extra["opt_in"] == ["qk_norm_rope_cache"] and extra["final"]["qk_norm_rope_cache"] == 2
+    assert "qk_norm_rope_cache" not in point["variants"]["fusion_passes"]["final"]
+    assert "| fusion_passes+cache |" in (tmp_path / "decode.md").read_text()
+
+
+def test_decode_benchmark_also_takes_known_fusions_only():
+    from benchmarks import bench_decode
+
+    assert bench_decode.also_variants(["a=router_logits,moe_sort_gather", "b=sparse_decode_attention"]) == {
+        "a": ("router_logits", "moe_sort_gather"), "b": ("sparse_decode_attention",)}  # fmt: skip
+    for bad, message in (("router_logits", "takes LABEL=FUSION"), ("a=", "takes LABEL=FUSION"),
+                         ("a=router_logit", "no fusion named 'router_logit'")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            bench_decode.also_variants([bad])
 
 
 FACTORY = """
