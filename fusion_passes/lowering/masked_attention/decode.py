@@ -32,25 +32,36 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _block_bias(bias_base, n0, L, stride_ml, BLOCK_N: tl.constexpr):
+    """The mask's biases of the key block at n0 (fp32; -inf past the cache's end)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bias_base + cols.to(tl.int64) * stride_ml, mask=cols < L, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def _decode_block(
-    q, k_base, v_base, bias_base, n0, L, m_i, l_i, acc, scale,
-    stride_kl, stride_vl, stride_ml,
+    q, k_base, v_base, bias, n0, L, m_i, l_i, acc, scale,
+    stride_kl, stride_vl,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CLOSED: tl.constexpr, SKIP_CLOSED: tl.constexpr, BASE2: tl.constexpr,
 ):  # fmt: skip
-    """One key block of the online softmax of one query row. SKIP_CLOSED: the rows of keys whose
-    bias is at or below CLOSED are neither loaded nor counted (exp of their logit is exactly 0 while
-    the row holds an open key: see CLOSED). BASE2: scale holds log2(e), the bias is scaled to base 2."""
+    """One key block of the online softmax of one query row, its biases given (_block_bias: the
+    caller loads the next block's before this one's keys, so that the two loads overlap).
+    SKIP_CLOSED: the rows of keys whose bias is at or below CLOSED are neither loaded nor counted
+    (exp of their logit is exactly 0 while the row holds an open key: see CLOSED). BASE2: scale
+    holds log2(e), the bias is scaled to base 2."""
     cols = n0 + tl.arange(0, BLOCK_N)
     inside = cols < L
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    bias = tl.load(bias_base + cols.to(tl.int64) * stride_ml, mask=inside, other=float("-inf")).to(tl.float32)
     if SKIP_CLOSED:
         rows = inside & (bias > CLOSED)
     else:
         rows = inside
+    # keys and values both requested before either is used: one memory round trip a block
     k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kl + d[None, :], mask=rows[:, None] & (d[None, :] < D),
+                other=0.0).to(tl.float32)  # fmt: skip
+    v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vl + dv[None, :], mask=rows[:, None] & (dv[None, :] < DV),
                 other=0.0).to(tl.float32)  # fmt: skip
     s = tl.sum(k * q[None, :], axis=1) * scale
     if BASE2:
@@ -67,8 +78,6 @@ def _decode_block(
     else:
         p = tl.math.exp2((s - m_sub) * 1.4426950408889634)
         alpha = tl.math.exp2((m_i - m_sub) * 1.4426950408889634)
-    v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vl + dv[None, :], mask=rows[:, None] & (dv[None, :] < DV),
-                other=0.0).to(tl.float32)  # fmt: skip
     l_i = l_i * alpha + tl.sum(p, axis=0)
     acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
     return m_new, l_i, acc
@@ -108,17 +117,22 @@ def _masked_decode_kernel(
     scale2 = scale * 1.4426950408889634
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, L)
-    if not INTERPRET:  # software-pipelined on the GPU
+    bias = _block_bias(bias_base, start, stop, stride_ml, BLOCK_N)
+    if not INTERPRET:
         for n0 in range(start, stop, BLOCK_N):
-            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias_base, n0, stop, m_i, l_i, acc, scale2,
-                                          stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+            bias_next = _block_bias(bias_base, n0 + BLOCK_N, stop, stride_ml, BLOCK_N)
+            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias, n0, stop, m_i, l_i, acc, scale2,
+                                          stride_kl, stride_vl, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                           CLOSED, True, True)  # fmt: skip
+            bias = bias_next
     else:
         n0 = start
         while n0 < stop:
-            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias_base, n0, stop, m_i, l_i, acc, scale2,
-                                          stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+            bias_next = _block_bias(bias_base, n0 + BLOCK_N, stop, stride_ml, BLOCK_N)
+            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias, n0, stop, m_i, l_i, acc, scale2,
+                                          stride_kl, stride_vl, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                           CLOSED, True, True)  # fmt: skip
+            bias = bias_next
             n0 += BLOCK_N
     if SPLIT:
         # (m, l, acc[DV]) of this split, base 2; _combine_splits_kernel merges a row's splits
@@ -150,8 +164,9 @@ def _redo_closed_row(
         acc = tl.zeros((BLOCK_DV,), tl.float32)
         n0 = 0
         while n0 < L:
-            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias_base, n0, L, m_i, l_i, acc, scale,
-                                          stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+            bias = _block_bias(bias_base, n0, L, stride_ml, BLOCK_N)
+            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias, n0, L, m_i, l_i, acc, scale,
+                                          stride_kl, stride_vl, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                           CLOSED, False, False)  # fmt: skip
             n0 += BLOCK_N
     return m_i, l_i, acc
@@ -236,9 +251,10 @@ def masked_decode_attention_triton(
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = torch.empty((bsz, 1, heads, dv), dtype=query.dtype, device=query.device).permute(0, 2, 1, 3)
     # 64 keys a step at 8 warps: 64 key elements a thread (DeepSeek's head dim of 192 padded to
-    # 256). Compiled for sm_90 (ptxas): 80 registers, no spills, 16-byte loads of the key and value
-    # rows; the loads are not software-pipelined (their predicate is the mask loaded in the same
-    # step), so a program's time is its chain of blocks: hence the splits. Not yet timed.
+    # 256). Compiled for sm_90 (ptxas): no spills, 16-byte loads of the key and value rows. The
+    # loads are not software-pipelined (their predicate is the mask), so the kernel loads the next
+    # block's biases before this block's keys and values, and a program's time is still its chain
+    # of blocks: hence the splits. Not yet timed.
     block_n = block_n or 64
     splits = splits or _splits(bsz * heads, length, block_n, query.device)
     # keys a split: whole key blocks, so that only the last split's last block is partial
