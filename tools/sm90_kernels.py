@@ -12,12 +12,15 @@ H200's, Triton's target set to sm_90, a CUDA device guard registered for the fak
 stops at the generated code, whose launches are counted.
 
 What differs from the GPU's code (measured counts are the GPU's, from bench_decode):
-- the graph is the CPU's trace: model code branching on the device takes its CPU side
-  (transformers' grouped_mm experts count with a float histc there, so moe_sort_by_expert does not
-  match), and SDPA is decomposed into its math form (its CUDA kernel choice is a C++ dispatch stub
+- the graph is the CPU's trace: model code branching on the device takes its CPU side, and SDPA
+  is decomposed into its math form (its CUDA kernel choice is a C++ dispatch stub
   a CPU build lacks): its kernels are counted as attention, by their source (the SDPA call's
   result, ``attn_output``), so the mask and cast kernels around a GPU's SDPA are not all seen;
 - Inductor's shape padding is off and constant folding of CUDA values skipped (both need a GPU).
+One CPU side is turned into the GPU's before compiling: transformers' grouped_mm experts count the
+sorted expert ids with histc on a float copy on the CPU (no integer histc there) and on an int32
+copy on a GPU; the copy's dtype is set to int32 (the same counts), so that moe_sort_by_expert sees
+the GPU's dispatch.
 The tiny configs keep each layer's structure, so counts per layer compare; sizes do not.
 """
 
@@ -153,6 +156,7 @@ def _to_fake_cuda(gm, inputs):
     for node in gm.graph.nodes:
         node.args = torch.fx.node.map_aggregate(node.args, swap)
         node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    _histc_as_on_a_gpu(gm.graph)
     gm.recompile()
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
@@ -162,6 +166,20 @@ def _to_fake_cuda(gm, inputs):
         ]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     return fakes, mode
+
+
+def _histc_as_on_a_gpu(graph) -> int:
+    """histc over a float32 copy of integer ids (transformers' CPU branch) -> over an int32 copy,
+    as the GPU branch traces; returns how many were changed."""
+    changed = 0
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.histc.default):
+        copy = node.args[0]
+        ids = copy.args[0] if getattr(copy, "target", None) == torch.ops.prims.convert_element_type.default else None
+        val = getattr(ids, "meta", {}).get("val")
+        if val is not None and not val.is_floating_point() and copy.args[1] == torch.float32 and len(copy.users) == 1:
+            copy.args = (ids, torch.int32)
+            changed += 1
+    return changed
 
 
 def generated_code(gm, inputs, kwargs, pass_manager, inductor_options: dict) -> str:

@@ -1,8 +1,8 @@
 """A tiny DeepSeek V3.2 decode step as Inductor writes it for sm_90 (tools/sm90_kernels, in a
 process of its own: it answers CUDA's queries as an H200's for the whole process): with the
 decode-path opt-ins, the launches the folds remove are gone from the generated code, a layer's
-pre-attention path is four launches, and fewer than half of stock Inductor's "other" kernels a
-layer are left."""
+pre-attention path is four launches, the MoE dispatch is one kernel, and fewer than half of stock
+Inductor's "other" kernels a layer are left."""
 
 import json
 import os
@@ -40,3 +40,7 @@ def test_deepseek_v32_decode_kernels_for_sm90(tmp_path):
                         "_index_scores_kernel": 2, "_index_mask_kernel": 2}, launches  # fmt: skip
     assert not [k for k in other if "rms_norm" not in k and "mean" in k and "rsqrt" in k], other  # q_a's norm launched with kv
     assert not [k for k in other if "_le_" in k], other  # no causal mask built: both folds compare positions
+    # the MoE dispatch as a GPU traces it (the tool turns the CPU's float histc into the GPU's int
+    # one): one sort kernel, no histc nor cumsum
+    assert record["fusions"]["moe_sort_by_expert"] == 1, record["fusions"]
+    assert not [k for k in other if "histc" in k or "cumsum" in k], other
