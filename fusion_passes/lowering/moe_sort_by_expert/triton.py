@@ -29,6 +29,55 @@ from fusion_passes.lowering.moe_sort_by_expert.reference import (
 
 
 @triton.jit
+def _ranked_pairs(
+    ids_ptr, i, S, E, sorted_ptr, perm_ptr, inv_perm_ptr, x_ptr, out_ptr, h, H, stride_x, top_k,
+    BLOCK_J: tl.constexpr, COPY: tl.constexpr,
+):  # fmt: skip
+    """Rank the pairs i (their stable order by expert):
+        rank[i] = #{j : e[j] < e[i]} + #{j < i : e[j] == e[i]}
+    then, COPY off: sorted_ids[rank[i]] = e[i]; perm[rank[i]] = i; inv_perm[i] = rank[i]; COPY on:
+    the hidden states' columns h of each pair's token to its sorted row, zero for a sentinel
+    (id >= E). The stores are made here, not by the caller: Inductor's analysis of a direct launch
+    takes a value a @triton.jit helper returns as derived from every argument of the call, so
+    ranks returned from here would mark the ids written (a copy of them per launch)."""
+    mi = i < S
+    ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
+    rank = tl.zeros(i.shape, dtype=tl.int32)
+    # A while loop: Triton's interpreter (the CPU tests) cannot bound a for loop by an argument.
+    j0 = 0
+    while j0 < S:
+        j = j0 + tl.arange(0, BLOCK_J)
+        mj = j < S
+        ej = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64)
+        before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
+        j0 += BLOCK_J
+    if COPY:
+        tokens = (i // top_k).to(tl.int64)
+        m = (mi & (ei < E))[:, None] & (h[None, :] < H)
+        rows = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=m, other=0.0)
+        tl.store(out_ptr + rank[:, None].to(tl.int64) * H + h[None, :], rows, mask=mi[:, None] & (h[None, :] < H))
+    else:
+        tl.store(sorted_ptr + rank, ei.to(sorted_ptr.dtype.element_ty), mask=mi)
+        tl.store(perm_ptr + rank, i.to(tl.int64), mask=mi)
+        tl.store(inv_perm_ptr + i, rank.to(tl.int64), mask=mi)
+
+
+@triton.jit
+def _expert_offsets(ids_ptr, offsets_ptr, x, S, E, BLOCK_J: tl.constexpr):
+    """offsets[x] = #{j : 0 <= e[j] <= x} for the experts x."""
+    count = tl.zeros(x.shape, dtype=tl.int32)
+    j0 = 0
+    while j0 < S:
+        j = j0 + tl.arange(0, BLOCK_J)
+        ej = tl.load(ids_ptr + j, mask=j < S, other=-1).to(tl.int64)
+        counted = (ej[None, :] >= 0) & (ej[None, :] <= x[:, None])
+        count += tl.sum(counted.to(tl.int32), axis=1)
+        j0 += BLOCK_J
+    tl.store(offsets_ptr + x, count, mask=x < E)
+
+
+@triton.jit
 def _sort_pairs_by_expert_kernel(
     ids_ptr,  # *int [S]: the flat expert ids (any integer dtype)
     sorted_ptr,  # *ids.dtype [S]
@@ -45,32 +94,10 @@ def _sort_pairs_by_expert_kernel(
     pid = tl.program_id(0)
     if pid < rank_programs:
         i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-        mi = i < S
-        ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
-        rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
-        # A while loop: Triton's interpreter (the CPU tests) cannot bound a for loop by an argument.
-        j0 = 0
-        while j0 < S:
-            j = j0 + tl.arange(0, BLOCK_J)
-            mj = j < S
-            ej = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64)
-            before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
-            rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
-            j0 += BLOCK_J
-        tl.store(sorted_ptr + rank, ei.to(sorted_ptr.dtype.element_ty), mask=mi)
-        tl.store(perm_ptr + rank, i.to(tl.int64), mask=mi)
-        tl.store(inv_perm_ptr + i, rank.to(tl.int64), mask=mi)
+        _ranked_pairs(ids_ptr, i, S, E, sorted_ptr, perm_ptr, inv_perm_ptr, ids_ptr, ids_ptr, i, 0, 0, 1, BLOCK_J, False)
     else:
         x = (pid - rank_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
-        count = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        j0 = 0
-        while j0 < S:
-            j = j0 + tl.arange(0, BLOCK_J)
-            ej = tl.load(ids_ptr + j, mask=j < S, other=-1).to(tl.int64)
-            counted = (ej[None, :] >= 0) & (ej[None, :] <= x[:, None])
-            count += tl.sum(counted.to(tl.int32), axis=1)
-            j0 += BLOCK_J
-        tl.store(offsets_ptr + x, count, mask=x < E)
+        _expert_offsets(ids_ptr, offsets_ptr, x, S, E, BLOCK_J)
 
 
 def moe_sort_by_expert_triton(
@@ -126,58 +153,19 @@ def _sort_gather_kernel(
     """_sort_pairs_by_expert_kernel's programs, then copy programs: each ranks BLOCK_P pairs again
     (no program waits on another) and moves their hidden states' BLOCK_H columns to their sorted
     rows, zero for a sentinel (id >= E)."""
-    # The rank loop is written out in each branch, as in _sort_pairs_by_expert_kernel: Inductor's
-    # analysis of a direct launch takes a value a @triton.jit helper returns as derived from every
-    # argument of the call, so ranks returned by a helper reading ids_ptr would mark the ids written
-    # (a copy of them per launch).
     pid = tl.program_id(0)
     if pid < rank_programs:
         i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-        mi = i < S
-        ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
-        rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
-        j0 = 0
-        while j0 < S:
-            j = j0 + tl.arange(0, BLOCK_J)
-            mj = j < S
-            ej = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64)
-            before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
-            rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
-            j0 += BLOCK_J
-        tl.store(sorted_ptr + rank, ei.to(sorted_ptr.dtype.element_ty), mask=mi)
-        tl.store(perm_ptr + rank, i.to(tl.int64), mask=mi)
-        tl.store(inv_perm_ptr + i, rank.to(tl.int64), mask=mi)
+        _ranked_pairs(ids_ptr, i, S, E, sorted_ptr, perm_ptr, inv_perm_ptr, x_ptr, out_ptr, i, 0, 0, 1, BLOCK_J, False)
     elif pid < rank_programs + count_programs:
         x = (pid - rank_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
-        count = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        j0 = 0
-        while j0 < S:
-            j = j0 + tl.arange(0, BLOCK_J)
-            ej = tl.load(ids_ptr + j, mask=j < S, other=-1).to(tl.int64)
-            counted = (ej[None, :] >= 0) & (ej[None, :] <= x[:, None])
-            count += tl.sum(counted.to(tl.int32), axis=1)
-            j0 += BLOCK_J
-        tl.store(offsets_ptr + x, count, mask=x < E)
+        _expert_offsets(ids_ptr, offsets_ptr, x, S, E, BLOCK_J)
     else:
         c = pid - rank_programs - count_programs
         i = (c // h_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
         h = (c % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mi = i < S
-        ei = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
-        rank = tl.zeros((BLOCK_P,), dtype=tl.int32)
-        j0 = 0
-        while j0 < S:
-            j = j0 + tl.arange(0, BLOCK_J)
-            mj = j < S
-            ej = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64)
-            before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
-            rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
-            j0 += BLOCK_J
-        keep = mi & (ei < E)
-        tokens = (i // top_k).to(tl.int64)
-        m = keep[:, None] & (h[None, :] < H)
-        rows = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=m, other=0.0)
-        tl.store(out_ptr + rank[:, None].to(tl.int64) * H + h[None, :], rows, mask=mi[:, None] & (h[None, :] < H))
+        _ranked_pairs(ids_ptr, i, S, E, sorted_ptr, perm_ptr, inv_perm_ptr, x_ptr, out_ptr, h, H, stride_x, top_k,
+                      BLOCK_J, True)  # fmt: skip
 
 
 def moe_sort_gather_triton(
