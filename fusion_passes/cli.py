@@ -209,7 +209,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _family(f: Any) -> str:
-    """The stem of the module that defines the fusion's spellings, or its rewrite (fusion_passes.patterns.<stem>)."""
+    """A built-in fusion's family: the stem of the patterns module that exports it (fusion_order);
+    another's, the stem of the module that defines its spellings, or its rewrite."""
+    from fusion_passes.fusion_order import FUSION_ORDER
+
+    for module, _ in FUSION_ORDER:
+        if any(exported.name == f.name for exported in module.FUSIONS):
+            return module.__name__.rpartition(".")[2]
     defined = f.spellings[0].pattern if f.spellings else f.rewrite
     module = getattr(defined, "__module__", None)
     return (module or "?").rpartition(".")[2]

@@ -37,20 +37,16 @@ from fusion_passes.patterns.gqa_decode_attention import (
     key_is_repeat,
     query_tokens,
 )
-from fusion_passes.patterns.masked_prefill_attention import masked_attention, masked_attention_refusal
+from fusion_passes.patterns.masked_prefill_attention import (
+    masked_attention,
+    masked_attention_refusal,
+    sdpa_with_mask_spelling,
+)
 
 _aten = torch.ops.aten
 # what may stand between the mask op and the SDPA call: views, and the expand SDPA's callers add
 _VIEWS = (_aten.view.default, _aten.reshape.default, _aten.expand.default, _aten.unsqueeze.default,
           _aten.slice.Tensor, _aten.alias.default)  # fmt: skip
-
-
-def _sdpa_through_index_mask(sdpa):
-    # the SDPA call as masked_prefill_attention_mha's spelling has it (defined here: the family)
-    def sdpa_through_index_mask(query, key, value, mask, scale):
-        return sdpa(query, key, value, mask, scale)
-
-    return sdpa_through_index_mask
 
 
 def _end_pad(node) -> bool:
@@ -113,7 +109,7 @@ SPARSE_DECODE_ATTENTION = Fusion(
     "reading only the keys the mask keeps",
     doc=__doc__.split("\n\n", 1)[1],
     spellings=tuple(
-        Spelling(f"sdpa_index_mask_{name}", _sdpa_through_index_mask(sdpa), masked_attention, _check)
+        Spelling(f"sdpa_index_mask_{name}", sdpa_with_mask_spelling(sdpa), masked_attention, _check)
         for name, sdpa in SDPA_BACKENDS.items()
     ),
     example_inputs=_examples,

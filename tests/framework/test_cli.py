@@ -114,6 +114,9 @@ def test_list_name_shows_the_doc_and_json(capsys):
     assert main(["list", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["add_rms_norm"]["family"] == "rms_norm" and rows["add_rms_norm"]["in_all"]
+    # a family is the patterns module that exports the fusion, whichever module its spellings come from
+    assert (rows["masked_prefill_attention"]["family"], rows["sparse_decode_attention"]["family"]) == (
+        "masked_prefill_attention", "sparse_decode_attention")  # fmt: skip
     assert all(r["opt_in"] for r in rows.values() if not r["in_all"])
     assert main(["list", "rms_norm", "--json"]) == 0
     one = json.loads(capsys.readouterr().out)
