@@ -61,7 +61,9 @@ def test_deepseek_v3_router_module():
     x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     out, report = compile_with(FUSION, router, (x,))
     assert report.final()["router_logits"] == 1
-    assert op_changes(report)[OP] == (0, 1)
+    changes = op_changes(report)
+    assert changes[OP] == (0, 1) and changes["aten.mm.default"] == (1, 0)
+    assert changes["prims.convert_element_type.default"][0] - changes["prims.convert_element_type.default"][1] == 2
     with torch.no_grad():
         logits, weights, ids = router(x)
     _assert_close(out[0], logits)
