@@ -19,7 +19,6 @@ natural units, as the prefill kernel does, so that SDPA's softmax over -65504 bi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -95,7 +94,6 @@ def _masked_decode_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CLOSED: tl.constexpr, REDO_BELOW: tl.constexpr,
     SPLIT: tl.constexpr,  # several programs a row: each writes (m, l, acc) of its keys to part_ptr
-    INTERPRET: tl.constexpr,  # Triton's CPU interpreter (the tests) cannot bound a for loop by an argument
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0)
@@ -118,22 +116,16 @@ def _masked_decode_kernel(
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, L)
     bias = _block_bias(bias_base, start, stop, stride_ml, BLOCK_N)
-    if not INTERPRET:
-        for n0 in range(start, stop, BLOCK_N):
-            bias_next = _block_bias(bias_base, n0 + BLOCK_N, stop, stride_ml, BLOCK_N)
-            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias, n0, stop, m_i, l_i, acc, scale2,
-                                          stride_kl, stride_vl, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                          CLOSED, True, True)  # fmt: skip
-            bias = bias_next
-    else:
-        n0 = start
-        while n0 < stop:
-            bias_next = _block_bias(bias_base, n0 + BLOCK_N, stop, stride_ml, BLOCK_N)
-            m_i, l_i, acc = _decode_block(q, k_base, v_base, bias, n0, stop, m_i, l_i, acc, scale2,
-                                          stride_kl, stride_vl, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                          CLOSED, True, True)  # fmt: skip
-            bias = bias_next
-            n0 += BLOCK_N
+    # A while loop (Triton's interpreter, the CPU tests, cannot bound a for loop by an argument);
+    # a for loop would gain nothing on the GPU: its loads are not software-pipelined (see the launcher)
+    n0 = start
+    while n0 < stop:
+        bias_next = _block_bias(bias_base, n0 + BLOCK_N, stop, stride_ml, BLOCK_N)
+        m_i, l_i, acc = _decode_block(q, k_base, v_base, bias, n0, stop, m_i, l_i, acc, scale2,
+                                      stride_kl, stride_vl, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                                      CLOSED, True, True)  # fmt: skip
+        bias = bias_next
+        n0 += BLOCK_N
     if SPLIT:
         # (m, l, acc[DV]) of this split, base 2; _combine_splits_kernel merges a row's splits
         row = part_ptr + (bh * tl.num_programs(1) + split).to(tl.int64) * (BLOCK_DV + 2)
@@ -236,7 +228,6 @@ def masked_decode_attention_triton(
     *,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int | None = None,
     splits: int | None = None,
     wrap: Callable | None = None,
 ) -> torch.Tensor:
@@ -272,8 +263,7 @@ def masked_decode_attention_triton(
                 REDO_BELOW=REDO_BELOW * LOG2E)  # fmt: skip
     kernel = wrap(_masked_decode_kernel) if wrap is not None else _masked_decode_kernel
     kernel[(bsz * heads, splits)](
-        *args, keys_per_split, *strides, **dims, SPLIT=splits > 1,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps or 8, num_stages=num_stages or 3,
+        *args, keys_per_split, *strides, **dims, SPLIT=splits > 1, num_warps=num_warps or 8,
     )  # fmt: skip
     if splits > 1:
         combine = wrap(_combine_splits_kernel) if wrap is not None else _combine_splits_kernel
