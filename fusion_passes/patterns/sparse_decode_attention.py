@@ -18,9 +18,11 @@ Fused:   out = fusion_passes.masked_attention(query, key, value, mask, scaling)
 
 The same math, summed in another order, in fp32 (exact products of the inputs, fp32 probabilities
 times v): within the dtype's tolerance of the unfused call, tested. Matched where the mask is the
-sparse_attention_mask op's output (through views): a dense mask (DeepSeek V3, the prefix a causal
-mask opens) leaves cuDNN nothing to skip but the unwritten slots, and is not measured. Not a site:
-several query tokens (masked_prefill_attention_mha's). Not matched: a causal call, dropout.
+sparse_attention_mask op's output, through views and the appending pad SDPA aligns a bias with;
+not a site otherwise: a dense mask (DeepSeek V3, the prefix a causal mask opens) leaves cuDNN
+nothing to skip but the unwritten slots, and is not measured. Not a site either: several query
+tokens (masked_prefill_attention_mha's), repeated keys (gqa_decode_attention's). Not matched: a
+causal call, dropout.
 """
 
 from __future__ import annotations
