@@ -38,6 +38,7 @@ def _cases(draw):
         ties=draw(st.booleans()),
         unfilled=draw(st.integers(0, 5)),
         lowest=draw(st.booleans()),  # the lowest-key shortcut (on by default above LOWEST_ROWS rows)
+        radix=draw(st.sampled_from([5, 3, 6, 8])),  # bits a pass (the launcher's 5; others for A/B)
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -52,7 +53,7 @@ def test_matches_reference(case):
     if case["unfilled"]:
         scores[..., -case["unfilled"]:] = float("-inf")
     scores = scores.to(DEVICE, case["dtype"])
-    mask = sparse_index_mask_triton(scores, case["k"], lowest=case["lowest"])
+    mask = sparse_index_mask_triton(scores, case["k"], lowest=case["lowest"], radix=case["radix"])
     assert mask.dtype == torch.bool and mask.shape == scores.shape
     assert torch.equal(mask, sparse_index_mask_reference(scores, case["k"]))
     assert bool((~mask).sum(-1).eq(case["k"]).all())
@@ -83,6 +84,12 @@ def test_without_ties_equals_the_models_top_k_and_scatter(t, k):
     scores = torch.randperm(3 * t, generator=g).float().view(3, t).to(DEVICE)  # distinct
     scores[:, -3:] = float("-inf")  # unfilled positions, fewer than T - k: no tie at the k-th place
     assert torch.equal(sparse_index_mask_triton(scores, k), _transformers_mask(scores, k))
+
+
+@pytest.mark.parametrize("radix", [0, 9])
+def test_a_digit_width_outside_one_to_eight_bits_is_refused(radix):
+    with pytest.raises(ValueError, match="radix must be in 1..8"):
+        sparse_index_mask_triton(torch.zeros(1, 5, device=DEVICE), 2, radix=radix)
 
 
 def test_nan_above_inf_and_negative_zero_below_zero():

@@ -247,6 +247,7 @@ def sparse_index_mask_triton(
     split: int | None = None,
     lowest: bool | None = None,
     num_warps: int | None = None,
+    radix: int = 5,
     wrap: Callable | None = None,
 ) -> torch.Tensor:
     """bool [..., T] as ``sparse_index_mask_reference``. ``split``: programs a row (default: from
@@ -255,7 +256,8 @@ def sparse_index_mask_triton(
     than LOWEST_ROWS rows); ``num_warps``: default from the positions a loop step takes.
     With ``attention_mask`` (bool [B, 1, S, T]) and ``dtype``: ``sparse_attention_mask_reference``'s
     additive [B, 1, S, T] mask instead, written by the same pass; with ``causal_first`` in place of
-    the mask, the causal one from that first position (compared in the kernel, nothing read)."""
+    the mask, the causal one from that first position (compared in the kernel, nothing read).
+    ``radix``: bits of the key a pass takes (ceil(32 / radix) passes; see below)."""
     check_sparse_index_mask_args(index_scores, k)
     additive = attention_mask is not None or causal_first is not None
     if additive:
@@ -290,7 +292,9 @@ def sparse_index_mask_triton(
         sms = torch.cuda.get_device_properties(scores.device).multi_processor_count
         if rows * split > sms:
             raise ValueError(f"sparse_index_mask: {rows} rows x {split} programs a row exceed the GPU's {sms} SMs")
-    radix, passes = 5, 7
+    if not 1 <= radix <= 8:
+        raise ValueError(f"sparse_index_mask: radix must be in 1..8 bits a pass, got {radix}")
+    passes = -(-32 // radix)
     # Unsplit: 2048 positions a loop step at 8 warps, 5-bit digits (7 passes; the first takes 2
     # bits): Triton's histogram costs each lane a share of the bins per position (256 bins: 8), so
     # fewer bins, more passes measured faster. On one H200 at batch 1, 8192 cached tokens, with
