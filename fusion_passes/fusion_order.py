@@ -34,6 +34,7 @@ from fusion_passes.patterns import (
     rms_norm_quant_fp8,
     rope,
     router_logits,
+    shared_input_linears,
     silu_mul_quant_fp8,
     sparse_index_mask,
     sparse_decode_attention,
@@ -125,6 +126,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "after the norm + FP8 family and allreduce_rms_norm: it folds the allreduce before a "
         "canonical (add_)rms_norm_quant_fp8 into it, which the norm-only allreduce fusion "
         "(needing a bare norm) leaves alone",
+    ),
+    (
+        shared_input_linears,
+        "after every family that reads a GEMM's operands or output (router_logits' fp32 GEMM, the "
+        "attention and MoE families' projections): it regroups the GEMMs left",
     ),
     (cache_lengths, "last: the writes of the cache counters at the graph's end, which no other fusion reads"),
 )

@@ -94,6 +94,7 @@ def _cases():
     from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_cache_triton, qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
     from fusion_passes.lowering.router_logits.triton import router_logits_triton
+    from fusion_passes.lowering.shared_input_linears.triton import shared_input_linears_triton
     from fusion_passes.lowering.rms_norm_quant_fp8.triton import rms_norm_quant_fp8_triton
     from fusion_passes.lowering.silu_mul_quant_fp8.triton import silu_mul_quant_fp8_triton
     from fusion_passes.lowering.sparse_index_mask.triton import sparse_index_mask_triton
@@ -157,6 +158,13 @@ def _cases():
     # a router's fp32 logits from bf16: DeepSeek V3's 256 experts at one token, and 5 tokens of 72
     yield "router_logits (1 token)", router_logits_triton, (torch.randn(1, 7168, dtype=bf16), torch.randn(256, 7168, dtype=bf16))
     yield "router_logits (5 tokens)", router_logits_triton, (torch.randn(5, 300, dtype=bf16), torch.randn(72, 300, dtype=bf16))
+    # sibling linears of one input: Qwen 3.5's in_proj_b / in_proj_a at one token; its MoE block's
+    # router, shared expert gate / up and shared_expert_gate at 5 tokens
+    x1, x5 = torch.randn(1, 2048, dtype=bf16), torch.randn(5, 2048, dtype=bf16)
+    ba = [torch.randn(32, 2048, dtype=bf16), torch.randn(32, 2048, dtype=bf16)]
+    yield "shared_input_linears (2 weights)", shared_input_linears_triton, (x1, ba)
+    moe = [torch.randn(n, 2048, dtype=bf16) for n in (256, 512, 512, 1)]
+    yield "shared_input_linears (4 weights)", shared_input_linears_triton, (x5, moe)
     split = functools.partial(masked_decode_attention_triton, splits=3)
     yield "masked_attention (one token, 3 splits and their combine)", split, (q1, k1, v1, index, 0.07)
     # Qwen3-style per-head QK-norm + full RoPE, and MiniMax-M2's whole-row norm + partial RoPE

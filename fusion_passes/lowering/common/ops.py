@@ -50,7 +50,9 @@ def op_from_reference(
         out = reference(*args, **kwargs)
         if not contiguous:
             return out
-        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+        if isinstance(out, (tuple, list)):  # several outputs (a Tensor[] return is a list)
+            return type(out)(t.contiguous() for t in out)
+        return out.contiguous()
 
     custom = torch.library.custom_op(f"fusion_passes::{name}", op, mutates_args=())
     if lower_back:

@@ -1,0 +1,1 @@
+"""Several bias-free linears of one input (a layer's small projections) as one GEMM launch."""
