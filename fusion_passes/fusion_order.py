@@ -24,6 +24,7 @@ from fusion_passes.patterns import (
     gated_delta_step,
     gqa_decode_attention,
     masked_prefill_attention,
+    masked_prefill_attention_causal,
     mla_rope,
     moe_route,
     moe_sort_by_expert,
@@ -114,6 +115,10 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "one token: the two never share a site); after the same regions. Its opt-in form without "
         "the repeat (masked_prefill_attention_mha) comes second, so that a repeat site is the "
         "grouped form's, its copies gone",
+    ),
+    (
+        masked_prefill_attention_causal,
+        "after masked_prefill_attention, whose masked_attention op it starts from",
     ),
     (
         sparse_decode_attention,

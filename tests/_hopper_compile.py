@@ -87,6 +87,7 @@ def _cases():
     from fusion_passes.lowering.rms_norm.reference import RMSNormForm
     from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
     from fusion_passes.lowering.masked_attention.decode import masked_decode_attention_triton
+    from fusion_passes.lowering.masked_attention.op import _masked_attention_causal_cuda as causal_launch
     from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
@@ -151,6 +152,7 @@ def _cases():
         keep = (torch.arange(316)[None, :] <= torch.arange(300)[:, None])[None, None]
         causal = torch.zeros(keep.shape, dtype=bf16).masked_fill(~keep, float("-inf"))
         yield f"masked_attention (head dim {d})", masked_attention_triton, (q, kv, kv.clone(), causal, d**-0.5)
+        yield f"masked_attention_causal (head dim {d})", causal_launch, (q, kv, kv.clone(), torch.tensor(16), d**-0.5)
     # at one query token: DeepSeek V3.2's 192 / 128 head dims through a -65504 index mask
     q1, k1, v1 = torch.randn(1, 4, 1, 192, dtype=bf16), torch.randn(1, 4, 300, 192, dtype=bf16), torch.randn(1, 4, 300, 128, dtype=bf16)
     index = torch.zeros(1, 1, 1, 300, dtype=bf16).masked_fill(torch.rand(1, 1, 1, 300) > 0.25, -65504.0)

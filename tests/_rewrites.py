@@ -35,6 +35,21 @@ def decode_steps(step, fusions, steps: int = 2):
     return outs + [t.clone() for t in step.cache_tensors()] + [t.clone() for t in step._lengths], report
 
 
+def prefill(step, fusions):
+    """The prefill of the step's prompt compiled with ``fusions``, written into a zeroed cache: (the
+    output, then every cache tensor after it; the report)."""
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True)
+    with torch.no_grad():
+        for t in step.cache_tensors():
+            t.zero_()
+        out = compiled(step.prompt, torch.arange(step.context, device=step.prompt.device)).clone()
+        after = [t.clone() for t in step.cache_tensors()]
+        step.restore()
+    return [out, *after], report
+
+
 def defaults_without(*names: str) -> list[str]:
     """The default fusions less ``names`` and less every default that requires one of them (its
     ``requires`` would enable it again): the defaults as they were before ``names`` joined them."""

@@ -8,7 +8,11 @@ Fused:
     out = masked_attention(query, key, value, mask, scale)     # [B, Hq, S, Dv]
 a flash-attention kernel that skips the key blocks the mask closes (after a small kernel that
 summarizes the mask's blocks); at one query token (a decode step) one program per query head that
-loads only the key and value rows the mask opens (``decode``). The math lives in ``reference``.
+loads only the key and value rows the mask opens (``decode``). And ``masked_attention_causal``: the
+same through a prompt's causal mask from its first cache position, computed in the kernel instead
+of read (no mask, no block summary):
+    out = masked_attention_causal(query, key, value, first, scale)
+The math lives in ``reference``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ import torch
 
 from fusion_passes.lowering.common.direct_launch import register_launcher
 from fusion_passes.lowering.common.ops import op_from_reference
-from fusion_passes.lowering.masked_attention.reference import check_masked_attention_args, masked_attention_reference
+from fusion_passes.lowering.masked_attention.reference import (
+    check_causal_attention_args,
+    check_masked_attention_args,
+    masked_attention_causal_reference,
+    masked_attention_reference,
+)
 
 masked_attention = op_from_reference(
     "masked_attention", masked_attention_reference, check=check_masked_attention_args, contiguous=False
@@ -39,6 +48,27 @@ def _masked_attention_cuda(query, key, value, mask, scale, wrap=None):
 @masked_attention.register_fake
 def _masked_attention_fake(query, key, value, mask, scale):
     check_masked_attention_args(query, key, value, mask)
+    bsz, heads, s, _ = query.shape
+    out = torch.empty((bsz, s, heads, value.shape[3]), dtype=query.dtype, device=query.device)
+    return out.permute(0, 2, 1, 3)
+
+
+masked_attention_causal = op_from_reference(
+    "masked_attention_causal", masked_attention_causal_reference, check=check_causal_attention_args, contiguous=False
+)
+
+
+@masked_attention_causal.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.masked_attention_causal.default)
+def _masked_attention_causal_cuda(query, key, value, first, scale, wrap=None):
+    from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
+
+    return masked_attention_triton(query, key, value, None, scale, causal_first=first, wrap=wrap)
+
+
+@masked_attention_causal.register_fake
+def _masked_attention_causal_fake(query, key, value, first, scale):
+    check_causal_attention_args(query, key, value, first)
     bsz, heads, s, _ = query.shape
     out = torch.empty((bsz, s, heads, value.shape[3]), dtype=query.dtype, device=query.device)
     return out.permute(0, 2, 1, 3)

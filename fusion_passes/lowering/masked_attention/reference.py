@@ -65,3 +65,31 @@ def masked_attention_reference(
             query.float(), key.float(), value.float(), attn_mask=mask.float(), scale=scale
         )
     return out.to(query.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def check_causal_attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: torch.Tensor) -> None:
+    """Raise a one-line ValueError for arguments masked_attention_causal does not define."""
+    s, length = (query.shape[2], key.shape[2]) if query.dim() == 4 and key.dim() == 4 else (1, 1)
+    mask = torch.empty((1, 1, s, length), dtype=query.dtype, device="meta")  # the causal mask's shape, never read
+    check_masked_attention_args(query, key, value, mask)
+    if first.numel() != 1 or first.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"masked_attention_causal: the first position must be one int tensor, got {first.dtype} "
+                         f"{tuple(first.shape)}")  # fmt: skip
+
+
+def causal_mask_from_first(s: int, length: int, first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive [1, 1, S, L] mask of a prompt whose token i sits at cache position first + i and
+    sees the positions up to it: 0 where ``t <= first + i``, -inf elsewhere."""
+    device = first.device
+    keep = torch.arange(length, device=device)[None, :] <= first.reshape(()) + torch.arange(s, device=device)[:, None]
+    return torch.zeros((1, 1, s, length), dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
+
+
+def masked_attention_causal_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``masked_attention_reference`` through the causal mask of a prompt from cache position
+    ``first`` (``causal_mask_from_first``): the mask is computed, not read. With ``first >= 0``
+    every query token sees position 0, so no row is without keys."""
+    mask = causal_mask_from_first(query.shape[2], key.shape[2], first, query.dtype)
+    return masked_attention_reference(query, key, value, mask, scale)

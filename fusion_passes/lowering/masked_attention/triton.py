@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_passes.lowering.masked_attention.reference import check_masked_attention_args
+from fusion_passes.lowering.masked_attention.reference import check_causal_attention_args, check_masked_attention_args
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _mask_blocks(
 
 @triton.jit
 def _attend_block(
-    q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
+    q, k_base, v_base, m_base, blocks_row, kb, rows, row_last, m_i, l_i, acc, S, L, scale,
     stride_kl, stride_vl, stride_ml,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
@@ -82,6 +82,7 @@ def _attend_block(
     EDGE: tl.constexpr,
     COPY: tl.constexpr,
     OPEN: tl.constexpr,
+    CAUSAL: tl.constexpr = False,
 ):  # fmt: skip
     """One key block of the online softmax: (m, l, acc) updated. UPCAST: the dots' operands in fp32
     (the interpreter's bf16 dots are wrong; fp32 products of bf16 / fp16 values are exact, as the
@@ -91,7 +92,9 @@ def _attend_block(
     adds -inf; else from the mask (m_base: its rows, stride_ml apart). Why: on an odd cache length
     (the mask's rows at an odd stride) the kernel reading the mask with key masks ran 3.1x slower
     (MiniMax-M2's widths, a 4096-token prompt: 2728 us with 4097 keys, 885 us with 4112; one H200).
-    OPEN: a block of the leading run the mask opens whole: no block state read, no bias."""
+    OPEN: a block of the leading run the mask opens whole: no block state read, no bias.
+    CAUSAL: no mask; key t is open for a row up to its cache position row_last (base-2 logits as
+    COPY's, a closed key -inf)."""
     cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -114,7 +117,9 @@ def _attend_block(
         s = tl.dot(q, k, input_precision="ieee") * scale
     else:
         s = tl.dot(q, k) * scale
-    if not OPEN:  # (OPEN: a block of the leading run the mask opens whole, no bias to add)
+    if CAUSAL and not OPEN:  # the diagonal's blocks, and the cache's partial last one
+        s = tl.where((cols[None, :] <= row_last[:, None]) & (cols[None, :] < L), s, float("-inf"))
+    elif not OPEN:  # (OPEN: a block of the leading run the mask opens whole, no bias to add)
         state = tl.load(blocks_row + kb)
         if COPY:  # from _mask_blocks' copy: a mixed block its tile, a closed one -inf (exp: exactly 0)
             if state != 2:
@@ -131,7 +136,7 @@ def _attend_block(
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # a row without an open key so far keeps m = -inf: subtract 0 there (exp2(-inf) = 0, no NaN)
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if COPY:
+    if COPY or CAUSAL:
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
     else:
@@ -151,6 +156,7 @@ def _attend_block(
 @triton.jit
 def _masked_attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, blocks_ptr, tiles_ptr, out_ptr,
+    first_ptr,  # CAUSAL: *int, the cache position of the prompt's first token (else None)
     S, L, HQ, GROUPS, MASK_BATCHES, scale,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_kl,
@@ -162,6 +168,7 @@ def _masked_attention_kernel(
     IEEE: tl.constexpr,
     REDO_BELOW: tl.constexpr,  # a row's best base-2 logit below it: the row redone (REDO_BELOW below)
     INTERPRET: tl.constexpr,  # Triton's CPU interpreter (the tests): see below
+    CAUSAL: tl.constexpr = False,  # the causal mask from first_ptr: no mask, no block summary read
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     scale2 = scale * 1.4426950408889634  # the main pass's base-2 logits (_attend_block)
@@ -172,15 +179,22 @@ def _masked_attention_kernel(
     kvh = h // GROUPS
     mb = tl.where(MASK_BATCHES == 1, 0, b)
     n_kb = tl.cdiv(L, BLOCK_N)
+    rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     # the key blocks this query block's mask opens: [first, last]
     kbs = tl.arange(0, N_KB)
     blocks_row = blocks_ptr + (mb * tl.cdiv(S, BLOCK_M) + qb).to(tl.int64) * n_kb
-    states = tl.load(blocks_row + kbs, mask=kbs < n_kb, other=0)
-    opened = states != 0
-    first = tl.min(tl.where(opened, kbs, N_KB), axis=0)
-    last = tl.max(tl.where(opened, kbs, -1), axis=0)
+    if CAUSAL:  # row i sees the positions up to first + i: the blocks up to the block row's last
+        pos0 = tl.load(first_ptr).to(tl.int32)
+        row_last = pos0 + rows
+        first = 0
+        last = tl.minimum((pos0 + tl.minimum(qb * BLOCK_M + BLOCK_M, S) - 1) // BLOCK_N, n_kb - 1)
+    else:
+        row_last = rows  # not read
+        states = tl.load(blocks_row + kbs, mask=kbs < n_kb, other=0)
+        opened = states != 0
+        first = tl.min(tl.where(opened, kbs, N_KB), axis=0)
+        last = tl.max(tl.where(opened, kbs, -1), axis=0)
 
-    rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None].to(tl.int64) * stride_qs
@@ -198,37 +212,40 @@ def _masked_attention_kernel(
     # diagonal's mixed blocks); the cache's last block if it is partial and open.
     full = L // BLOCK_N
     end = tl.minimum(last + 1, full)
-    lead = tl.minimum(tl.min(tl.where((kbs >= first) & (states != 2), kbs, N_KB), axis=0), end)
+    if CAUSAL:  # the blocks every row of the block sees whole: up to the first row's position
+        lead = tl.minimum((pos0 + qb * BLOCK_M + 1) // BLOCK_N, end)
+    else:
+        lead = tl.minimum(tl.min(tl.where((kbs >= first) & (states != 2), kbs, N_KB), axis=0), end)
     if not INTERPRET:  # software-pipelined on the GPU
         for kb in range(first, lead):
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, t_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale2,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False, False, True, True,
+                q, k_base, v_base, t_base, blocks_row, kb, rows, row_last, m_i, l_i, acc, S, L, scale2,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False, False, True, True, CAUSAL,
             )  # fmt: skip
         for kb in range(tl.maximum(lead, first), end):
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, t_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale2,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False, False, True, False,
+                q, k_base, v_base, t_base, blocks_row, kb, rows, row_last, m_i, l_i, acc, S, L, scale2,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, False, False, True, False, CAUSAL,
             )  # fmt: skip
     else:  # the interpreter cannot bound a for loop by a loaded value
         kb = first
         while kb < lead:
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, t_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale2,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True, False, True, True,
+                q, k_base, v_base, t_base, blocks_row, kb, rows, row_last, m_i, l_i, acc, S, L, scale2,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True, False, True, True, CAUSAL,
             )  # fmt: skip
             kb += 1
         kb = tl.maximum(lead, first)
         while kb < end:
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, t_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale2,
-                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True, False, True, False,
+                q, k_base, v_base, t_base, blocks_row, kb, rows, row_last, m_i, l_i, acc, S, L, scale2,
+                stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, True, False, True, False, CAUSAL,
             )  # fmt: skip
             kb += 1
     if last >= full:  # last == full: the partial block (the loops' bounds keep first <= it)
         m_i, l_i, acc = _attend_block(
-            q, k_base, v_base, t_base, blocks_row, full, rows, m_i, l_i, acc, S, L, scale2,
-            stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET, True, True, False,
+            q, k_base, v_base, t_base, blocks_row, full, rows, row_last, m_i, l_i, acc, S, L, scale2,
+            stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET, True, True, False, CAUSAL,
         )  # fmt: skip
     # A row whose every key is closed (its best logit at a closed key's level, or no key at all)
     # takes the whole row, the closed blocks too: SDPA's softmax over biases of -65504 is not 0
@@ -236,14 +253,15 @@ def _masked_attention_kernel(
     # Only rows of the prompt count: the block's rows past S (a 4-token prompt in a block of 16)
     # see no key: redoing for them made 4 tokens on a 4084-slot cache take 151 us against 12 us
     # without (MiniMax-M2's widths, in a CUDA graph on one H200; stock Inductor 129 us).
-    if tl.max(((m_i < REDO_BELOW) & (rows < S)).to(tl.int32), axis=0) > 0:
+    # (CAUSAL: every row sees position 0, never redone)
+    if not CAUSAL and tl.max(((m_i < REDO_BELOW) & (rows < S)).to(tl.int32), axis=0) > 0:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         kb = 0
         while kb < n_kb:
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, m_base, blocks_row, kb, rows, m_i, l_i, acc, S, L, scale,
+                q, k_base, v_base, m_base, blocks_row, kb, rows, row_last, m_i, l_i, acc, S, L, scale,
                 stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, IEEE, INTERPRET, True, False, False,
             )  # fmt: skip
             kb += 1
@@ -270,17 +288,23 @@ def masked_attention_triton(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     *,
+    causal_first: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     wrap: Callable | None = None,
 ) -> torch.Tensor:
-    """[B, Hq, S, Dv] laid out [B, S, Hq, Dv], as ``masked_attention_reference``."""
-    check_masked_attention_args(query, key, value, mask)
+    """[B, Hq, S, Dv] laid out [B, S, Hq, Dv], as ``masked_attention_reference``; with
+    ``causal_first`` in place of the mask, as ``masked_attention_causal_reference`` (the mask
+    compared in the kernel, no block summary)."""
+    if causal_first is not None:
+        check_causal_attention_args(query, key, value, causal_first)
+    else:
+        check_masked_attention_args(query, key, value, mask)
     bsz, heads, s, d = query.shape
     kv_heads, length, dv = key.shape[1], key.shape[2], value.shape[3]
     # the head dim contiguous (the kernels' loads); a no-op for the cache and the projections' views
@@ -296,27 +320,32 @@ def masked_attention_triton(
     block_n = block_n or (32 if fp32 else 64)
     num_stages = num_stages or (2 if wide else 3)
     n_qb, n_kb = triton.cdiv(s, block_m), triton.cdiv(length, block_n)
-    mask_batches = mask.shape[0]
-    blocks = torch.empty((mask_batches, n_qb, n_kb), dtype=torch.int8, device=query.device)
-    # written only where a tile is mixed (a causal prompt: the diagonal's, 2-3 of a query block's)
-    tiles = torch.empty((mask_batches, n_qb * block_m, n_kb * block_n), dtype=mask.dtype, device=query.device)
-    summarize = wrap(_mask_blocks) if wrap is not None else _mask_blocks
-    summarize[(mask_batches * n_qb, n_kb)](mask, blocks, tiles, s, length, mask.stride(0), mask.stride(2),
-                                           mask.stride(3), BLOCK_M=block_m, BLOCK_N=block_n, CLOSED=CLOSED,
-                                           num_warps=4)  # fmt: skip
+    if causal_first is None:
+        mask_batches = mask.shape[0]
+        blocks = torch.empty((mask_batches, n_qb, n_kb), dtype=torch.int8, device=query.device)
+        # written only where a tile is mixed (a causal prompt: the diagonal's, 2-3 of a query block's)
+        tiles = torch.empty((mask_batches, n_qb * block_m, n_kb * block_n), dtype=mask.dtype, device=query.device)
+        summarize = wrap(_mask_blocks) if wrap is not None else _mask_blocks
+        summarize[(mask_batches * n_qb, n_kb)](mask, blocks, tiles, s, length, mask.stride(0), mask.stride(2),
+                                               mask.stride(3), BLOCK_M=block_m, BLOCK_N=block_n, CLOSED=CLOSED,
+                                               num_warps=4)  # fmt: skip
+        mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
+    else:  # nothing to summarize: the mask, the block states and the tiles' pointers are never read
+        mask_batches, mask_strides = 1, (0, 0, 0)
+        mask = blocks = tiles = query
     attend = wrap(_masked_attention_kernel) if wrap is not None else _masked_attention_kernel
     attend[(n_qb, bsz * heads)](
-        query, key, value, mask, blocks, tiles, out,
+        query, key, value, mask, blocks, tiles, out, causal_first,
         s, length, heads, heads // kv_heads, mask_batches, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
-        mask.stride(0), mask.stride(2), mask.stride(3),
+        *mask_strides,
         out.stride(0), out.stride(1), out.stride(2),
         D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n, N_KB=triton.next_power_of_2(n_kb), IEEE=fp32,
         REDO_BELOW=REDO_BELOW * 1.4426950408889634,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", CAUSAL=causal_first is not None,
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
     )  # fmt: skip
     return out
