@@ -28,6 +28,7 @@ from fusion_passes.patterns import (
     mla_rope,
     moe_route,
     moe_sort_by_expert,
+    moe_sort_narrow_keys,
     qk_norm_rope,
     qk_norm_rope_cache,
     quant_fp8,
@@ -97,6 +98,10 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         moe_sort_by_expert,
         "independent of the others (a sort, histc, cumsum and a scatter of integer expert ids, no "
         "canonical op)",
+    ),
+    (
+        moe_sort_narrow_keys,
+        "after moe_sort_by_expert: it narrows the keys of the sorts that one leaves to Inductor (a prefill's)",
     ),
     (sparse_index_mask, "independent of the others (a top-k and a scatter into a mask, no canonical op)"),
     (
