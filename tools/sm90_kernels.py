@@ -1,8 +1,8 @@
-"""The kernels of a built-in model's decode step as Inductor writes them for one H200 (sm_90), on a
-machine without a GPU: stock Inductor against fusion_passes, launches per layer by class (GEMM,
+"""The kernels of a built-in model's decode step (or prefill) as Inductor writes them for one H200
+(sm_90), on a machine without a GPU: stock Inductor against fusion_passes, launches per layer by class (GEMM,
 attention, MoE, other) and the "other" kernels by name. No timing: launch counts only.
 
-    python -m tools.sm90_kernels deepseek-v3.2 [--context 40] [--batch 1] [--layers 2]
+    python -m tools.sm90_kernels deepseek-v3.2 [--context 40] [--batch 1] [--layers 2] [--prefill N]
         [--opt-in sparse_attention_mask ...] [--inductor combo_kernels=True] [--code out.py] [--json out.json]
 
 How: the step (a StaticCache decode step, models/decode.py) is traced by torch.compile on the CPU
@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=40)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="a prefill of N tokens at batch 1 writing the cache, instead of a decode step")
     parser.add_argument("--opt-in", nargs="*", default=[], help="opt-in fusions added to the defaults")
     parser.add_argument("--inductor", nargs="*", default=[], help="Inductor options, NAME=VALUE (both variants)")
     parser.add_argument("--code", help="write fusion_passes' generated code here")
@@ -255,10 +257,13 @@ def main(argv: list[str] | None = None) -> int:
 
     options = inductor_settings(args.inductor)
     built = build_model(args.model, size="tiny", dtype=torch.bfloat16, layers=args.layers, device="cpu")
+    if args.prefill:
+        args.batch, args.context = 1, args.prefill
     step = DecodeStep(built.module, batch=args.batch, context=args.context, steps=2)
+    step_inputs = (step.prompt, torch.arange(args.context)) if args.prefill else step.inputs(0)
     with torch.no_grad():
         step.restore()
-        gm, inputs, kwargs = _capture_aten_graph(step, step.inputs(0))
+        gm, inputs, kwargs = _capture_aten_graph(step, step_inputs)
     _as_one_h200()
     report = fusion_passes.Report()
     manager = FusionPassManager(get_fusions(["all", *args.opt_in]), report, False, False, "direct", True)
@@ -274,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         classes = ("gemm", "attention", "moe", "other")
         record = {
             "model": args.model, "batch": args.batch, "context": args.context, "layers": args.layers,
+            "prefill": bool(args.prefill),
             "opt_in": args.opt_in, "fusions": {k: v for k, v in report.final().items() if v},
             "per_layer": {name: {c: sum(cls == c for _, cls in found) / args.layers for c in classes}
                           for name, found in counted.items()},
@@ -281,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
-    print(f"{args.model} decode step, batch {args.batch}, {args.context} cached tokens, {args.layers} tiny layers; "
-          f"Inductor's sm_90 code")  # fmt: skip
+    what = (f"prefill of {args.context} tokens" if args.prefill
+            else f"decode step, batch {args.batch}, {args.context} cached tokens")  # fmt: skip
+    print(f"{args.model} {what}, {args.layers} tiny layers; Inductor's sm_90 code")
     print("fusions:", {k: v for k, v in report.final().items() if v})
     print(f"{'launches per layer':24}" + "".join(f"{c:>12}" for c in ("gemm", "attention", "moe", "other", "all")))
     for name, found in counted.items():
