@@ -27,6 +27,8 @@ source "$(dirname "$0")/gpu_run_common.sh"
   --out "$OUT/bench_mla_rope.md" --json "$OUT/bench_mla_rope.json" ${MLA_ARGS:-}
 [ "${GDN:-1}" = 1 ] && run bench_gated_delta_step python3 -m benchmarks.bench_gated_delta_step \
   --out "$OUT/bench_gated_delta_step.md" --json "$OUT/bench_gated_delta_step.json"
+[ "${GDN_LAYER:-1}" = 1 ] && run bench_gdn_layer python3 -m benchmarks.bench_gdn_layer \
+  --out "$OUT/bench_gdn_layer.md" --json "$OUT/bench_gdn_layer.json" ${GDN_LAYER_ARGS:-}
 [ "${CONV:-1}" = 1 ] && run bench_causal_conv1d python3 -m benchmarks.bench_causal_conv1d \
   --out "$OUT/bench_causal_conv1d.md" --json "$OUT/bench_causal_conv1d.json"
 [ "${CHUNK:-1}" = 1 ] && run bench_chunk_gated_delta_rule python3 -m benchmarks.bench_chunk_gated_delta_rule \
