@@ -44,3 +44,23 @@ def test_deepseek_v32_decode_kernels_for_sm90(tmp_path):
     # one): one sort kernel, no histc nor cumsum
     assert record["fusions"]["moe_sort_by_expert"] == 1, record["fusions"]
     assert not [k for k in other if "histc" in k or "cumsum" in k], other
+
+
+@pytest.mark.slow  # two compiles for sm_90 (about 40 s)
+def test_minimax_m2_prefill_with_the_causal_mask_computed(tmp_path):
+    """A tiny MiniMax-M2 prefill as Inductor writes it for sm_90, with masked_prefill_attention_causal:
+    no kernel builds the causal mask or summarizes its blocks; the attention is one launch a layer."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "counts.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.sm90_kernels", "minimax-m2", "--prefill", "64", "--opt-in",
+         "masked_prefill_attention_causal", "--json", str(out)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["prefill"] and record["fusions"]["masked_prefill_attention_causal"] == 2, record["fusions"]
+    other = record["other"]["fusion_passes"]
+    assert not [k for k in other if "_mask_blocks" in k or ("_le_" in k and "where" in k)], other
+    assert record["per_layer"]["fusion_passes"]["attention"] == 1.0, record["per_layer"]
