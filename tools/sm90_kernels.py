@@ -3,7 +3,7 @@
 attention, MoE, other) and the "other" kernels by name. No timing: launch counts only.
 
     python -m tools.sm90_kernels deepseek-v3.2 [--context 40] [--batch 1] [--layers 2] [--prefill N]
-        [--opt-in sparse_attention_mask ...] [--inductor combo_kernels=True] [--code out.py] [--json out.json]
+        [--opt-in sparse_attention_mask ...] [--inductor combo_kernels=True] [--code out.py] [--stock-code stock.py] [--json out.json]
 
 How: the step (a StaticCache decode step, models/decode.py) is traced by torch.compile on the CPU
 and its ATen graph taken where Inductor receives it; its device constants become cuda:0 and its
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--opt-in", nargs="*", default=[], help="opt-in fusions added to the defaults")
     parser.add_argument("--inductor", nargs="*", default=[], help="Inductor options, NAME=VALUE (both variants)")
     parser.add_argument("--code", help="write fusion_passes' generated code here")
+    parser.add_argument("--stock-code", help="write stock Inductor's generated code here")
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -269,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     manager = FusionPassManager(get_fusions(["all", *args.opt_in]), report, False, False, "direct", True)
     variants = {"inductor": generated_code(gm, inputs, kwargs, None, options),
                 "fusion_passes": generated_code(gm, inputs, kwargs, manager, options)}  # fmt: skip
-    if args.code:
-        with open(args.code, "w") as f:
-            f.write(variants["fusion_passes"])
+    for path, name in ((args.code, "fusion_passes"), (args.stock_code, "inductor")):
+        if path:
+            with open(path, "w") as f:
+                f.write(variants[name])
     counted = {name: launches(code) for name, code in variants.items()}
     if args.json:
         import json
