@@ -48,8 +48,9 @@ MAX_TOKENS = 16  # a decode step's tokens (more: each program's weight rows are 
 SMALL_WEIGHT_BYTES = 8 << 20
 
 
-def _small_linear(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(input, weight) of an mm that is a small bias-free linear at decode (module docstring), or None."""
+def _small_linear(mm: torch.fx.Node, max_bytes: int | None) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(input, weight) of an mm that is a bias-free linear at decode with a weight of at most
+    ``max_bytes`` (None: any size) (module docstring), or None."""
     if len(mm.args) != 2 or mm.kwargs:
         return None
     x, wt = mm.args
@@ -64,7 +65,7 @@ def _small_linear(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | No
         return None
     if xv.dtype not in INPUT_DTYPES or wv.dtype != xv.dtype or wv.device != xv.device or xv.stride(1) != 1:
         return None
-    if not wv.is_contiguous() or wv.numel() * wv.element_size() > SMALL_WEIGHT_BYTES:
+    if not wv.is_contiguous() or (max_bytes is not None and wv.numel() * wv.element_size() > max_bytes):
         return None
     return x, w
 
@@ -86,12 +87,12 @@ def _common_module(nodes: list[torch.fx.Node]) -> str:
     return ".".join(common)
 
 
-def group_shared_input_linears(graph: torch.fx.Graph) -> list[Rewritten]:
+def group_shared_input_linears(graph: torch.fx.Graph, max_bytes: int | None = SMALL_WEIGHT_BYTES) -> list[Rewritten]:
     """The rewrite (module docstring): each group of small linears of one input, one op."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
     for mm in graph.find_nodes(op="call_function", target=_aten.mm.default):
-        found = _small_linear(mm)
+        found = _small_linear(mm, max_bytes)
         if found is not None:
             groups[_source(found[0])].append((mm, found[1]))
     done = []
@@ -147,4 +148,19 @@ SHARED_INPUT_LINEARS = Fusion(
     builtin=True,
 )
 
-FUSIONS = (SHARED_INPUT_LINEARS,)
+SHARED_INPUT_LINEARS_ANY_SIZE = Fusion(
+    name="shared_input_linears_any_size",
+    summary="shared_input_linears with no weight size limit (Qwen 3.5 Gated DeltaNet's four input projections "
+    "as one launch): for measuring the kernel against cuBLAS on large weights",
+    doc="The rewrite of shared_input_linears with every bias-free linear of one input at decode taken, large "
+    "weights too (Qwen 3.5's in_proj_qkv, 32 MiB, with z, b and a): one launch, the kernel streaming every weight "
+    "instead of cuBLAS streaming the large ones. Faster only where the kernel streams a large weight at cuBLAS's "
+    "rate; the default form leaves weights above SMALL_WEIGHT_BYTES to cuBLAS.",
+    spellings=(),
+    example_inputs=lambda: (),
+    rewrite=lambda graph: group_shared_input_linears(graph, None),
+    opt_in="not yet timed on a GPU (the A/B of the kernel against cuBLAS on large weights decides it)",
+    builtin=True,
+)
+
+FUSIONS = (SHARED_INPUT_LINEARS, SHARED_INPUT_LINEARS_ANY_SIZE)

@@ -193,6 +193,10 @@ def test_a_large_weight_is_left_to_cublas_and_its_small_siblings_grouped():
     # with the large weight in, all three would be one launch and no GEMM left
     assert report.final()["shared_input_linears"] == 1 and op_changes(report)[MM] == (3, 1)
     _assert_equal(out, vllm_style(x, big, b, a))
+    # the form without the limit (for measuring the kernel on large weights) takes all three
+    out, report = compile_with(["shared_input_linears_any_size"], vllm_style, (x, big, b, a))
+    assert report.final()["shared_input_linears_any_size"] == 1 and op_changes(report)[MM] == (3, 0)
+    _assert_equal(out, vllm_style(x, big, b, a))
 
 
 @pytest.mark.slow  # two whole-model compiles
