@@ -45,12 +45,17 @@ def _masked_attention_cuda(query, key, value, mask, scale, wrap=None):
     return masked_attention_triton(query, key, value, mask, scale, wrap=wrap)
 
 
-@masked_attention.register_fake
-def _masked_attention_fake(query, key, value, mask, scale):
-    check_masked_attention_args(query, key, value, mask)
+def _output(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """[B, Hq, S, Dv] laid out [B, S, Hq, Dv], as the kernels write it."""
     bsz, heads, s, _ = query.shape
     out = torch.empty((bsz, s, heads, value.shape[3]), dtype=query.dtype, device=query.device)
     return out.permute(0, 2, 1, 3)
+
+
+@masked_attention.register_fake
+def _masked_attention_fake(query, key, value, mask, scale):
+    check_masked_attention_args(query, key, value, mask)
+    return _output(query, value)
 
 
 masked_attention_causal = op_from_reference(
@@ -69,6 +74,4 @@ def _masked_attention_causal_cuda(query, key, value, first, scale, wrap=None):
 @masked_attention_causal.register_fake
 def _masked_attention_causal_fake(query, key, value, first, scale):
     check_causal_attention_args(query, key, value, first)
-    bsz, heads, s, _ = query.shape
-    out = torch.empty((bsz, s, heads, value.shape[3]), dtype=query.dtype, device=query.device)
-    return out.permute(0, 2, 1, 3)
+    return _output(query, value)
