@@ -20,6 +20,10 @@ Fused: two kernels.
      slots), 1090 -> 815 (Qwen3-MoE), 762 -> 611 (Qwen 3.5, head dim 256), 3670 -> 3107 (DeepSeek
      V3.2's 128 heads of 192 / 128); 1024 tokens 1-17% (CUDA graph, one H200, 3 alternating rounds
      within 1% of each other).
+  masked_attention_causal (the prompt's causal mask from its first cache position): kernel 2 alone,
+  its blocks computed from the positions (query block qb sees keys up to first + its last row, and
+  every row of it those up to first + its first row), the diagonal's blocks compared per key: no
+  mask built, read or summarized; bit-equal to the two kernels on the mask it stands for.
 """
 
 from __future__ import annotations
