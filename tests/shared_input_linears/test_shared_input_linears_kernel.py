@@ -72,10 +72,10 @@ def test_matches_reference(case):
     _assert_rounded_once(shared_input_linears_triton(x, ws), x, ws)
 
 
-@pytest.mark.parametrize("tokens,rows,k", [(1, [32, 32], 2048), (5, [256, 512, 512, 1], 256), (1, [576, 128, 64], 7168)])
+@pytest.mark.parametrize("tokens,rows,k", [(1, [32, 32], 2048), (5, [256, 512, 512, 1], 256), (1, [72, 16, 8], 7168)])
 def test_model_widths(tokens, rows, k):
     """Qwen 3.5's b / a at one token; its MoE block's four at five tokens (a narrower input);
-    DeepSeek V3-like widths (K 7168) at one token."""
+    DeepSeek V3's input width (K 7168) at one token, fewer rows (the interpreter is slow)."""
     x, ws = _inputs(tokens, rows, k, torch.bfloat16, tokens + k)
     _assert_rounded_once(shared_input_linears_triton(x, ws), x, ws)
 
