@@ -166,6 +166,14 @@ class Fusion:
     # not re-run these sites: a rewrite only regroups canonical ops into ops whose references are
     # the same calls (their kernels tested against those of the ops they merge).
     rewrite: Callable[[torch.fx.Graph], list[Rewritten]] | None = None
+    # verify=True's comparison of the original's and the replacement's outputs, where the fused op
+    # may legitimately order equal elements otherwise (a stable sort standing in for the model's
+    # unstable one): (actual, expected) -> None to accept or the reason. Default: floating outputs
+    # within their dtype's tolerance, integer and boolean ones equal.
+    verify_outputs: Callable[[tuple, tuple], "str | None"] | None = None
+    # verify=True's inputs for arguments a random tensor would misstate: name -> a function of the
+    # argument's fake value returning the real tensor (a mask of ones the pattern scatters into).
+    verify_inputs: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
     _traced: set = field(default_factory=set, repr=False)

@@ -276,7 +276,8 @@ class FusionPassManager(CustomGraphPass):
             return False
         if reason is None and self.verify:
             try:
-                reason = verify_match(match, _argnames(spelling), spelling.replacement)
+                reason = verify_match(match, _argnames(spelling), spelling.replacement,
+                                      outputs_agree=fusion.verify_outputs, inputs_like=fusion.verify_inputs)  # fmt: skip
                 if reason is not None:
                     reason = f"verify: {reason}"
             except Unverifiable as e:

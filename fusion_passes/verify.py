@@ -42,8 +42,8 @@ def random_like(value: Any, generator: torch.Generator | None = None) -> Any:
         t = torch.randn(shape, dtype=torch.float32, generator=generator).to(value.dtype)
     elif value.dtype == torch.bool:
         t = torch.randint(0, 2, shape, generator=generator).bool()
-    else:
-        t = torch.randint(-8, 8, shape, generator=generator).to(value.dtype)
+    else:  # small non-negative integers: valid positions, counts and expert ids
+        t = torch.randint(0, 8, shape, generator=generator).to(value.dtype)
     if value.is_contiguous() or 0 in stride:  # broadcast (stride 0) views stay dense copies
         return t.to(value.device)
     strided = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
@@ -66,30 +66,51 @@ def matched_subgraph(match: Match, argnames: Sequence[str]) -> torch.fx.GraphMod
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
+OutputCheck = Callable[[tuple, tuple], "str | None"]
+
+
 def verify_match(
-    match: Match, argnames: Sequence[str], replacement: Callable[..., Any], seed: int | None = None
+    match: Match,
+    argnames: Sequence[str],
+    replacement: Callable[..., Any],
+    seed: int | None = None,
+    outputs_agree: OutputCheck | None = None,
+    inputs_like: dict[str, Callable[[Any], Any]] | None = None,
 ) -> str | None:
     """Run original and replacement on fresh random inputs (a new seed each call unless given);
-    ``None`` if they agree, else the reason, naming the seed that reproduces it."""
+    ``None`` if they agree, else the reason, naming the seed that reproduces it. ``outputs_agree``
+    (the fusion's ``verify_outputs``): the comparison where the replacement may order equal
+    elements otherwise than the original (a stable sort for an unstable one). ``inputs_like`` (the
+    fusion's ``verify_inputs``): argument name -> the input to use for it, from its fake value,
+    where a random one would not be what the model passes (a mask of ones the pattern scatters into)."""
     seed = random.getrandbits(63) if seed is None else seed
     original = matched_subgraph(match, argnames)
     values = [_value(match.kwargs[name]) for name in argnames]
     with torch.no_grad(), _real_mode():  # Inductor compiles under a fake mode: leave it
         gen = torch.Generator().manual_seed(seed)
-        inputs = [random_like(v, gen) for v in values]
+        made = inputs_like or {}
+        inputs = [made[name](v) if name in made else random_like(v, gen) for name, v in zip(argnames, values)]
         tensor_inputs = [x for x, v in zip(inputs, values) if isinstance(v, torch.Tensor)]
         expected = _as_tuple(original(*tensor_inputs))
         actual = _as_tuple(replacement(*inputs))
         reason = _compare_outputs(actual, expected)
+        if outputs_agree is not None and (reason is None or "differ" in reason):
+            reason = outputs_agree(actual, expected)
     return None if reason is None else f"{reason} (seed {seed})"
 
 
 def _compare_outputs(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> str | None:
+    """Floating outputs within their dtype's tolerance; integer and boolean ones (expert ids, a
+    mask) equal."""
     if len(expected) != len(actual):
         return f"replacement returns {len(actual)} outputs, the original {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected)):
         if a.dtype != e.dtype or a.shape != e.shape:
             return f"output {i}: {a.dtype}{tuple(a.shape)} != original {e.dtype}{tuple(e.shape)}"
+        if not e.dtype.is_floating_point:
+            if not torch.equal(a, e):
+                return f"output {i}'s values differ from the original's at {int((a != e).sum())} of {e.numel()}"
+            continue
         c = compare(a, e)
         if not c.ok:
             return f"output {i} differs from the original: max abs error {c.max_abs:.3g}"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fusion_passes.fusion import Fusion, Spelling
+from fusion_passes.numerics import compare
 from fusion_passes.lowering.moe_sort_by_expert.reference import (
     check_moe_sort_by_expert_args,
     check_moe_sort_gather_args,
@@ -85,6 +86,34 @@ def _check(values: dict[str, Any]) -> str | None:
     return moe_sort_refusal(expert_ids)
 
 
+def dispatch_outputs_agree(actual: tuple, expected: tuple) -> str | None:
+    """verify=True's comparison of the dispatch prep's outputs: the fused op's stable sort may
+    order a run of equal ids otherwise than the model's unstable one, so perm is checked to sort
+    the ids (recovered from the original's outputs), inv_perm to invert it, and the outputs in
+    sorted order (the gathered rows, the sentinel mask) per pair; the sorted ids and the offsets
+    are equal. Outputs, by the spellings' tuple lengths: (sorted_ids, perm, offsets[, inv_perm]
+    [, gathered, sentinel])."""
+    inverse = len(expected) in (4, 6)
+    (sorted_a, perm_a, offsets_a), (sorted_e, perm_e, offsets_e) = actual[:3], expected[:3]
+    if not (torch.equal(sorted_a, sorted_e) and torch.equal(offsets_a, offsets_e)):
+        return "the sorted ids or the offsets differ from the original's"
+    pairs = torch.arange(perm_e.numel(), device=perm_e.device)
+    ids = torch.empty_like(sorted_e)
+    ids[perm_e] = sorted_e  # each pair's id, from the original's sort
+    if not torch.equal(perm_a.sort().values, pairs) or not torch.equal(ids[perm_a], sorted_a):
+        return "perm is not a permutation that sorts the ids"
+    if inverse and not torch.equal(actual[3][perm_a], pairs):
+        return "inv_perm is not perm's inverse"
+    position_a, position_e = perm_a.argsort(), perm_e.argsort()  # each pair's place in sorted order
+    start = 4 if inverse else 3
+    for a, e in zip(actual[start:], expected[start:], strict=True):
+        a, e = a[position_a], e[position_e]  # per pair, in the pairs' own order
+        same = compare(a, e).ok if e.dtype.is_floating_point else torch.equal(a, e)
+        if not same:
+            return "an output in sorted order differs from the original's for some pair"
+    return None
+
+
 def _examples():
     # 3 tokens x top-4 pairs, traced on the meta device: the CUDA branch (the matcher's first pass
     # ignores dtypes and devices, its re-trace of each candidate takes the graph's own branch).
@@ -104,6 +133,7 @@ MOE_SORT_BY_EXPERT = Fusion(
     scalars={"num_experts": NUM_EXPERTS_SENTINEL},
     check=_check,
     candidate_ops=("aten.histc.default",),
+    verify_outputs=dispatch_outputs_agree,
     builtin=True,
 )
 
@@ -185,6 +215,7 @@ MOE_SORT_GATHER = Fusion(
     scalars={"num_experts": NUM_EXPERTS_SENTINEL, "top_k": TOP_K_SENTINEL},
     check=_gather_check,
     requires=("moe_sort_by_expert",),
+    verify_outputs=dispatch_outputs_agree,
     opt_in="not yet timed on a GPU: Inductor's gather kernel it removes takes 1.4 us per MoE layer on one H200 "
     "(DeepSeek V3.2, batch 1)",
     builtin=True,

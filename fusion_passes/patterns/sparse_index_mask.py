@@ -50,6 +50,11 @@ def transformers_index_mask(index_scores, ones, k):
     return ones.scatter(-1, idx.long(), False)
 
 
+def _ones_like(value: torch.Tensor) -> torch.Tensor:
+    """verify=True's input for the mask the model scatters into: ones, as it builds it."""
+    return torch.ones(tuple(int(n) for n in value.shape), dtype=value.dtype, device=value.device)
+
+
 def _all_selected(index_scores, ones, k):
     return torch.zeros_like(ones)
 
@@ -103,6 +108,8 @@ SPARSE_INDEX_MASK_TOPK = Fusion(
     example_inputs=_examples,
     scalars={"k": K_SENTINEL},
     check=_check_live,
+    # the model scatters into a mask of ones (new_ones): a random bool tensor is not one
+    verify_inputs={"ones": _ones_like},
     builtin=True,
 )
 

@@ -235,6 +235,65 @@ def test_verify_accepts_the_builtin_fusions():
     assert report.matches["add_rms_norm"] == 1 and not report.rejected
 
 
+@pytest.fixture
+def wrong_ids_fusion():
+    """A replacement whose integer output (a top-k's indices) is off by one: a float tolerance
+    cannot judge it, so verify=True compares integer outputs exactly."""
+    fusion = fusion_passes.register_fusion(
+        "wrong_ids",
+        pattern=lambda x: torch.topk(x, 2).indices * 2,
+        replacement=lambda x: torch.topk(x, 2).indices * 2 + 1,
+        example_inputs=lambda: [(torch.randn(4, 8),)],
+    )
+    yield fusion
+    fusion_passes.unregister_fusion(fusion.name)
+
+
+def test_verify_compares_integer_outputs_exactly(wrong_ids_fusion):
+    def fn(x):
+        return torch.topk(x, 2).indices * 2
+
+    x = torch.randn(6, 16)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=fusion_passes.backend(["wrong_ids"], report=report, verify=True))(x)
+    assert report.matches["wrong_ids"] == 0 and not report.errors
+    (rejection,) = report.rejected
+    assert rejection.reason.startswith("verify: output 0's values differ") and "seed" in rejection.reason
+    assert torch.equal(out, fn(x))
+
+
+def test_verify_accepts_the_moe_dispatch_and_the_index_mask():
+    """verify=True on fusions with integer or boolean outputs: a MoE block's routing (expert ids),
+    its dispatch prep (a stable sort may order equal ids otherwise than the model's: perm checked
+    to sort the ids, the gathered rows per pair) and DeepSeek V3.2's index mask (the model
+    scatters into a mask of ones: the check passes ones, not a random mask)."""
+    from _moe_blocks import moe_block
+
+    from fusion_passes.patterns.sparse_index_mask import transformers_index_mask
+
+    block = moe_block("qwen3.5-moe")
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    fusions = ["moe_route_softmax", "moe_sort_by_expert", "moe_sort_gather"]
+    with torch.no_grad():
+        torch.compile(block, backend=fusion_passes.backend(fusions, report=report, verify=True), fullgraph=True)(x)
+    assert not report.rejected and not report.errors, (report.rejected, report.errors)
+    assert report.final()["moe_route_softmax"] == 1 and report.final()["moe_sort_gather"] == 1
+
+    def index_mask(scores):
+        return transformers_index_mask(scores, torch.ones_like(scores, dtype=torch.bool), 7)
+
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    scores = torch.randn(2, 30)
+    out = torch.compile(index_mask, backend=fusion_passes.backend(["sparse_index_mask_topk"], report=report,
+                                                                verify=True))(scores)  # fmt: skip
+    assert report.matches["sparse_index_mask_topk"] == 1 and not report.rejected and not report.errors
+    assert torch.equal(out, index_mask(scores))
+
+
 def test_bad_requests_are_one_line_errors():
     with pytest.raises(fusion_passes.FusionError, match="unknown fusion 'rms_nrom'"):
         fusion_passes.backend(["rms_nrom"])
