@@ -172,8 +172,9 @@ class Fusion:
     # within their dtype's tolerance, integer and boolean ones equal.
     verify_outputs: Callable[[tuple, tuple], "str | None"] | None = None
     # verify=True's inputs for arguments a random tensor would misstate: name -> a function of the
-    # argument's fake value returning the real tensor (a mask of ones the pattern scatters into).
-    verify_inputs: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # argument's fake value and every argument's (by name) returning the real tensor (a mask of
+    # ones the pattern scatters into; cache slots inside the cache: cache_writes.valid_slots).
+    verify_inputs: dict[str, Callable[[Any, dict[str, Any]], Any]] = field(default_factory=dict)
     builtin: bool = False
     _pass: PatternMatcherPass | None = field(default=None, repr=False)
     _traced: set = field(default_factory=set, repr=False)

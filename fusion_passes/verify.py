@@ -75,21 +75,22 @@ def verify_match(
     replacement: Callable[..., Any],
     seed: int | None = None,
     outputs_agree: OutputCheck | None = None,
-    inputs_like: dict[str, Callable[[Any], Any]] | None = None,
+    inputs_like: dict[str, Callable[[Any, dict[str, Any]], Any]] | None = None,
 ) -> str | None:
     """Run original and replacement on fresh random inputs (a new seed each call unless given);
     ``None`` if they agree, else the reason, naming the seed that reproduces it. ``outputs_agree``
     (the fusion's ``verify_outputs``): the comparison where the replacement may order equal
     elements otherwise than the original (a stable sort for an unstable one). ``inputs_like`` (the
-    fusion's ``verify_inputs``): argument name -> the input to use for it, from its fake value,
-    where a random one would not be what the model passes (a mask of ones the pattern scatters into)."""
+    fusion's ``verify_inputs``): argument name -> the input to use for it, from its fake value and
+    every argument's (by name), where a random one would not be what the model passes (a mask of
+    ones the pattern scatters into; cache slots, which must lie in the cache and not repeat)."""
     seed = random.getrandbits(63) if seed is None else seed
     original = matched_subgraph(match, argnames)
     values = [_value(match.kwargs[name]) for name in argnames]
     with torch.no_grad(), _real_mode():  # Inductor compiles under a fake mode: leave it
         gen = torch.Generator().manual_seed(seed)
-        made = inputs_like or {}
-        inputs = [made[name](v) if name in made else random_like(v, gen) for name, v in zip(argnames, values)]
+        made, by_name = inputs_like or {}, dict(zip(argnames, values))
+        inputs = [made[name](v, by_name) if name in made else random_like(v, gen) for name, v in zip(argnames, values)]
         tensor_inputs = [x for x, v in zip(inputs, values) if isinstance(v, torch.Tensor)]
         expected = _as_tuple(original(*tensor_inputs))
         actual = _as_tuple(replacement(*inputs))

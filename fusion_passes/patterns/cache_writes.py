@@ -38,3 +38,19 @@ def slots_refusal(slots: str, positions) -> str | None:
     if slots == "first" and positions.numel() != 1:
         return f"the slots are arange(S) + a {tuple(positions.shape)} tensor, not one first slot"
     return None
+
+
+def valid_slots(cache: str, dim: int):
+    """verify=True's input for a write's ``positions`` (Fusion.verify_inputs): slots inside the
+    argument ``cache`` along ``dim``, none repeated (random integers would write past the cache, or
+    twice to a slot, whose last write no order fixes): a first slot of 0 (room for every token the
+    step writes, as the graph's own sizes fit them) or a distinct slot per token."""
+
+    def make(value, values):
+        shape = tuple(int(n) for n in value.shape)
+        if not shape:
+            return torch.zeros((), dtype=value.dtype, device=value.device)
+        length = int(values[cache].shape[dim])
+        return torch.randperm(length)[: shape[0]].to(value.device, value.dtype)
+
+    return make

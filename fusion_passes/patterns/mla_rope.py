@@ -52,7 +52,7 @@ from fusion_passes.lowering.mla_rope.reference import (
     check_mla_q_kv_args,
 )
 from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args
-from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_index, slots_refusal
+from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_index, slots_refusal, valid_slots
 from fusion_passes.fusion import (
     DEFAULT_SCALAR_SENTINEL,
     Fusion,
@@ -458,6 +458,7 @@ MLA_INDEXER_K_NORM_ROPE_CACHE = Fusion(
     spellings=tuple(_indexer_k_cache_spelling(il, slots) for slots in SLOT_FORMS for il in (False, True)),
     example_inputs=_indexer_k_cache_examples,
     scalars={"eps": DEFAULT_SCALAR_SENTINEL},
+    verify_inputs={"positions": valid_slots("cache", 1)},
     requires=("mla_indexer_k_norm_rope",),
     builtin=True,
 )
@@ -537,6 +538,7 @@ MLA_KV_CACHE_WRITE = Fusion(
              one kernel; on CUDA (launched by Inductor) it writes both caches in place.""",
     spellings=tuple(_kv_cache_write_spelling(new, slots) for slots in SLOT_FORMS for new in (True, False)),
     example_inputs=_kv_cache_write_examples,
+    verify_inputs={"positions": valid_slots("k_cache", 2)},
     builtin=True,
 )
 
@@ -625,6 +627,7 @@ def _indexer_qk_fusion(into_cache: bool) -> Fusion:
         example_inputs=_indexer_qk_examples(into_cache),
         scalars={"eps": DEFAULT_SCALAR_SENTINEL},
         requires=("mla_indexer_q_rope", key_op),
+        verify_inputs={"positions": valid_slots("cache", 1)} if into_cache else {},
         # Into the cache it is a default: with the other cache folds of a V3.2 decode step it measured
         # 1264-1281 -> 1237-1242 us (one H200, batch 1, 8192 cached tokens, two runs). Without a cache
         # write (use_cache=False forwards) it has not been timed.

@@ -35,7 +35,7 @@ import torch
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
 from fusion_passes.lowering.qk_norm_rope.reference import check_qk_norm_rope_cache_args
 from fusion_passes.lowering.qk_norm_rope.triton import CACHE_MAX_TOKENS
-from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_index, slots_refusal
+from fusion_passes.patterns.cache_writes import SLOT_FORMS, cache_write, slot_index, slots_refusal, valid_slots
 
 # The norm forms of the qk_norm_rope op: (weight_offset, cast_before_weight) as that family's
 # patterns write them (transformers' Llama form, an fp32 weight, Qwen3-Next / Qwen 3.5's (1 + w)).
@@ -139,6 +139,7 @@ def _fusion(per_head: bool) -> Fusion:
         requires=("qk_norm_rope" if per_head else "qk_norm_rope_whole_row",),
         candidate_ops=("aten.index_put.default",),
         candidate=_writes_a_fused_key(per_head),
+        verify_inputs={"positions": valid_slots("k_cache", 2)},
         opt_in="not yet timed on a GPU: on one H200 at batch 1 the two cache writes it removes are 1.0-1.1 us "
                "each per layer (MiniMax-M2, Qwen3-MoE)",  # fmt: skip
         builtin=True,

@@ -50,7 +50,7 @@ def transformers_index_mask(index_scores, ones, k):
     return ones.scatter(-1, idx.long(), False)
 
 
-def _ones_like(value: torch.Tensor) -> torch.Tensor:
+def _ones_like(value: torch.Tensor, values: dict[str, Any]) -> torch.Tensor:
     """verify=True's input for the mask the model scatters into: ones, as it builds it."""
     return torch.ones(tuple(int(n) for n in value.shape), dtype=value.dtype, device=value.device)
 

@@ -457,6 +457,33 @@ def test_mla_key_and_value_go_into_the_cache_in_one_kernel(fn, slots, dtype):
         assert torch.equal(fused[i], defaults[i]) and torch.equal(fused[i], eager[i])
 
 
+@pytest.mark.parametrize("fn,slots", [(expand_kv_into_cache, torch.tensor(3)), (cat_kv_at_slots, torch.tensor([8, 0, 4, 5, 1]))],
+                         ids=["transformers_v32", "cat_slot_per_token"])  # fmt: skip
+def test_verify_checks_the_cache_write_on_slots_inside_the_cache(fn, slots):
+    """verify=True runs the write on slots inside the cache, none repeated (a first slot of 0, or
+    a distinct slot per token), not random integers that would write past it."""
+    import fusion_passes
+
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in _kv_write_inputs(torch.bfloat16, slots)]
+    report = fusion_passes.Report()
+    torch._dynamo.reset()
+    backend = fusion_passes.backend(["mla_kv_cache_write"], report=report, verify=True)
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert report.final()["mla_kv_cache_write"] == 1 and not report.rejected and not report.errors, report.errors
+
+
+def test_verify_slots_lie_in_the_cache_and_do_not_repeat():
+    from fusion_passes.patterns.cache_writes import valid_slots
+
+    make = valid_slots("k_cache", 2)
+    caches = {"k_cache": torch.empty(B, H, CACHE_SLOTS, NOPE_KV + ROPE)}
+    assert make(torch.tensor(5), caches).item() == 0  # a first slot: room for every token written
+    for _ in range(20):
+        slots = make(torch.empty(S, dtype=torch.int64), caches)
+        assert slots.dtype == torch.int64 and len(set(slots.tolist())) == S and 0 <= slots.min() <= slots.max() < CACHE_SLOTS
+
+
 def test_a_key_write_without_its_value_write_is_not_fused():
     """Only the key goes into a cache (the value elsewhere): no mla_kv_cache_write."""
 
