@@ -290,6 +290,25 @@ def test_built_in_model_report_validates_and_counts_sites(tmp_path):
     assert data["errors"] == []
 
 
+@pytest.mark.slow  # two whole-model decode compiles with every match checked on random inputs
+@pytest.mark.parametrize("model,fusions", [("deepseek-v3.2", "all,moe_sort_gather,router_logits"),
+                                           ("qwen3.5-moe", "all,moe_sort_gather,shared_input_linears")])  # fmt: skip
+def test_verify_takes_every_fusion_of_a_decode_step(model, fusions, tmp_path):
+    """--verify on a decode step: no fusion fails to be checked (integer outputs, cache slots, a
+    mask of ones) and none is rejected, so verify changes nothing the step fuses. (The tiny
+    DeepSeek V3.2's index top-k of 4 over relu'd scores ties at 0: the CPU's torch.topk keeps other
+    tied keys than the kernel, which keeps the lowest positions as CUDA's does, so its step's
+    numerics against eager on the CPU are not the point here: the exit code is not asserted.)"""
+    path, checked = tmp_path / "verified.json", tmp_path / "plain.json"
+    common = ["diff", model, "--dtype", "bf16", "--decode", "--context", "40", "--layers", "4", "--fusions", fusions]
+    codes = main([*common, "--verify", "--json", str(path)]), main([*common, "--json", str(checked)])
+    if model != "deepseek-v3.2":
+        assert codes == (0, 0)
+    verified, plain = json.loads(path.read_text()), json.loads(checked.read_text())
+    assert verified["errors"] == [] and verified["rejected"] == plain["rejected"]
+    assert {k: v for k, v in verified["final"].items() if v} == {k: v for k, v in plain["final"].items() if v}
+
+
 def test_report_shape_summary_fates_tolerance_and_folded_rows(factory_file, tmp_path, capsys):
     """The summary line first, fusions without a rewrite folded into one line (--all-rows lists
     them), each rewrite's fate, the tolerance behind "ok", compile times in the JSON."""
