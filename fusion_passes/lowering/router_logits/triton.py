@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_passes.lowering.common.skinny_gemm import weight_rows_times_input
 from fusion_passes.lowering.router_logits.reference import check_router_logits_args
 
 
@@ -35,20 +36,8 @@ def _router_gemm_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    k0 = 0
-    # A while loop: Triton's interpreter (the CPU tests) cannot bound a for loop by an argument.
-    while k0 < H:
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=(t[:, None] < T) & (k[None, :] < H),
-                    other=0.0).to(tl.float32)  # fmt: skip
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + k[None, :], mask=(e[:, None] < E) & (k[None, :] < H),
-                    other=0.0).to(tl.float32)  # fmt: skip
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        k0 += BLOCK_K
-    tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=(t[:, None] < T) & (e[None, :] < E))
+    weight_rows_times_input(x_ptr, w_ptr, out_ptr, tl.program_id(0), t, T, E, H, stride_xt, stride_we, BLOCK_E, BLOCK_K)
 
 
 def router_logits_triton(

@@ -6,9 +6,9 @@ read 128 KB each (32 rows x 2048) in ~1.5 us a launch inside a CUDA graph, where
 bytes takes 0.03 us at 4.3 TB/s.
 Fused: one launch over all the weights' rows. A program takes BLOCK_N rows of one weight (the
 weights' rows laid one after another: each weight has its own tiles, so no tile straddles two
-weights) for BLOCK_T tokens, walks the input size BLOCK_K at a time summing the exact fp32
-products of the loaded bf16 / fp16 values, and stores the sums rounded to the output dtype once,
-as a GEMM does. The rows are spread thin (1 to 8 a program) so that every SM streams a part of
+weights) for BLOCK_T tokens: router_logits' loop (lowering/common/skinny_gemm.py), the exact fp32
+products of the loaded bf16 / fp16 values summed and stored rounded to the output dtype once, as
+a GEMM does. The rows are spread thin (1 to 8 a program) so that every SM streams a part of
 the weights, as router_logits' kernel does. (Named a GEMM: the decode benchmark classes kernels
 by name.)
 """
@@ -21,27 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_passes.lowering.common.skinny_gemm import weight_rows_times_input as _rows
 from fusion_passes.lowering.shared_input_linears.reference import MAX_WEIGHTS, check_shared_input_linears_args
-
-
-@triton.jit
-def _weight_rows(x_ptr, w_ptr, y_ptr, tile, t, T, N, K, stride_xt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[t, n] = sum_k x[t, k] * w[n, k] for the tile's rows n of one weight (rows of K, contiguous):
-    fp32 sums of the loaded values' products, rounded to y's dtype once; y [T, N] contiguous."""
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((t.shape[0], BLOCK_N), dtype=tl.float32)
-    k0 = 0
-    # A while loop: Triton's interpreter (the CPU tests) cannot bound a for loop by an argument.
-    while k0 < K:
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
-                    other=0.0).to(tl.float32)  # fmt: skip
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                    other=0.0).to(tl.float32)  # fmt: skip
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        k0 += BLOCK_K
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + t[:, None].to(tl.int64) * N + n[None, :], y, mask=(t[:, None] < T) & (n[None, :] < N))
 
 
 @triton.jit
@@ -62,13 +43,13 @@ def _shared_input_gemm_kernel(
     tile = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     if WEIGHTS == 1 or tile < S1:
-        _weight_rows(x_ptr, w0_ptr, y0_ptr, tile, t, T, N0, K, stride_xt, BLOCK_N, BLOCK_K)
+        _rows(x_ptr, w0_ptr, y0_ptr, tile, t, T, N0, K, stride_xt, K, BLOCK_N, BLOCK_K)
     elif WEIGHTS == 2 or tile < S2:
-        _weight_rows(x_ptr, w1_ptr, y1_ptr, tile - S1, t, T, N1, K, stride_xt, BLOCK_N, BLOCK_K)
+        _rows(x_ptr, w1_ptr, y1_ptr, tile - S1, t, T, N1, K, stride_xt, K, BLOCK_N, BLOCK_K)
     elif WEIGHTS == 3 or tile < S3:
-        _weight_rows(x_ptr, w2_ptr, y2_ptr, tile - S2, t, T, N2, K, stride_xt, BLOCK_N, BLOCK_K)
+        _rows(x_ptr, w2_ptr, y2_ptr, tile - S2, t, T, N2, K, stride_xt, K, BLOCK_N, BLOCK_K)
     else:
-        _weight_rows(x_ptr, w3_ptr, y3_ptr, tile - S3, t, T, N3, K, stride_xt, BLOCK_N, BLOCK_K)
+        _rows(x_ptr, w3_ptr, y3_ptr, tile - S3, t, T, N3, K, stride_xt, K, BLOCK_N, BLOCK_K)
 
 
 def launch_blocks(tokens: int, rows: int, k: int) -> tuple[int, int, int]:
