@@ -83,6 +83,22 @@ def _decode_block(
 
 
 @triton.jit
+def _query_row(
+    q_ptr, k_ptr, v_ptr, mask_ptr, b, h, GROUPS, MASK_BATCHES, stride_qb, stride_qh, stride_kb, stride_kh,
+    stride_vb, stride_vh, stride_mb, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Query head h of sequence b: its query (fp32), and where its KV head's keys and values and
+    its mask row start (h // GROUPS; the mask's batch 0 where one mask serves the batch)."""
+    kvh = h // GROUPS
+    mb = tl.where(MASK_BATCHES == 1, 0, b)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + d, mask=d < D, other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    return q.to(tl.float32), k_base, v_base, mask_ptr + mb.to(tl.int64) * stride_mb
+
+
+@triton.jit
 def _masked_decode_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr,
     L, HQ, GROUPS, MASK_BATCHES, scale, keys_per_split,
@@ -100,15 +116,10 @@ def _masked_decode_kernel(
     split = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
-    kvh = h // GROUPS
-    mb = tl.where(MASK_BATCHES == 1, 0, b)
-    d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + d, mask=d < D, other=0.0)
-    q = q.to(tl.float32)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    bias_base = mask_ptr + mb.to(tl.int64) * stride_mb
+    q, k_base, v_base, bias_base = _query_row(q_ptr, k_ptr, v_ptr, mask_ptr, b, h, GROUPS, MASK_BATCHES, stride_qb,
+                                              stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_mb, D,
+                                              BLOCK_D)  # fmt: skip
     m_i = tl.full((), float("-inf"), tl.float32)
     l_i = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_DV,), tl.float32)
@@ -194,16 +205,11 @@ def _combine_splits_kernel(
     l_i = tl.sum(l_s * w, axis=0)
     acc = tl.sum(acc_s * w[:, None], axis=0)
     if m_i < REDO_BELOW:
-        kvh = h // GROUPS
-        mb = tl.where(MASK_BATCHES == 1, 0, b)
-        d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + d, mask=d < D, other=0.0)
-        m_i, l_i, acc = _redo_closed_row(
-            q.to(tl.float32), k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh,
-            v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh, mask_ptr + mb.to(tl.int64) * stride_mb,
-            L, m_i, l_i, acc, scale, stride_kl, stride_vl, stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CLOSED,
-            REDO_BELOW,
-        )  # fmt: skip
+        q, k_base, v_base, bias_base = _query_row(q_ptr, k_ptr, v_ptr, mask_ptr, b, h, GROUPS, MASK_BATCHES, stride_qb,
+                                                  stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_mb, D,
+                                                  BLOCK_D)  # fmt: skip
+        m_i, l_i, acc = _redo_closed_row(q, k_base, v_base, bias_base, L, m_i, l_i, acc, scale, stride_kl, stride_vl,
+                                         stride_ml, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CLOSED, REDO_BELOW)  # fmt: skip
     out = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + dv, out.to(out_ptr.dtype.element_ty),
              mask=dv < DV)  # fmt: skip
