@@ -100,6 +100,24 @@ def _sort_pairs_by_expert_kernel(
         _expert_offsets(ids_ptr, offsets_ptr, x, S, E, BLOCK_J)
 
 
+def _sort_outputs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, perm, offsets, inv_perm) to fill, for the flat ids."""
+    s, device = ids.numel(), ids.device
+    sorted_ids = torch.empty(s, dtype=ids.dtype, device=device)
+    perm = torch.empty(s, dtype=torch.int64, device=device)
+    inv_perm = torch.empty(s, dtype=torch.int64, device=device)
+    return sorted_ids, perm, torch.empty(num_experts, dtype=torch.int32, device=device), inv_perm
+
+
+def _sort_tiles(s, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_I, BLOCK_J, BLOCK_E) of the sort's programs. 16 pairs ranked per program: batch 64 x
+    top-8 (512 pairs) is 32 programs beside the offsets' 4; tiles of 16 x 128 compares (16 per
+    thread at 4 warps). A symbolic pair count (dynamic shapes) takes the widest tile: no guard on
+    its size."""
+    block_j = min(128, max(16, triton.next_power_of_2(s))) if isinstance(s, int) else 128
+    return 16, block_j, min(64, max(16, triton.next_power_of_2(num_experts)))
+
+
 def moe_sort_by_expert_triton(
     expert_ids: torch.Tensor, num_experts: int, *, wrap: Callable | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,17 +125,8 @@ def moe_sort_by_expert_triton(
     check_moe_sort_by_expert_args(expert_ids, num_experts)
     ids = expert_ids.contiguous()
     s = ids.numel()
-    device = ids.device
-    sorted_ids = torch.empty(s, dtype=ids.dtype, device=device)
-    perm = torch.empty(s, dtype=torch.int64, device=device)
-    inv_perm = torch.empty(s, dtype=torch.int64, device=device)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
-    # 16 pairs ranked per program: batch 64 x top-8 (512 pairs) is 32 programs beside the
-    # offsets' 4; tiles of 16 x 128 compares (16 per thread at 4 warps).
-    block_i = 16
-    # A symbolic pair count (dynamic shapes) takes the widest tile: no guard on its size.
-    block_j = min(128, max(16, triton.next_power_of_2(s))) if isinstance(s, int) else 128
-    block_e = min(64, max(16, triton.next_power_of_2(num_experts)))
+    sorted_ids, perm, offsets, inv_perm = _sort_outputs(ids, num_experts)
+    block_i, block_j, block_e = _sort_tiles(s, num_experts)
     rank_programs = triton.cdiv(s, block_i)
     kernel = wrap(_sort_pairs_by_expert_kernel) if wrap is not None else _sort_pairs_by_expert_kernel
     kernel[(rank_programs + triton.cdiv(num_experts, block_e),)](
@@ -176,17 +185,12 @@ def moe_sort_gather_triton(
     ids = expert_ids.contiguous()
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     s, hidden = ids.numel(), x.shape[1]
-    device = ids.device
-    sorted_ids = torch.empty(s, dtype=ids.dtype, device=device)
-    perm = torch.empty(s, dtype=torch.int64, device=device)
-    inv_perm = torch.empty(s, dtype=torch.int64, device=device)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
-    gathered = torch.empty((s, hidden), dtype=x.dtype, device=device)
+    sorted_ids, perm, offsets, inv_perm = _sort_outputs(ids, num_experts)
+    gathered = torch.empty((s, hidden), dtype=x.dtype, device=ids.device)
     # the sort's tiles as moe_sort_by_expert_triton's; the copies 4 pairs x 512 columns a program
     # (DeepSeek V3's 7168: 14 programs per 4 pairs, each moving 4 KiB of bf16)
-    block_i, block_p, block_h = 16, 4, 512
-    block_j = min(128, max(16, triton.next_power_of_2(s))) if isinstance(s, int) else 128
-    block_e = min(64, max(16, triton.next_power_of_2(num_experts)))
+    block_i, block_j, block_e = _sort_tiles(s, num_experts)
+    block_p, block_h = 4, 512
     rank_programs, count_programs = triton.cdiv(s, block_i), triton.cdiv(num_experts, block_e)
     h_blocks = triton.cdiv(hidden, block_h)
     copy_programs = triton.cdiv(s, block_p) * h_blocks
