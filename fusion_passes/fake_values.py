@@ -75,3 +75,19 @@ def refresh_fake_values(graph: torch.fx.Graph) -> int:
             changed.add(node)
             count += 1
     return count
+
+
+def insert_call(graph: torch.fx.Graph, target: Any, args: tuple, before: torch.fx.Node) -> torch.fx.Node:
+    """A call of ``target`` on ``args`` (nodes, lists of nodes, literals) inserted before ``before``,
+    its fake value computed from its arguments' under their fake mode, and ``before``'s provenance
+    (stack trace, module path) for the report: the fused op of a graph rewrite (Fusion.rewrite)."""
+    values = torch.fx.map_arg(args, lambda n: n.meta["val"])
+    tensors = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    with detect_fake_mode(tensors):
+        node.meta["val"] = target(*values)
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
+    return node

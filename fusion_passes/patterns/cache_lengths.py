@@ -22,8 +22,8 @@ import operator
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
+from fusion_passes.fake_values import insert_call
 from fusion_passes.fusion import Fusion, Rewritten
 from fusion_passes.lowering.cache_lengths.reference import LENGTH_DTYPES
 from fusion_passes.regions import nodes_region
@@ -65,13 +65,8 @@ def merge_counter_writes(graph: torch.fx.Graph) -> list[Rewritten]:
     starts = [add.args[0] for _, add in writes]
     counters = [copy.args[0] for copy, _ in writes]
     steps = [add.args[1] for _, add in writes]
-    values = [n.meta["val"] for n in starts + counters]
+    op = insert_call(graph, torch.ops.fusion_passes.advance_lengths.default, (starts, counters, steps), first)
     with graph.inserting_before(first):
-        op = graph.call_function(torch.ops.fusion_passes.advance_lengths.default, (starts, counters, steps))
-        with detect_fake_mode(values):
-            op.meta["val"] = torch.ops.fusion_passes.advance_lengths.default(
-                [n.meta["val"] for n in starts], [n.meta["val"] for n in counters], steps
-            )
         for i, (copy, add) in enumerate(writes):
             out = graph.call_function(operator.getitem, (op, i))
             out.meta["val"] = op.meta["val"][i]

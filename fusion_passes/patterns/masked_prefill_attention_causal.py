@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
+from fusion_passes.fake_values import insert_call
 from fusion_passes.fusion import Fusion, Rewritten
 from fusion_passes.lowering.masked_attention.triton import CLOSED
 from fusion_passes.patterns.causal_masks import _arange_plus, _unsqueezed
@@ -121,16 +121,8 @@ def compute_causal_masks(graph: torch.fx.Graph) -> list[Rewritten]:
         if isinstance(first, str):
             continue
         before = nodes_region([node])
-        with graph.inserting_before(node):
-            causal = graph.call_function(
-                torch.ops.fusion_passes.masked_attention_causal.default, (query, key, value, first, scale)
-            )
-            values = [a.meta["val"] for a in (query, key, value, first)]
-            with detect_fake_mode(values):
-                causal.meta["val"] = torch.ops.fusion_passes.masked_attention_causal.default(*values, scale)
-            for k in ("stack_trace", "nn_module_stack"):
-                if k in node.meta:
-                    causal.meta[k] = node.meta[k]
+        causal = insert_call(graph, torch.ops.fusion_passes.masked_attention_causal.default,
+                             (query, key, value, first, scale), node)  # fmt: skip
         node.replace_all_uses_with(causal)
         graph.erase_node(node)
         _erase_unused(mask)

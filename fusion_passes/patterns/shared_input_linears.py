@@ -32,8 +32,8 @@ from collections import defaultdict
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
+from fusion_passes.fake_values import insert_call
 from fusion_passes.fusion import Fusion, Rewritten
 from fusion_passes.lowering.shared_input_linears.reference import INPUT_DTYPES, MAX_WEIGHTS
 from fusion_passes.regions import nodes_region
@@ -114,15 +114,8 @@ def _rewrite(graph: torch.fx.Graph, chunk: list[tuple[torch.fx.Node, torch.fx.No
     before = nodes_region(sorted({*transposes, *mms}, key=order.__getitem__))
     module, location = _common_module(mms), source_location(mms[0])
     x, weights = mms[0].args[0], [w for _, w in chunk]
+    op = insert_call(graph, torch.ops.fusion_passes.shared_input_linears.default, (x, weights), mms[0])
     with graph.inserting_before(mms[0]):
-        op = graph.call_function(torch.ops.fusion_passes.shared_input_linears.default, (x, weights))
-        with detect_fake_mode([x.meta["val"]]):
-            op.meta["val"] = torch.ops.fusion_passes.shared_input_linears.default(
-                x.meta["val"], [w.meta["val"] for w in weights]
-            )
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in mms[0].meta:
-                op.meta[key] = mms[0].meta[key]
         outs = [graph.call_function(operator.getitem, (op, i)) for i in range(len(mms))]
     # erased after the inserts: nodes inserted before an erased node fall out of the graph
     for i, (mm, out) in enumerate(zip(mms, outs)):
