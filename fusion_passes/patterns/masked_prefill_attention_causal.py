@@ -96,18 +96,6 @@ def causal_first(mask: torch.fx.Node, s: int, length: int) -> torch.fx.Node | st
     return first
 
 
-def _erase_unused(node) -> None:
-    """Erase ``node`` and what it read, back while nothing else reads them: the mask the op no
-    longer reads (the one expanded mask stays while another layer's conversion reads it)."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, torch.fx.Node) and n.op == "call_function" and not n.users and not n.is_impure():
-            inputs = n.all_input_nodes
-            n.graph.erase_node(n)
-            stack.extend(inputs)
-
-
 def compute_causal_masks(graph: torch.fx.Graph) -> list[Rewritten]:
     """The rewrite (module docstring): each prefill's masked_attention op through the causal mask."""
     op = torch.ops.fusion_passes.masked_attention.default
@@ -125,9 +113,10 @@ def compute_causal_masks(graph: torch.fx.Graph) -> list[Rewritten]:
                              (query, key, value, first, scale), node)  # fmt: skip
         node.replace_all_uses_with(causal)
         graph.erase_node(node)
-        _erase_unused(mask)
         done.append(Rewritten("sdpa_causal_mask", module_path(causal), source_location(causal), before,
                               nodes_region([causal]), (causal,)))  # fmt: skip
+    if done:  # the masks no op reads now (the expanded one goes with the last layer's)
+        graph.eliminate_dead_code()
     return done
 
 
