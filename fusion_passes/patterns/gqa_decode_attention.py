@@ -39,6 +39,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.fx
 from torch._guards import detect_fake_mode
 
 from fusion_passes.fusion import Fusion, NotASite, Spelling, trace_functional
@@ -160,6 +161,36 @@ def key_is_repeat(node) -> bool:
             return False
         key = key.args[0]
     return True
+
+
+# what may stand between a mask and the SDPA call reading it without moving a value: views, the
+# expand SDPA's callers add
+_MASK_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default,
+               _aten.unsqueeze.default, _aten.alias.default)  # fmt: skip
+
+
+def _keeps_positions(node) -> bool:
+    """A view, an end pad (every leading pad 0) or a slice from 0 with step 1: SDPA's alignment of
+    a bias whose rows are at an odd stride (pad the last dim, slice it back) keeps every value
+    where it was."""
+    if node.target in _MASK_VIEWS:
+        return True
+    if node.target == _aten.constant_pad_nd.default:
+        pads = node.args[1] if len(node.args) > 1 else ()
+        return all(p == 0 for p in pads[::2])
+    if node.target == _aten.slice.Tensor:
+        start = node.args[2] if len(node.args) > 2 else 0
+        step = node.args[4] if len(node.args) > 4 else 1
+        return start in (0, None) and step == 1
+    return False
+
+
+def mask_source(mask):
+    """The node an SDPA call's mask argument is made from, behind the views and the alignment that
+    keep each value at its position (``_keeps_positions``)."""
+    while isinstance(mask, torch.fx.Node) and mask.op == "call_function" and _keeps_positions(mask):
+        mask = mask.args[0]
+    return mask
 
 
 def _is_decode_repeat(node) -> bool:

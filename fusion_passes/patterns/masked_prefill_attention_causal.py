@@ -35,26 +35,11 @@ from fusion_passes.fake_values import insert_call
 from fusion_passes.fusion import Fusion, Rewritten
 from fusion_passes.lowering.masked_attention.triton import CLOSED
 from fusion_passes.patterns.causal_masks import _arange_plus, _unsqueezed
+from fusion_passes.patterns.gqa_decode_attention import mask_source
 from fusion_passes.regions import nodes_region
 from fusion_passes.report import module_path, source_location
 
 _aten = torch.ops.aten
-_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
-
-
-def _keeps_leading_values(node: torch.fx.Node) -> bool:
-    """A view, an end pad (every leading pad 0) or a slice from 0 with step 1: each leaves the
-    values at the positions before it where they were."""
-    if node.target in _VIEWS:
-        return True
-    if node.target is _aten.constant_pad_nd.default:
-        pads = node.args[1] if len(node.args) > 1 else ()
-        return all(p == 0 for p in pads[::2])
-    if node.target is _aten.slice.Tensor:
-        start = node.args[2] if len(node.args) > 2 else 0
-        step = node.args[4] if len(node.args) > 4 else 1
-        return start in (0, None) and step == 1
-    return False
 
 
 def _constant(node) -> float | None:
@@ -69,8 +54,7 @@ def _constant(node) -> float | None:
 def causal_first(mask: torch.fx.Node, s: int, length: int) -> torch.fx.Node | str:
     """The first position node of a causal mask that ``mask`` (the op's argument) is, as the
     module docstring builds it for S query tokens on L keys; else why it is not one."""
-    while isinstance(mask, torch.fx.Node) and mask.op == "call_function" and _keeps_leading_values(mask):
-        mask = mask.args[0]
+    mask = mask_source(mask)
     if not (isinstance(mask, torch.fx.Node) and mask.target is _aten.where.self):
         return "the mask is not SDPA's where() of a boolean one"
     cond, a, b = mask.args

@@ -37,6 +37,7 @@ from fusion_passes.patterns.gqa_decode_attention import (
     SDPA_BACKENDS,
     SDPA_OPS,
     key_is_repeat,
+    mask_source,
     query_tokens,
 )
 from fusion_passes.patterns.masked_prefill_attention import (
@@ -45,25 +46,10 @@ from fusion_passes.patterns.masked_prefill_attention import (
     sdpa_with_mask_spelling,
 )
 
-_aten = torch.ops.aten
-# what may stand between the mask op and the SDPA call: views, and the expand SDPA's callers add
-_VIEWS = (_aten.view.default, _aten.reshape.default, _aten.expand.default, _aten.unsqueeze.default,
-          _aten.slice.Tensor, _aten.alias.default)  # fmt: skip
-
-
-def _end_pad(node) -> bool:
-    """A constant_pad_nd that only appends (every leading pad 0): SDPA's alignment of a bias whose
-    rows are at an odd stride (pad the last dim, slice it back), which keeps the first values."""
-    pads = node.args[1] if len(node.args) > 1 else ()
-    return node.target == _aten.constant_pad_nd.default and all(p == 0 for p in pads[::2])
-
-
 def is_index_top_k_mask(mask) -> bool:
     """A graph node is fusion_passes.sparse_attention_mask's output, through views and end pads
     (the SDPA call's mask is as wide as the cache: a pad's appended values are sliced off)."""
-    while getattr(mask, "target", None) in _VIEWS or (getattr(mask, "op", None) == "call_function" and _end_pad(mask)):
-        mask = mask.args[0]
-    return getattr(mask, "target", None) == torch.ops.fusion_passes.sparse_attention_mask.default
+    return getattr(mask_source(mask), "target", None) == torch.ops.fusion_passes.sparse_attention_mask.default
 
 
 def _sdpa_mask(node):
