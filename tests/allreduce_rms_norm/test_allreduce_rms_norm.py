@@ -268,6 +268,7 @@ def _qwen3_tp_job(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow  # a whole tensor-parallel model compiled on two gloo ranks (about 10 s)
 def test_tiny_qwen3_tensor_parallel_fuses_every_allreduce_norm(world):
     """Every norm after a row-wise projection (o_proj: post_attention_layernorm; down_proj: the
     next layer's input_layernorm and the final norm) is fused; the output matches the unsharded

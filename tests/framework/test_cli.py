@@ -355,6 +355,7 @@ def test_near_miss_reasons_of_broken_spellings(factory_file, tmp_path):
     ]
 
 
+@pytest.mark.slow  # a whole CLI run in a subprocess (about 14 s); test_factory_that_imports_torchao_leaves_stderr_clean keeps the check in CI
 def test_diff_stderr_has_no_torchao_noise():
     """transformers imports torchao (its quantizer integration) when installed: a failed load of
     torchao's extensions and pytree deprecation warnings, nothing a built-in model needs."""

@@ -8,11 +8,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fusion_passes.numerics import tolerance
 
 
+@pytest.mark.slow  # three compiles of a layer in a subprocess (about 14 s); the CI keeps the decode benchmark's smoke run
 def test_gdn_layer_benchmark_smoke(tmp_path):
     out = tmp_path / "gdn.json"
     done = subprocess.run(
