@@ -22,6 +22,7 @@ from fusion_passes.patterns import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_gva,
     gated_delta_step,
+    gated_delta_step_norm,
     gqa_decode_attention,
     masked_prefill_attention,
     masked_prefill_attention_causal,
@@ -56,6 +57,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         "independent of the norms (its l2norms sum, not average, and have no weight); before the "
         "quantization fusions' common-subexpression elimination, which would merge the two "
         "unsqueezes of the normalised k that transformers' recurrent step traces apart",
+    ),
+    (
+        gated_delta_step_norm,
+        "after gated_delta_step and the norms, whose ops (the step, the gated norm's rms_norm) it "
+        "starts from; before the lower-back stage, which would return the norm to Inductor",
     ),
     (
         chunk_gated_delta_rule,

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from fusion_passes.fusion import Fusion, Spelling, trace_functional
+from fusion_passes.lowering.common.ops import schema_values
 from fusion_passes.report import NearMiss, module_path, op_name, source_location
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,13 +86,16 @@ def _trace(fusion: Fusion, spelling: Spelling, dtype: torch.dtype, rank: int):
         return _TRACES[key]
     example = next(iter(fusion.example_inputs()))
     lead_rank = max((t.dim() for t in example if isinstance(t, torch.Tensor)), default=0)
+    # The activations' dtype: the first floating tensor's. Tensors of another dtype keep it (a
+    # recurrent state the op wants in fp32, integer ids).
+    lead_dtype = next((t.dtype for t in example if isinstance(t, torch.Tensor) and t.dtype.is_floating_point), None)
 
     def adapt(t: Any, raise_rank: bool = True) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if raise_rank and t.dim() == lead_rank and rank > lead_rank:
             t = t.reshape((1,) * (rank - lead_rank) + tuple(t.shape))
-        return t.to(dtype) if t.dtype.is_floating_point else t
+        return t.to(dtype) if t.dtype == lead_dtype else t
 
     _TRACES[key] = None  # a spelling that does not trace at this dtype / rank is not the closest
     # Raised to the candidate's rank, else at its own: the candidate op's rank need not be the
@@ -218,9 +222,10 @@ class _Walk:
         return None
 
     def _compare_args(self, g: torch.fx.Node, s: torch.fx.Node) -> str | None:
-        if len(g.args) != len(s.args):
-            return f"{op_name(s)} has {len(g.args)} arguments, the spelling {len(s.args)}"
-        for i, (ga, sa) in enumerate(zip(g.args, s.args)):
+        g_args, s_args = _schema_args(g), _schema_args(s)
+        if len(g_args) != len(s_args):
+            return f"{op_name(s)} has {len(g_args)} arguments, the spelling {len(s_args)}"
+        for i, (ga, sa) in enumerate(zip(g_args, s_args)):
             if isinstance(sa, torch.fx.Node):
                 if not isinstance(ga, torch.fx.Node):
                     return f"{op_name(s)} argument {i} is the constant {ga!r}"
@@ -231,6 +236,15 @@ class _Walk:
             elif ga != sa:
                 return f"{op_name(s)} argument {i} is {ga!r}, the spelling has {sa!r}"
         return None
+
+
+def _schema_args(node: torch.fx.Node) -> list[Any]:
+    """An op call's arguments with the defaults it left out filled in: a trace drops trailing
+    arguments equal to their defaults (rms_norm's weight_offset=0.0), a fused op's call in the graph
+    may spell them out."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return schema_values(node.target, node.args, node.kwargs)
+    return list(node.args)
 
 
 def _describe(node: torch.fx.Node) -> str:

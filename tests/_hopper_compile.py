@@ -85,6 +85,7 @@ def _cases():
     from fusion_passes.lowering.causal_conv1d_update.triton import causal_conv1d_update_triton
     from fusion_passes.lowering.common.fp8 import QuantFP8
     from fusion_passes.lowering.rms_norm.reference import RMSNormForm
+    from fusion_passes.lowering.gated_delta_step.norm_triton import gated_delta_step_norm_triton
     from fusion_passes.lowering.gated_delta_step.triton import gated_delta_step_triton
     from fusion_passes.lowering.masked_attention.decode import masked_decode_attention_triton
     from fusion_passes.lowering.masked_attention.op import _masked_attention_causal_cuda as causal_launch
@@ -143,6 +144,10 @@ def _cases():
     yield "gated_delta_step", gated_delta_step_triton, step
     persistent = functools.partial(gated_delta_step_triton, block_v=32, num_warps=1, programs=3, stages=2)
     yield "gated_delta_step (persistent)", persistent, step
+    # with the gated norm: a program per whole value row, and the step's tiles + a norm launch
+    norm_step = (*step[:8], torch.randn(16, 128, dtype=bf16), torch.randn(128, dtype=bf16), *step[8:], 1e-6, 0.0, True)
+    for epilogue, form in ((True, "epilogue"), (False, "step + norm")):
+        yield f"gated_delta_step_norm ({form})", functools.partial(gated_delta_step_norm_triton, epilogue=epilogue), norm_step
     # every layer's cache write counters (DeepSeek V3.2's two a layer), over two launches
     counters = [torch.tensor(7, dtype=torch.int64) for _ in range(20)]
     yield "advance_lengths", advance_lengths_triton, ([torch.tensor(40)] * 20, counters, [1] * 20)
@@ -234,7 +239,8 @@ def _cases():
 
 # The cases whose launches update a state in place (positions of the launcher's arguments), as
 # their ops' register_launcher(writes_inputs=...) declares: the trace may write those back.
-_WRITES_INPUTS = {"advance_lengths": (1,), "causal_conv1d_update": (1,), "gated_delta_step": (7,), "gated_delta_step (persistent)": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
+_WRITES_INPUTS = {"advance_lengths": (1,), "causal_conv1d_update": (1,), "gated_delta_step": (7,), "gated_delta_step (persistent)": (7,),
+                  "gated_delta_step_norm (epilogue)": (7,), "gated_delta_step_norm (step + norm)": (7,), "mla_indexer_k_norm_rope_cache (first slot)": (5,),
                   "mla_indexer_k_norm_rope_cache (slot per token)": (5,), "mla_kv_cache_write (first slot)": (3, 4),
                   "mla_kv_cache_write (slot per token)": (3, 4), "qk_norm_rope_cache (per head, first slot)": (7, 8),
                   "qk_norm_rope_cache (whole row, slot per token)": (7, 8), "mla_indexer_qk_rope (into the cache)": (6,),

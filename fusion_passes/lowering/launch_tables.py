@@ -102,6 +102,25 @@ GATED_DELTA_STEP: dict[str, GatedDeltaLaunch] = {
 }
 
 
+class GatedDeltaNormLaunch(NamedTuple):
+    """gated_delta_step_norm's launch by the (sequence, value head) pairs it updates: from
+    ``epilogue_from`` pairs one program per pair holds the whole value row and normalises it after
+    the step (one launch, ``warps`` warps); under it the step runs on GATED_DELTA_STEP's narrower
+    tiles (more programs for few pairs) and the gated norm is a second, small launch."""
+
+    epilogue_from: int = 0
+    warps: int = 4
+    evidence: str = ""
+
+
+GATED_DELTA_STEP_NORM: dict[str, GatedDeltaNormLaunch] = {
+    # One launch at every size: the op's point. Unmeasured on every GPU (an opt-in fusion): the
+    # whole row at K = V = 128 and 4 warps was within 1.4-9% of the best step tile at 256-4096
+    # pairs on one H200 (bench_gated_delta_step --sweep's "128 x 4"), never timed at 32 pairs.
+    "default": GatedDeltaNormLaunch(),
+}
+
+
 class MoeSortRule(NamedTuple):
     """The most (token, expert) pairs moe_sort_by_expert's one-kernel sort takes on one GPU; more
     (a prefill's) are left to Inductor's sort. 0: no limit."""

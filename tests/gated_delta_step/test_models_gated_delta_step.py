@@ -101,3 +101,33 @@ def test_prefill_is_no_decode_step_and_fuses_the_chunked_rule_and_the_conv(conv)
     conv_states = [i for i, t in enumerate(expected_cache) if t.dim() == 3 and t.shape[-1] == 4]
     assert len(conv_states) == 3 and torch.equal(cache[conv_states[0]], expected_cache[conv_states[0]])
     assert all(compare(cache[i], expected_cache[i]).rel_norm <= tolerance(torch.bfloat16).rel_norm for i in conv_states)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next", "qwen3.5-moe"])
+def test_decode_step_folds_every_gated_norm(name):
+    """With gated_delta_step_norm (opt-in): each GDN layer's step and gated RMSNorm are one op. The
+    first GDN layer's states are bit-equal to the defaults' (the same step reference on the CPU);
+    its norm, the op's reference in place of Inductor's kernel, sums in another order, so later
+    layers see other roundings: the outputs and states within bf16's tolerance of the defaults'
+    and of eager's."""
+    step = _step(name)
+    defaults = [f.name for f in get_fusions("all")]
+    runs = {}
+    for fusions in (defaults, defaults + ["gated_delta_step_norm"]):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=fusion_passes.backend(fusions, report=report), fullgraph=True,
+                                 dynamic=False)  # fmt: skip
+        runs[len(fusions)] = (*_run(step, compiled), report)
+    (outs, cache, _), (folded_outs, folded_cache, report) = runs[len(defaults)], runs[len(defaults) + 1]
+    assert report.final()["gated_delta_step_norm"] == 3 and report.final()["gated_delta_step"] == 0
+    after = report.ops_after()
+    assert after["fusion_passes.gated_delta_step_norm.default"] == 3 and after["fusion_passes.gated_delta_step.default"] == 0
+    states = _states(step)
+    assert torch.equal(folded_cache[states[0]], cache[states[0]]) and torch.equal(folded_cache[states[1]], cache[states[1]])
+    expected_outs, expected_cache = _run(step, step)
+    bound = tolerance(torch.bfloat16).rel_norm
+    for reference, reference_cache in ((outs, cache), (expected_outs, expected_cache)):
+        assert all(compare(folded_cache[i], reference_cache[i]).rel_norm <= bound for i in states)
+        assert all(compare(a, e).rel_norm <= bound for a, e in zip(folded_outs, reference, strict=True))

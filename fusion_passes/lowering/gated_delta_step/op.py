@@ -11,6 +11,9 @@ Fused:
 one kernel reading the state once and writing it once (in place on CUDA: ``direct_launch``'s
 inputs written in place; Inductor's reinplacing drops the copy into the cache).
 
+``gated_delta_step_norm``: the same step with the layer's gated RMSNorm of its output
+(``norm(out) * silu(z)``, Qwen3_5RMSNormGated) in the same launch: y, new_state.
+
 The math lives in ``reference``.
 """
 
@@ -22,6 +25,8 @@ from fusion_passes.lowering.common.direct_launch import register_launcher
 from fusion_passes.lowering.common.ops import op_from_reference
 from fusion_passes.lowering.gated_delta_step.reference import (
     check_gated_delta_step_args,
+    check_gated_delta_step_norm_args,
+    gated_delta_step_norm_reference,
     gated_delta_step_reference,
 )
 
@@ -44,5 +49,29 @@ def _gated_delta_step_cuda(*args, wrap=None):
 def _gated_delta_step_fake(q, k, v, a, b, A_log, dt_bias, state, *form):
     check_gated_delta_step_args(q, k, v, a, b, A_log, dt_bias, state)
     return torch.empty(v.shape, dtype=v.dtype, device=v.device), torch.empty_like(
+        state, memory_format=torch.contiguous_format
+    )
+
+
+gated_delta_step_norm = op_from_reference(
+    "gated_delta_step_norm", gated_delta_step_norm_reference, check=check_gated_delta_step_norm_args
+)
+
+
+# The same in-place state (argument 7); one launch, or two under the launch table's bound.
+@gated_delta_step_norm.register_kernel("cuda")
+@register_launcher(torch.ops.fusion_passes.gated_delta_step_norm.default, writes_inputs=(7,))
+def _gated_delta_step_norm_cuda(*args, wrap=None):
+    from fusion_passes.lowering.gated_delta_step.norm_triton import gated_delta_step_norm_triton
+
+    return gated_delta_step_norm_triton(*args, wrap=wrap)
+
+
+@gated_delta_step_norm.register_fake
+def _gated_delta_step_norm_fake(q, k, v, a, b, A_log, dt_bias, state, z, norm_weight, scale, divide_scale,
+                                qk_l2norm, l2norm_eps, norm_eps, weight_offset, cast_before_weight):  # fmt: skip
+    check_gated_delta_step_norm_args(q, k, v, a, b, A_log, dt_bias, state, z, norm_weight, weight_offset,
+                                     cast_before_weight)  # fmt: skip
+    return torch.empty(z.shape, dtype=v.dtype, device=v.device), torch.empty_like(
         state, memory_format=torch.contiguous_format
     )

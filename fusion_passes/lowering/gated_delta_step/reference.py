@@ -15,12 +15,20 @@ hk = h // (HV / Hk) (grouped value heads: transformers repeats q and k, the math
 
 Rounding is where transformers rounds: sigmoid in b.dtype, everything after in fp32, the output
 once. The state is fp32 in transformers' layout [B, HV, K, V].
+
+``gated_delta_step_norm_reference``: the step followed by the layer's gated RMSNorm over each
+value head's V outputs (Qwen3_5RMSNormGated / Qwen3NextRMSNormGated on out.reshape(-1, V)):
+
+    n = rms_norm(out, norm_weight, norm_eps, weight_offset, cast_before_weight)   in v.dtype
+    y = (f32(n) * silu(f32(z))).to(v.dtype)          z: the gate rows [B * HV, V], same order
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fusion_passes.lowering.rms_norm.reference import check_rms_norm_args, rms_norm_reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -94,3 +102,58 @@ def gated_delta_step_reference(
     s = s + kf.unsqueeze(-1) * delta.unsqueeze(-2)
     out = (s * qf.unsqueeze(-1)).sum(dim=-2)
     return out.unsqueeze(1).to(v.dtype), s
+
+
+def check_gated_delta_step_norm_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight_offset: float,
+    cast_before_weight: bool,
+) -> None:
+    """The step's checks, then the gated norm's: z [B * HV, V] in v.dtype, the norm's weight and form."""
+    check_gated_delta_step_args(q, k, v, a, b, A_log, dt_bias, state)
+    bsz, _, hv, dv = v.shape
+    if tuple(z.shape) != (bsz * hv, dv) or z.dtype != v.dtype:
+        raise ValueError(
+            f"gated_delta_step_norm: z {tuple(z.shape)} {z.dtype} must be [{bsz * hv}, {dv}] {v.dtype} "
+            "(a gate row per sequence and value head)"
+        )
+    try:
+        check_rms_norm_args(z, norm_weight, weight_offset, cast_before_weight)
+    except ValueError as e:
+        raise ValueError(f"gated_delta_step_norm: {str(e).removeprefix('rms_norm: ')}") from None
+
+
+def gated_delta_step_norm_reference(
+    q: torch.Tensor,  # [B, 1, Hk, K]
+    k: torch.Tensor,  # [B, 1, Hk, K]
+    v: torch.Tensor,  # [B, 1, HV, V]
+    a: torch.Tensor,  # [B, 1, HV]
+    b: torch.Tensor,  # [B, 1, HV]
+    A_log: torch.Tensor,  # [HV]
+    dt_bias: torch.Tensor,  # [HV]
+    state: torch.Tensor,  # [B, HV, K, V] float32
+    z: torch.Tensor,  # [B * HV, V] in v.dtype: the gate of each (sequence, value head) row
+    norm_weight: torch.Tensor,  # [V]
+    scale: float,
+    divide_scale: bool,
+    qk_l2norm: bool,
+    l2norm_eps: float,
+    norm_eps: float,  # the gated norm's epsilon
+    weight_offset: float,  # rms_norm's forms (rms_norm/reference.py)
+    cast_before_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [B * HV, V] in v.dtype, new_state [B, HV, K, V] float32); see the module doc."""
+    out, new_state = gated_delta_step_reference(
+        q, k, v, a, b, A_log, dt_bias, state, scale, divide_scale, qk_l2norm, l2norm_eps
+    )
+    n = rms_norm_reference(out.reshape(-1, v.shape[-1]), norm_weight, norm_eps, weight_offset, cast_before_weight)
+    return (n.float() * F.silu(z.float())).to(v.dtype), new_state

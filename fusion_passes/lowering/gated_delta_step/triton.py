@@ -101,7 +101,27 @@ def _step_tile(
     scale, l2norm_eps, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DIVIDE_SCALE: tl.constexpr, QK_L2NORM: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence b, value head h) and its state columns [v_block * BLOCK_V, ...): the step."""
+    """One (sequence b, value head h) and its state columns [v_block * BLOCK_V, ...): the step,
+    its output stored in out's dtype."""
+    out = step_update(
+        b, h, v_block, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_ah, stride_bb, stride_bh,
+        scale, l2norm_eps, HV, GROUP, K, V, BLOCK_K, BLOCK_V, DIVIDE_SCALE, QK_L2NORM,
+    )  # fmt: skip
+    vs = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    tl.store(out_ptr + (b * HV + h) * V + vs, out.to(out_ptr.dtype.element_ty), mask=vs < V)
+
+
+@triton.jit
+def step_update(
+    b, h, v_block, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_ah, stride_bb, stride_bh,
+    scale, l2norm_eps, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DIVIDE_SCALE: tl.constexpr, QK_L2NORM: tl.constexpr,
+):  # fmt: skip
+    """The step of one (sequence b, value head h) on its state columns [v_block * BLOCK_V, ...):
+    stores the new state block and returns the output's columns in fp32 (the caller stores them,
+    or normalises the row first: gated_delta_step_norm)."""
     # Inductor passes Python floats as fp64: pin them to fp32, the reference's precision.
     scale = tl.cast(scale, tl.float32)
     l2norm_eps = tl.cast(l2norm_eps, tl.float32)
@@ -140,7 +160,7 @@ def _step_tile(
     # The state stored after the output's math, not as soon as it is known: 2.6-3.7% faster at
     # batch 32-128, 1.6% slower at 8 (measured on one H200).
     tl.store(s_ptrs, s, mask=smask)
-    tl.store(out_ptr + (b * HV + h) * V + vs, out.to(out_ptr.dtype.element_ty), mask=vm)
+    return out
 
 
 def _launch(state: torch.Tensor, batch: int, heads: int, dv: int) -> tuple[int, int]:
@@ -161,6 +181,29 @@ def _launch(state: torch.Tensor, batch: int, heads: int, dv: int) -> tuple[int, 
     raise AssertionError("a launch table's last rule has no bound")
 
 
+def step_inputs(q, k, v, state, in_place: bool):
+    """(q, k, v, state) as the kernels index them: unit stride along the head dims, and a
+    contiguous state to update, the input's own where ``in_place`` (and it is contiguous), else a
+    copy (the dispatcher's call is functional)."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    if not in_place:
+        state = state.clone(memory_format=torch.contiguous_format)
+    elif not state.is_contiguous():  # the kernel indexes a contiguous state: update a copy (returned)
+        state = state.contiguous()
+    return q, k, v, state
+
+
+def step_args(q, k, v, a, b, A_log, dt_bias, state, out, scale, l2norm_eps) -> tuple:
+    """The step kernels' leading arguments, in their order (pointers, strides, scalars)."""
+    return (
+        q, k, v, a, b, A_log, dt_bias, state, out,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+        a.stride(0), a.stride(2), b.stride(0), b.stride(2),
+        scale, l2norm_eps,
+    )  # fmt: skip
+
+
 def gated_delta_step_triton(
     q, k, v, a, b, A_log, dt_bias, state, scale, divide_scale, qk_l2norm, l2norm_eps, *,
     wrap: Callable | None = None, block_v: int | None = None, num_warps: int | None = None,
@@ -174,21 +217,11 @@ def gated_delta_step_triton(
     check_gated_delta_step_args(q, k, v, a, b, A_log, dt_bias, state)
     bsz, _, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = (t.contiguous() for t in (q, k, v))
-    if wrap is None:  # the dispatcher's call is functional: update a copy
-        state = state.clone(memory_format=torch.contiguous_format)
-    elif not state.is_contiguous():  # the kernel indexes a contiguous state: update a copy (returned)
-        state = state.contiguous()
+    q, k, v, state = step_inputs(q, k, v, state, in_place=wrap is not None)
     out = torch.empty((bsz, 1, hv, dv), dtype=v.dtype, device=v.device)
     table_block, table_warps = _launch(state, bsz, hv, dv)
     block_v, num_warps = block_v or table_block, num_warps or table_warps
-    args = (
-        q, k, v, a, b, A_log, dt_bias, state, out,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
-        a.stride(0), a.stride(2), b.stride(0), b.stride(2),
-        scale, l2norm_eps,
-    )  # fmt: skip
+    args = step_args(q, k, v, a, b, A_log, dt_bias, state, out, scale, l2norm_eps)
     form = dict(HV=hv, GROUP=hv // hk, K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
                 DIVIDE_SCALE=divide_scale, QK_L2NORM=qk_l2norm, num_warps=num_warps)  # fmt: skip
     if programs is not None:
