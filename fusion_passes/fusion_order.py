@@ -28,6 +28,7 @@ from fusion_passes.patterns import (
     masked_prefill_attention_causal,
     mla_rope,
     moe_route,
+    moe_route_sort,
     moe_sort_by_expert,
     moe_sort_narrow_keys,
     qk_norm_rope,
@@ -104,6 +105,11 @@ FUSION_ORDER: tuple[tuple[ModuleType, str], ...] = (
         moe_sort_by_expert,
         "independent of the others (a sort, histc, cumsum and a scatter of integer expert ids, no "
         "canonical op)",
+    ),
+    (
+        moe_route_sort,
+        "after moe_route and moe_sort_by_expert, whose two ops (the route, the sort of its ids) it folds "
+        "into one; after moe_sort_gather, whose sites keep their gather",
     ),
     (
         moe_sort_narrow_keys,

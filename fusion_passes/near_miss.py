@@ -229,8 +229,8 @@ class _Walk:
             if isinstance(sa, torch.fx.Node):
                 if not isinstance(ga, torch.fx.Node):
                     return f"{op_name(s)} argument {i} is the constant {ga!r}"
-            elif isinstance(sa, float) and sa in self.scalars:
-                continue  # a scalar pattern argument (eps): any value matches
+            elif isinstance(sa, (int, float)) and not isinstance(sa, bool) and sa in self.scalars:
+                continue  # a scalar pattern argument (eps, top_k): any value matches
             elif isinstance(sa, str) and sa in self.strings and isinstance(ga, str):
                 continue  # a string pattern argument (the group name): any name matches
             elif ga != sa:

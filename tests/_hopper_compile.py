@@ -92,6 +92,7 @@ def _cases():
     from fusion_passes.lowering.masked_attention.triton import masked_attention_triton
     from fusion_passes.lowering.mla_rope import triton as mla
     from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
+    from fusion_passes.lowering.moe_route_sort.triton import moe_route_sort_triton
     from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton, moe_sort_gather_triton
     from fusion_passes.lowering.qk_norm_rope.triton import qk_norm_rope_cache_triton, qk_norm_rope_triton
     from fusion_passes.lowering.rms_norm.triton import rms_norm_triton
@@ -133,6 +134,14 @@ def _cases():
     gather_args = (torch.randint(0, 257, (16,)), 256, torch.randn(2, 7168, dtype=bf16), 8)
     yield "moe_sort_gather", moe_sort_gather_triton, gather_args
     logits = torch.randn(3, 256)
+    # the route and the dispatch prep in one launch: Qwen's softmax (512 experts, top-10), MiniMax-M2's
+    # sigmoid + bias, DeepSeek V3's groups; past the token bound, the two kernels
+    route_sorts = (("softmax", (torch.randn(1, 512, dtype=bf16), None, 10, True, True, 0, 0, 1.0, 512)),
+                   ("sigmoid + bias", (torch.randn(5, 256, dtype=bf16), torch.randn(256), 8, False, True, 0, 0, 1.0, 256)),
+                   ("grouped", (torch.randn(16, 256), torch.randn(256), 8, False, True, 8, 4, 2.5, 256)),
+                   ("two launches", (torch.randn(17, 256), torch.randn(256), 8, False, True, 8, 4, 2.5, 256)))  # fmt: skip
+    for form, route_args in route_sorts:
+        yield f"moe_route_sort ({form})", moe_route_sort_triton, route_args
     yield "moe_route", moe_route_triton, (logits, None, 8, True, True)
     yield "moe_route_grouped", moe_route_grouped_triton, (logits, torch.randn(256), 8, 8, 4, True, 2.5)
     h = torch.randn(3, 1, 2048, dtype=bf16)
