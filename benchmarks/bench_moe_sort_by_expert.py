@@ -8,6 +8,9 @@ ours, at decode and prefill token counts.
     route_grouped: DeepSeek V3 / V3.2's group-limited router after its fp32 gate GEMM (sigmoid +
            correction bias, each group's top-2 sum, the kept groups, top-k, gather, renormalise,
            routed scaling): 8 groups, 4 kept, scale 2.5
+    route_sort: the grouped router and then the sort of its ids, as a DeepSeek V3 / V3.2 MoE layer
+           runs them at decode; ours is the default fusions (the route's kernel, then the sort's),
+           ours_fold adds the opt-in moe_route_sort (one launch), ours_kernel its launcher
 
 256 experts, top-8 (Qwen 3.5-MoE, MiniMax-M2, DeepSeek V3.x) by default; the ids of each token
 are distinct, as top-k returns them. Each implementation is timed as plain launches (do_bench
@@ -19,7 +22,7 @@ Implementations: eager; inductor (torch.compile); ours (torch.compile with the f
 backend: the fused kernel launched by Inductor, no launch-table limit); ours_kernel (our launcher
 called directly).
 
-    python -m benchmarks.bench_moe_sort_by_expert [--regions route route_grouped sort] [--tokens 1 64 4096] [--experts 256]
+    python -m benchmarks.bench_moe_sort_by_expert [--regions route route_grouped sort route_sort] [--tokens 1 64 4096] [--experts 256]
     python -m benchmarks.bench_moe_sort_by_expert --smoke   # tiny sizes; on a CPU via Triton's interpreter
 """
 
@@ -38,6 +41,7 @@ import fusion_passes  # noqa: E402
 from benchmarks.timing import kernels_per_call, time_graph_us, time_plain_us  # noqa: E402
 from fusion_passes.lowering import launch_tables  # noqa: E402
 from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton  # noqa: E402
+from fusion_passes.lowering.moe_route_sort.triton import moe_route_sort_triton  # noqa: E402
 from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton  # noqa: E402
 from fusion_passes.patterns.moe_route import deepseek_v3_router, qwen_router  # noqa: E402
 from fusion_passes.patterns.moe_sort_by_expert import transformers_grouped_mm_dispatch  # noqa: E402
@@ -160,25 +164,74 @@ def bench_route_grouped(tokens, experts, top_k, device, g) -> dict:
     return record
 
 
-BENCHES = {"route": bench_route, "route_grouped": bench_route_grouped, "sort": bench_sort}
+def bench_route_sort(tokens, experts, top_k, device, g) -> dict:
+    n_sets = SETS if device == "cuda" else 1
+    sets = [(torch.randn(tokens, experts, generator=g).to(device), (torch.rand(experts, generator=g) * 0.1).to(device))
+            for _ in range(n_sets)]  # fmt: skip
+
+    def route_sort(logits, bias):
+        # the ids only through the dispatch, as the model reads them (ids read beside it: no fold)
+        weights, ids = deepseek_v3_router(logits, bias, top_k, N_GROUP, TOPK_GROUP, ROUTED_SCALING)
+        return (weights, *region(ids, experts))
+
+    def fused_kernel(logits, bias):
+        weights, _, *dispatch = moe_route_sort_triton(logits, bias, top_k, False, True, N_GROUP, TOPK_GROUP,
+                                                      ROUTED_SCALING, experts)  # fmt: skip
+        return (weights, *dispatch)
+
+    reports = {name: fusion_passes.Report() for name in ("ours", "ours_fold")}
+    defaults = [f.name for f in fusion_passes.registry.get_fusions("all")]
+    impls = {"eager": route_sort, "inductor": torch.compile(route_sort, fullgraph=True)}
+    for name, fusions in (("ours", defaults), ("ours_fold", defaults + ["moe_route_sort"])):
+        impls[name] = torch.compile(route_sort, backend=fusion_passes.backend(fusions, report=reports[name]),
+                                    fullgraph=True)  # fmt: skip
+        impls[name](*sets[0])
+    impls["ours_kernel"] = fused_kernel
+    record = {"region": "route_sort", "tokens": tokens, "pairs": tokens * top_k, "experts": experts, "top_k": top_k,
+              "fused_sites": reports["ours_fold"].matches.get("moe_route_sort_grouped", 0), "correct": {},
+              "plain_us": {}, "graph_us": {}, "kernels": {}}  # fmt: skip
+    want_w, want_ids = deepseek_v3_router(*sets[0], top_k, N_GROUP, TOPK_GROUP, ROUTED_SCALING)
+    for name, fn in impls.items():
+        calls = [lambda s=s, fn=fn: fn(*s) for s in sets]
+        w, *dispatch = calls[0]()
+        # the selected experts (each pair's id put back from the sort) and their weights in either
+        # order; the dispatch a correct one of those ids
+        ids = torch.empty_like(dispatch[0])
+        ids[dispatch[1]] = dispatch[0]
+        ids = ids.view(tokens, top_k)
+        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+        record["correct"][name] = bool(torch.equal(ids.gather(-1, order), want_ids.gather(-1, want_order))
+                                       and torch.allclose(w.gather(-1, order), want_w.gather(-1, want_order),
+                                                          rtol=1e-5, atol=1e-6)
+                                       and check(dispatch, ids, experts))  # fmt: skip
+        record["kernels"][name] = kernels_per_call(calls[0])
+        record["plain_us"][name] = time_plain_us(calls[0])
+        record["graph_us"][name] = time_graph_us(calls)
+    return record
+
+
+BENCHES = {"route": bench_route, "route_grouped": bench_route_grouped, "sort": bench_sort,
+           "route_sort": bench_route_sort}  # fmt: skip
 
 
 def report_text(records, device_name) -> str:
     lines = [f"# MoE routing and dispatch prep, {device_name}", ""]
-    impls = list(records[0]["graph_us"])
     for region, mode in [(r, m) for r in BENCHES for m in ("graph_us", "plain_us")]:
         rows = [r for r in records if r.get("region", "sort") == region]
         if not rows:
             continue
+        impls = list(rows[0]["graph_us"])
+        fold = " | ours_fold vs ours" if "ours_fold" in impls else ""
         lines += [f"## {region}, {mode} (us per call)", "",
-                  "| tokens x top-k (pairs) | experts | " + " | ".join(impls) + " | ours vs inductor | kernels "
-                  + "/".join(impls) + " |",
-                  "|---" * (len(impls) + 4) + "|"]  # fmt: skip
+                  "| tokens x top-k (pairs) | experts | " + " | ".join(impls) + " | ours vs inductor" + fold
+                  + " | kernels " + "/".join(impls) + " |",
+                  "|---" * (len(impls) + 4 + bool(fold)) + "|"]  # fmt: skip
         for r in rows:
             t = r[mode]
+            versus = " | " + common.ratio(t["ours"], t["ours_fold"]) if fold else ""
             lines.append(f"| {r['tokens']} x {r['top_k']} ({r['pairs']}) | {r['experts']} | "
                          + " | ".join(common.us(t[i]) for i in impls) + " | " + common.ratio(t["inductor"], t["ours"])
-                         + " | " + "/".join(str(r["kernels"][i]) for i in impls) + " |")  # fmt: skip
+                         + versus + " | " + "/".join(str(r["kernels"][i]) for i in impls) + " |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

@@ -102,8 +102,9 @@ GATED_DELTA_STEP_NORM = Fusion(
     requires=("rms_norm", "gated_delta_step"),
     candidate_ops=("fusion_passes.rms_norm.default",),
     candidate=_normalises_a_step,
-    opt_in="not yet timed on a GPU: its whole-row epilogue runs a program per (sequence, value head), "
-    "a quarter to an eighth of the step's programs at batch 1 on one H200's launch table",
+    opt_in="not yet timed on a GPU (bench_gated_delta_step --regions recurrent_norm decides it): its whole-row "
+    "epilogue runs a program per (sequence, value head), an eighth of the step's programs at batch 1 on one "
+    "H200's launch table (16 columns a program), a half from batch 32 (64 columns)",
     builtin=True,
 )
 

@@ -145,8 +145,9 @@ def _examples(route: str):
     return example_inputs
 
 
-_OPT_IN = ("not yet timed on a GPU: it removes the route's launch (the sort's programs route every token "
-           "again), 1.8-2.3 us of kernel time per MoE layer at batch 1-8 on one H200 (moe_route, 2026-12-03)")  # fmt: skip
+_OPT_IN = ("not yet timed on a GPU (bench_moe_sort_by_expert --regions route_sort decides it): it saves the "
+           "route's launch, but each of the sort's programs routes every token again; the two kernels took 4.3 "
+           "(DeepSeek's grouped route) and 1.8 us (the sort) at 1 token inside a CUDA graph on one H200")  # fmt: skip
 
 
 def _fusion(name: str, routes: tuple[str, ...], route_op, requires: tuple[str, ...], summary: str) -> Fusion:
