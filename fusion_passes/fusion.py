@@ -338,20 +338,27 @@ def _scalars_then_on_match(fusion: Fusion, spelling: Spelling, example: list) ->
     register_replacement re-checks a candidate with the pattern re-traced on the matched values,
     scalars burned in; torch >= 2.12 copies the scalars over from the first match, torch 2.11 does
     not, so there the match has no ``eps``. The generic pattern (scalars as keyword arguments),
-    matched again at the same output node, gives them back."""
+    matched again at the same output node, gives them back.
+
+    The re-traced pattern also takes any literal of the graph equal to an integer scalar's sentinel
+    for that scalar: DeepSeek V3's router at 7 tokens (its group view [7, n_group, E / n_group])
+    bound n_group to 7, the token count, and the check refused a correct site. The generic pattern
+    binds each scalar where the spelling itself put it, so with integer scalars its values are the
+    ones checked (the replacement is traced with those already)."""
     names = [n for n in inspect.signature(spelling.pattern).parameters if n in fusion.scalars]
+    integers = [n for n in names if isinstance(fusion.scalars[n], int)]
     generic: list[Any] = []
 
     def check(match: Match) -> bool:
         missing = [n for n in names if n not in match.kwargs]
-        if missing:
+        if missing or integers:
             if not generic:
                 with unset_fake_temporarily():  # the check runs under the graph's fake mode
                     generic.append(gen_pattern(spelling.pattern, example, trace_functional, fusion.scalars))
             again = generic[0].match(match.output_nodes()[0])
             if not is_match(again) or any(n not in again.kwargs for n in missing):
                 return False
-            match.kwargs.update({n: again.kwargs[n] for n in missing})
+            match.kwargs.update({n: again.kwargs[n] for n in missing + integers if n in again.kwargs})
         return _on_match(fusion, spelling, match)
 
     return check

@@ -142,14 +142,16 @@ def test_cuda_graphs_online_softmax_form_fuses():
 
 
 @pytest.mark.parametrize(
-    ("router", "topk_group"), [("deepseek-v3", 2), ("deepseek-v3.2", 2), ("glm4-moe", 2), ("deepseek-v3.2", 1)]
+    ("router", "topk_group", "tokens"),
+    [("deepseek-v3", 2, 9), ("deepseek-v3.2", 2, 9), ("glm4-moe", 2, 9), ("deepseek-v3.2", 1, 9), ("deepseek-v3", 2, 7)],
 )
-def test_group_limited_router_fuses_when_enabled(router, topk_group):
+def test_group_limited_router_fuses_when_enabled(router, topk_group, tokens):
     """DeepSeek V3 / V3.2's router and GLM4-MoE's copy of it, with moe_route_grouped:
     one op for the sigmoid, the group top-2 sums, both top-ks, the renormalisation and the
     routed scaling; the experts and weights equal eager's (fp32 router, tie-free). Keeping one
     group, Inductor writes the group mask as a one-hot comparison: moe_route_grouped_one_group,
-    enabled along with it."""
+    enabled along with it. 7 tokens, n_group's sentinel, in the group view [7, n_group, E / n_group]:
+    the group count is still read where the router puts it (fusion.py's _scalars_then_on_match)."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
     from transformers.models.deepseek_v32 import modeling_deepseek_v32
     from transformers.models.glm4_moe import modeling_glm4_moe
@@ -168,7 +170,7 @@ def test_group_limited_router_fuses_when_enabled(router, topk_group):
     with torch.no_grad():
         module.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
         module.e_score_correction_bias.uniform_(0, 0.1, generator=torch.Generator().manual_seed(7))
-    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
     compiled, report = _compile(module, [*ROUTES, "moe_route_grouped"])
     with torch.no_grad():
         _, weights, ids = compiled(x)
