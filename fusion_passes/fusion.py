@@ -346,7 +346,9 @@ def _scalars_then_on_match(fusion: Fusion, spelling: Spelling, example: list) ->
     binds each scalar where the spelling itself put it, so with integer scalars its values are the
     ones checked (the replacement is traced with those already)."""
     names = [n for n in inspect.signature(spelling.pattern).parameters if n in fusion.scalars]
-    integers = [n for n in names if isinstance(fusion.scalars[n], int)]
+    # (patterns pre-traced with string arguments or shared nodes have no generic form to match)
+    plain = not (fusion.string_args or fusion.shared_nodes)
+    integers = [n for n in names if isinstance(fusion.scalars[n], int)] if plain else []
     generic: list[Any] = []
 
     def check(match: Match) -> bool:
@@ -356,9 +358,10 @@ def _scalars_then_on_match(fusion: Fusion, spelling: Spelling, example: list) ->
                 with unset_fake_temporarily():  # the check runs under the graph's fake mode
                     generic.append(gen_pattern(spelling.pattern, example, trace_functional, fusion.scalars))
             again = generic[0].match(match.output_nodes()[0])
-            if not is_match(again) or any(n not in again.kwargs for n in missing):
+            if missing and (not is_match(again) or any(n not in again.kwargs for n in missing)):
                 return False
-            match.kwargs.update({n: again.kwargs[n] for n in missing + integers if n in again.kwargs})
+            if is_match(again):
+                match.kwargs.update({n: again.kwargs[n] for n in missing + integers if n in again.kwargs})
         return _on_match(fusion, spelling, match)
 
     return check
