@@ -142,6 +142,10 @@ def _cases():
                    ("two launches", (torch.randn(17, 256), torch.randn(256), 8, False, True, 8, 4, 2.5, 256)))  # fmt: skip
     for form, route_args in route_sorts:
         yield f"moe_route_sort ({form})", moe_route_sort_triton, route_args
+    # with the gather of DeepSeek V3's 7168-wide hidden states (one launch, and past the token bound)
+    for form, route_args in route_sorts[2:]:
+        hidden_rows = torch.randn(route_args[0].shape[0], 7168, dtype=bf16)
+        yield f"moe_route_sort_gather ({form})", moe_route_sort_triton, (*route_args, hidden_rows)
     yield "moe_route", moe_route_triton, (logits, None, 8, True, True)
     yield "moe_route_grouped", moe_route_grouped_triton, (logits, torch.randn(256), 8, 8, 4, True, 2.5)
     h = torch.randn(3, 1, 2048, dtype=bf16)

@@ -14,9 +14,12 @@ Fused:   weights, ids, sorted_ids, perm, offsets, inv_perm = fusion_passes.moe_r
          one launch up to ROUTE_SORT_MAX_TOKENS tokens (each of the sort's programs routes every
          token again), the two kernels beyond: the outputs bit-equal to the two ops' either way.
 
+The gather form (moe_route_sort_gather, with moe_sort_gather's op): the same and the hidden states
+in the sorted pairs' order for the first grouped GEMM, copied by programs that rank their pairs
+again (3 launches -> 1).
+
 Not a site: route ids read by anything else than the sort (the pattern's ids are its own), a
-sort the launch table left to Inductor (a prefill's: no moe_sort_by_expert op), the gather form
-(moe_sort_gather), which stays two launches.
+sort the launch table left to Inductor (a prefill's: no moe_sort_by_expert op).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from fusion_passes.fusion import DEFAULT_SCALAR_SENTINEL, Fusion, Spelling
-from fusion_passes.lowering.moe_route_sort.reference import check_moe_route_sort_args
+from fusion_passes.lowering.moe_route_sort.reference import check_moe_route_sort_args, check_moe_route_sort_gather_args
 from fusion_passes.patterns.moe_route import GROUPS_SENTINEL, TOP_K_SENTINEL
 from fusion_passes.patterns.moe_sort_by_expert import NUM_EXPERTS_SENTINEL
 
@@ -41,37 +44,91 @@ _GROUPED_SCALARS = {**_SCALARS, "n_group": GROUPS_SENTINEL, "topk_group": KEPT_G
 _ROUTES = {"softmax": (False, True, True), "softmax_unnormalized": (False, True, False), "sigmoid_bias": (True, False, True)}
 
 
-def _sorted(weights, ids, num_experts, inverse: bool):
-    sorted_ids, perm, offsets, inv_perm = torch.ops.fusion_passes.moe_sort_by_expert.default(ids.reshape(-1), num_experts)
-    return (weights, sorted_ids, perm, offsets, inv_perm) if inverse else (weights, sorted_ids, perm, offsets)
+def _sorted(weights, ids, num_experts, inverse: bool, hidden_states=None, top_k=None):
+    """moe_sort_by_expert's op on the route's ids (or moe_sort_gather's, with ``hidden_states``)
+    and the outputs the graph reads: inv_perm where ``inverse``."""
+    if hidden_states is None:
+        sorted_ids, perm, offsets, inv_perm = torch.ops.fusion_passes.moe_sort_by_expert.default(
+            ids.reshape(-1), num_experts
+        )
+        gathered = ()
+    else:
+        sorted_ids, perm, offsets, inv_perm, rows = torch.ops.fusion_passes.moe_sort_gather.default(
+            ids.reshape(-1), num_experts, hidden_states, top_k
+        )
+        gathered = (rows,)
+    return (weights, sorted_ids, perm, offsets) + ((inv_perm,) if inverse else ()) + gathered
 
 
-def _fused(outputs, inverse: bool):
-    weights, _, sorted_ids, perm, offsets, inv_perm = outputs
-    return (weights, sorted_ids, perm, offsets, inv_perm) if inverse else (weights, sorted_ids, perm, offsets)
+def _fused(route_args, num_experts, inverse: bool, hidden_states=None):
+    """The fused op on the route's arguments (moe_route_sort's order up to num_experts), as _sorted's
+    outputs."""
+    if hidden_states is None:
+        weights, _, sorted_ids, perm, offsets, inv_perm = torch.ops.fusion_passes.moe_route_sort.default(
+            *route_args, num_experts
+        )
+        gathered = ()
+    else:
+        weights, _, sorted_ids, perm, offsets, inv_perm, rows = torch.ops.fusion_passes.moe_route_sort_gather.default(
+            *route_args, num_experts, hidden_states
+        )
+        gathered = (rows,)
+    return (weights, sorted_ids, perm, offsets) + ((inv_perm,) if inverse else ()) + gathered
 
 
-def _spellings(route: str, inverse: bool) -> Spelling:
-    """The route op of form ``route`` and the sort of its ids (with or without inv_perm)."""
-    name = f"{route}_route_then_dispatch{'' if inverse else '_sort'}"
+def _spellings(route: str, inverse: bool, gather: bool) -> Spelling:
+    """The route op of form ``route`` and the sort of its ids (with or without inv_perm; with the
+    gather of the hidden states where ``gather``)."""
+    name = f"{route}_route_then_dispatch{'' if inverse else '_sort'}{'_gather' if gather else ''}"
     if route == "grouped":
+        def grouped_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor):
+            return torch.ops.fusion_passes.moe_route_grouped.default(
+                router_logits, e_score_correction_bias, top_k, n_group, topk_group, True, routed_scaling_factor
+            )
+
+        if gather:
+
+            def pattern(router_logits, e_score_correction_bias, hidden_states, top_k, n_group, topk_group,
+                        routed_scaling_factor, num_experts):  # fmt: skip
+                weights, ids = grouped_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group,
+                                             routed_scaling_factor)  # fmt: skip
+                return _sorted(weights, ids, num_experts, inverse, hidden_states, top_k)
+
+            def replacement(router_logits, e_score_correction_bias, hidden_states, top_k, n_group, topk_group,
+                            routed_scaling_factor, num_experts):  # fmt: skip
+                args = (router_logits, e_score_correction_bias, top_k, False, True, n_group, topk_group,
+                        routed_scaling_factor)  # fmt: skip
+                return _fused(args, num_experts, inverse, hidden_states)
+
+            return Spelling(name, pattern, replacement)
 
         def pattern(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
                     num_experts):  # fmt: skip
-            weights, ids = torch.ops.fusion_passes.moe_route_grouped.default(
-                router_logits, e_score_correction_bias, top_k, n_group, topk_group, True, routed_scaling_factor
-            )
+            weights, ids = grouped_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group,
+                                         routed_scaling_factor)  # fmt: skip
             return _sorted(weights, ids, num_experts, inverse)
 
         def replacement(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
                         num_experts):  # fmt: skip
-            return _fused(torch.ops.fusion_passes.moe_route_sort.default(
-                router_logits, e_score_correction_bias, top_k, False, True, n_group, topk_group,
-                routed_scaling_factor, num_experts), inverse)  # fmt: skip
+            args = (router_logits, e_score_correction_bias, top_k, False, True, n_group, topk_group,
+                    routed_scaling_factor)  # fmt: skip
+            return _fused(args, num_experts, inverse)
 
         return Spelling(name, pattern, replacement)
     has_bias, softmax, renormalize = _ROUTES[route]
-    if has_bias:
+    if has_bias and gather:
+
+        def pattern(router_logits, e_score_correction_bias, hidden_states, top_k, num_experts):
+            weights, ids = torch.ops.fusion_passes.moe_route.default(
+                router_logits, e_score_correction_bias, top_k, softmax, renormalize
+            )
+            return _sorted(weights, ids, num_experts, inverse, hidden_states, top_k)
+
+        def replacement(router_logits, e_score_correction_bias, hidden_states, top_k, num_experts):
+            args = (router_logits, e_score_correction_bias, top_k, softmax, renormalize, 0, 0, 1.0)
+            return _fused(args, num_experts, inverse, hidden_states)
+
+    elif has_bias:
 
         def pattern(router_logits, e_score_correction_bias, top_k, num_experts):
             weights, ids = torch.ops.fusion_passes.moe_route.default(
@@ -80,44 +137,56 @@ def _spellings(route: str, inverse: bool) -> Spelling:
             return _sorted(weights, ids, num_experts, inverse)
 
         def replacement(router_logits, e_score_correction_bias, top_k, num_experts):
-            return _fused(torch.ops.fusion_passes.moe_route_sort.default(
-                router_logits, e_score_correction_bias, top_k, softmax, renormalize, 0, 0, 1.0, num_experts
-            ), inverse)  # fmt: skip
+            return _fused((router_logits, e_score_correction_bias, top_k, softmax, renormalize, 0, 0, 1.0),
+                          num_experts, inverse)  # fmt: skip
 
-        return Spelling(name, pattern, replacement)
+    elif gather:
 
-    def pattern(router_logits, top_k, num_experts):
-        weights, ids = torch.ops.fusion_passes.moe_route.default(router_logits, None, top_k, softmax, renormalize)
-        return _sorted(weights, ids, num_experts, inverse)
+        def pattern(router_logits, hidden_states, top_k, num_experts):
+            weights, ids = torch.ops.fusion_passes.moe_route.default(router_logits, None, top_k, softmax, renormalize)
+            return _sorted(weights, ids, num_experts, inverse, hidden_states, top_k)
 
-    def replacement(router_logits, top_k, num_experts):
-        return _fused(torch.ops.fusion_passes.moe_route_sort.default(
-            router_logits, None, top_k, softmax, renormalize, 0, 0, 1.0, num_experts
-        ), inverse)  # fmt: skip
+        def replacement(router_logits, hidden_states, top_k, num_experts):
+            args = (router_logits, None, top_k, softmax, renormalize, 0, 0, 1.0)
+            return _fused(args, num_experts, inverse, hidden_states)
+
+    else:
+
+        def pattern(router_logits, top_k, num_experts):
+            weights, ids = torch.ops.fusion_passes.moe_route.default(router_logits, None, top_k, softmax, renormalize)
+            return _sorted(weights, ids, num_experts, inverse)
+
+        def replacement(router_logits, top_k, num_experts):
+            return _fused((router_logits, None, top_k, softmax, renormalize, 0, 0, 1.0), num_experts, inverse)
 
     return Spelling(name, pattern, replacement)
 
 
 def _check(values: dict[str, Any]) -> str | None:
     grouped = "n_group" in values
+    bias = values.get("e_score_correction_bias")
+    route = (values["router_logits"], bias, values["top_k"], False if grouped else bias is None,
+             values.get("n_group", 0), values.get("topk_group", 0), values.get("routed_scaling_factor", 1.0),
+             values["num_experts"])  # fmt: skip
     try:
-        check_moe_route_sort_args(
-            values["router_logits"], values.get("e_score_correction_bias"), values["top_k"], False if grouped else
-            values.get("e_score_correction_bias") is None, values.get("n_group", 0), values.get("topk_group", 0),
-            values.get("routed_scaling_factor", 1.0), values["num_experts"],
-        )  # fmt: skip
+        if "hidden_states" in values:
+            check_moe_route_sort_gather_args(*route, values["hidden_states"])
+        else:
+            check_moe_route_sort_args(*route)
     except ValueError as e:
-        return str(e).removeprefix("moe_route_sort: ")
+        return str(e).split(": ", 1)[1]
     return None
 
 
-def _sorts_route_ids(route_op, biased: bool | None):
-    """A near-miss candidate: a moe_sort_by_expert op of the ids of a ``route_op`` call (with a
-    correction bias or without, where ``biased`` says: the softmax and sigmoid forms share the op)."""
+def _sorts_route_ids(sort_op, route_op, biased: bool | None):
+    """A near-miss candidate: a ``sort_op`` call on the ids of a ``route_op`` call (with a correction
+    bias or without, where ``biased`` says: the softmax and sigmoid forms share the op)."""
 
     def candidate(node) -> bool:
         flat = node.args[0] if node.args else None
-        if getattr(flat, "target", None) not in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
+        if node.target is not sort_op or getattr(flat, "target", None) not in (
+            torch.ops.aten.reshape.default, torch.ops.aten.view.default,
+        ):  # fmt: skip
             return False
         route = getattr(flat.args[0], "args", (None,))[0]
         if getattr(route, "target", None) is not route_op:
@@ -127,20 +196,23 @@ def _sorts_route_ids(route_op, biased: bool | None):
     return candidate
 
 
-def _examples(route: str):
+def _examples(route: str, gather: bool):
     """Meta tensors (the patterns call only canonical ops, which carry the shapes): 2 tokens of 42
     router logits in 7 groups of 6, and the scalars' sentinels, in the patterns' argument order (no
-    size is a sentinel: 3 tokens would be topk_group's)."""
+    size is a sentinel: 3 tokens would be topk_group's); with the gather, 2 rows of 16 hidden
+    states. The tensors first, then the scalars: the matcher takes the example's leading values for
+    the pattern's arguments that are not scalars, in order."""
 
     def example_inputs():
         logits, bias = torch.empty(2, 42, device="meta"), torch.empty(42, device="meta")
+        hidden = (torch.empty(2, 16, dtype=torch.bfloat16, device="meta"),) if gather else ()
         if route == "grouped":
-            yield (logits, bias, TOP_K_SENTINEL, GROUPS_SENTINEL, KEPT_GROUPS_SENTINEL, DEFAULT_SCALAR_SENTINEL,
-                   NUM_EXPERTS_SENTINEL)  # fmt: skip
+            yield (logits, bias, *hidden, TOP_K_SENTINEL, GROUPS_SENTINEL, KEPT_GROUPS_SENTINEL,
+                   DEFAULT_SCALAR_SENTINEL, NUM_EXPERTS_SENTINEL)  # fmt: skip
         elif _ROUTES[route][0]:
-            yield logits, bias, TOP_K_SENTINEL, NUM_EXPERTS_SENTINEL
+            yield logits, bias, *hidden, TOP_K_SENTINEL, NUM_EXPERTS_SENTINEL
         else:
-            yield logits, TOP_K_SENTINEL, NUM_EXPERTS_SENTINEL
+            yield logits, *hidden, TOP_K_SENTINEL, NUM_EXPERTS_SENTINEL
 
     return example_inputs
 
@@ -150,36 +222,43 @@ _OPT_IN = ("not yet timed on a GPU (bench_moe_sort_by_expert --regions route_sor
            "(DeepSeek's grouped route) and 1.8 us (the sort) at 1 token inside a CUDA graph on one H200")  # fmt: skip
 
 
-def _fusion(name: str, routes: tuple[str, ...], route_op, requires: tuple[str, ...], summary: str) -> Fusion:
+def _fusion(name: str, routes: tuple[str, ...], route_op, requires: tuple[str, ...], summary: str,
+            gather: bool = False) -> Fusion:  # fmt: skip
+    grouped = routes == ("grouped",)
+    sort_op = torch.ops.fusion_passes.moe_sort_gather.default if gather else torch.ops.fusion_passes.moe_sort_by_expert.default
     return Fusion(
         name=name,
         summary=summary,
         doc=__doc__.split("\n\n", 1)[1],
-        spellings=tuple(_spellings(route, inverse) for route in routes for inverse in (True, False)),
-        example_inputs=_examples(routes[0]),
-        scalars=_GROUPED_SCALARS if routes == ("grouped",) else _SCALARS,
+        spellings=tuple(_spellings(route, inverse, gather) for route in routes for inverse in (True, False)),
+        example_inputs=_examples(routes[0], gather),
+        scalars=_GROUPED_SCALARS if grouped else _SCALARS,
         check=_check,
-        requires=requires + ("moe_sort_by_expert",),
-        candidate_ops=("fusion_passes.moe_sort_by_expert.default",),
-        candidate=_sorts_route_ids(route_op, None if routes == ("grouped",) else _ROUTES[routes[0]][0]),
+        requires=requires + ("moe_sort_gather" if gather else "moe_sort_by_expert",),
+        candidate_ops=("fusion_passes.moe_sort_gather.default" if gather else "fusion_passes.moe_sort_by_expert.default",),
+        candidate=_sorts_route_ids(sort_op, route_op, None if grouped else _ROUTES[routes[0]][0]),
         opt_in=_OPT_IN,
         builtin=True,
     )
 
 
-MOE_ROUTE_SORT_SIGMOID_BIAS = _fusion(
-    "moe_route_sort_sigmoid_bias", ("sigmoid_bias",), torch.ops.fusion_passes.moe_route.default,
-    ("moe_route_sigmoid_bias",), "moe_route_sort for MiniMax-M2's sigmoid + bias route",
+_MOE_ROUTE, _MOE_ROUTE_GROUPED = torch.ops.fusion_passes.moe_route.default, torch.ops.fusion_passes.moe_route_grouped.default
+_SOFTMAX_ROUTES = ("moe_route_softmax", "moe_route_softmax_unnormalized")
+FUSIONS = (
+    _fusion("moe_route_sort_sigmoid_bias", ("sigmoid_bias",), _MOE_ROUTE, ("moe_route_sigmoid_bias",),
+            "moe_route_sort for MiniMax-M2's sigmoid + bias route"),
+    _fusion("moe_route_sort_grouped", ("grouped",), _MOE_ROUTE_GROUPED, ("moe_route_grouped",),
+            "moe_route_sort for DeepSeek V3 / V3.2's group-limited route"),
+    _fusion("moe_route_sort", ("softmax", "softmax_unnormalized"), _MOE_ROUTE,
+            (*_SOFTMAX_ROUTES, "moe_route_sort_sigmoid_bias", "moe_route_sort_grouped"),
+            "MoE routing + dispatch prep (the route's top-k and the sort by expert, offsets, inverse permutation) "
+            "-> one launch at decode"),
+    _fusion("moe_route_sort_gather_sigmoid_bias", ("sigmoid_bias",), _MOE_ROUTE, ("moe_route_sigmoid_bias",),
+            "moe_route_sort_gather for MiniMax-M2's sigmoid + bias route", gather=True),
+    _fusion("moe_route_sort_gather_grouped", ("grouped",), _MOE_ROUTE_GROUPED, ("moe_route_grouped",),
+            "moe_route_sort_gather for DeepSeek V3 / V3.2's group-limited route", gather=True),
+    _fusion("moe_route_sort_gather", ("softmax", "softmax_unnormalized"), _MOE_ROUTE,
+            (*_SOFTMAX_ROUTES, "moe_route_sort_gather_sigmoid_bias", "moe_route_sort_gather_grouped"),
+            "MoE routing + dispatch prep + the gather of the hidden states for the first grouped GEMM (moe_sort_gather's "
+            "op) -> one launch at decode", gather=True),
 )  # fmt: skip
-MOE_ROUTE_SORT_GROUPED = _fusion(
-    "moe_route_sort_grouped", ("grouped",), torch.ops.fusion_passes.moe_route_grouped.default,
-    ("moe_route_grouped",), "moe_route_sort for DeepSeek V3 / V3.2's group-limited route",
-)  # fmt: skip
-MOE_ROUTE_SORT = _fusion(
-    "moe_route_sort", ("softmax", "softmax_unnormalized"), torch.ops.fusion_passes.moe_route.default,
-    ("moe_route_softmax", "moe_route_softmax_unnormalized", "moe_route_sort_sigmoid_bias", "moe_route_sort_grouped"),
-    "MoE routing + dispatch prep (the route's top-k and the sort by expert, offsets, inverse permutation) -> one "
-    "launch at decode",
-)  # fmt: skip
-
-FUSIONS = (MOE_ROUTE_SORT_SIGMOID_BIAS, MOE_ROUTE_SORT_GROUPED, MOE_ROUTE_SORT)

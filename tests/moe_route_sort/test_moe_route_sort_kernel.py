@@ -1,6 +1,7 @@
-"""The route + dispatch-prep launch (moe_route_sort) against its plain-torch reference, in its
-one-launch form and past its token bound (the route's kernel and the sort's): on CPU tensors
-through Triton's interpreter, or on CUDA tensors, compiled, where a GPU is present."""
+"""The route + dispatch-prep launch (moe_route_sort, and moe_route_sort_gather with the hidden
+states' gather) against its plain-torch reference, in its one-launch form and past its token bound
+(the route's kernel and the sort's): on CPU tensors through Triton's interpreter, or on CUDA
+tensors, compiled, where a GPU is present."""
 
 import os
 
@@ -17,7 +18,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fusion_passes  # noqa: E402,F401  (registers torch.ops.fusion_passes)
-from fusion_passes.lowering.moe_route_sort.reference import moe_route_sort_reference  # noqa: E402
+from fusion_passes.lowering.moe_route_sort.reference import (  # noqa: E402
+    moe_route_sort_gather_reference,
+    moe_route_sort_reference,
+)
 from fusion_passes.lowering.moe_route_sort.triton import ROUTE_SORT_MAX_TOKENS, moe_route_sort_triton  # noqa: E402
 
 
@@ -30,12 +34,18 @@ def _logits(tokens, experts, dtype, g, distinct=True):
     return torch.randint(-2, 3, (tokens, experts), generator=g).to(DEVICE, dtype)
 
 
-def _check(args):
-    got = moe_route_sort_triton(*args)
-    want = moe_route_sort_reference(*args)
-    (weights, *ints), (want_weights, *want_ints) = got, want
-    assert weights.dtype == torch.float32 and all(t.dtype == w.dtype for t, w in zip(ints, want_ints, strict=True))
-    for name, t, w in zip(("ids", "sorted_ids", "perm", "offsets", "inv_perm"), ints, want_ints, strict=True):
+def _check(args, hidden_states=None):
+    """The op's outputs against the reference's: integers and the gathered rows equal (copies),
+    the weights within fp32 rounding."""
+    if hidden_states is None:
+        got, want = moe_route_sort_triton(*args), moe_route_sort_reference(*args)
+    else:
+        got = moe_route_sort_triton(*args, hidden_states)
+        want = moe_route_sort_gather_reference(*args, hidden_states)
+    (weights, *exact), (want_weights, *want_exact) = got, want
+    assert weights.dtype == torch.float32 and all(t.dtype == w.dtype for t, w in zip(exact, want_exact, strict=True))
+    names = ("ids", "sorted_ids", "perm", "offsets", "inv_perm", "gathered")
+    for name, t, w in zip(names[: len(want_exact)], exact, want_exact, strict=True):
         assert torch.equal(t, w), name
     # softmax's sum over E in another order: fp32 rounding
     torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
@@ -59,6 +69,7 @@ def _cases(draw):
         extra_experts=draw(st.sampled_from([0, 3])),  # offsets longer than the routed experts
         renormalize=draw(st.booleans()),
         distinct=draw(st.booleans()),
+        hidden=draw(st.sampled_from([0, 0, 40, 700])),  # 0: no gather; 700: two column blocks, strided rows
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )  # fmt: skip
@@ -72,8 +83,11 @@ def test_matches_reference(case):
     logits = _logits(case["tokens"], e, case["dtype"], g, case["distinct"])
     bias = torch.randn(e, generator=g).to(DEVICE) if form in ("sigmoid_bias", "grouped") else None
     scale = 2.5 if form == "grouped" else 1.0
+    hidden = None
+    if case["hidden"]:
+        hidden = torch.randn(case["tokens"], case["hidden"] + 5, generator=g).to(DEVICE, case["dtype"])[:, 5:]
     _check((logits, bias, case["top_k"], form == "softmax", case["renormalize"], case["groups"], case["kept"], scale,
-            e + case["extra_experts"]))  # fmt: skip
+            e + case["extra_experts"]), hidden)  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens", [1, 4, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_MAX_TOKENS + 1])
@@ -84,14 +98,27 @@ def test_real_routers(tokens):
     bf16 = torch.bfloat16
     _check((_logits(tokens, 512, bf16, g), None, 10, True, True, 0, 0, 1.0, 512))
     _check((_logits(tokens, 256, bf16, g), torch.randn(256, generator=g).to(DEVICE), 8, False, True, 0, 0, 1.0, 256))
-    _check((_logits(tokens, 256, torch.float32, g), torch.randn(256, generator=g).to(DEVICE), 8, False, True, 8, 4,
-            2.5, 256))  # fmt: skip
+    deepseek = (_logits(tokens, 256, torch.float32, g), torch.randn(256, generator=g).to(DEVICE), 8, False, True, 8,
+                4, 2.5, 256)  # fmt: skip
+    _check(deepseek)
+    # with the gather of DeepSeek V3's 7168-wide hidden states for the first grouped GEMM (narrower
+    # rows at many tokens: the interpreter runs each of the 14 x pairs / 4 copy programs' routes)
+    width = 7168 if tokens <= 4 or DEVICE == "cuda" else 600
+    _check(deepseek, torch.randn(tokens, width, generator=g).to(DEVICE, bf16))
 
 
-def test_op_is_functional_and_checked():
+def test_ops_are_functional_and_checked():
     g = torch.Generator().manual_seed(2)
     args = (_logits(3, 16, torch.float32, g), torch.randn(16, generator=g).to(DEVICE), 4, False, True, 4, 2, 2.5, 16)
     torch.library.opcheck(torch.ops.fusion_passes.moe_route_sort.default, args)
+    hidden = torch.randn(3, 24, generator=g).to(DEVICE, torch.bfloat16)
+    torch.library.opcheck(torch.ops.fusion_passes.moe_route_sort_gather.default, (*args, hidden))
+
+
+def test_gather_of_other_rows_raises():
+    logits = torch.randn(3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"moe_route_sort_gather: hidden states \[3, H\] expected, got \(4, 8\)"):
+        moe_route_sort_triton(logits, None, 4, True, True, 0, 0, 1.0, 16, torch.randn(4, 8, device=DEVICE))
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,9 @@
 sigmoid + bias, DeepSeek V3's group-limited one) compiled with moe_route_sort (opt-in): the
 route's op and the sort of its ids become one op (match counts, ops before / after) and the
 block's output is bit-equal to the two ops' (on the CPU both run the same references), past the
-one-launch token bound too. A model that reads the route's ids beside the sort, and the gather
-form (moe_sort_gather) keep two ops."""
+one-launch token bound too; with moe_route_sort_gather, the route and moe_sort_gather's op (the
+hidden states gathered for the first grouped GEMM) likewise. A model that reads the route's ids
+beside the sort keeps two ops, and moe_route_sort leaves moe_sort_gather's sites alone."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from fusion_passes.numerics import compare, tolerance
 ROUTES = {"qwen3.5-moe": ("moe_route_softmax", "moe_route_sort"),
           "minimax-m2": ("moe_route_sigmoid_bias", "moe_route_sort_sigmoid_bias"),
           "deepseek-v3": ("moe_route_grouped", "moe_route_sort_grouped")}  # fmt: skip
+# (the fold's family name, its op, the sort it folds) without and with the gather
+FOLDS = {False: ("moe_route_sort", "fusion_passes.moe_route_sort.default", "moe_sort_by_expert"),
+         True: ("moe_route_sort_gather", "fusion_passes.moe_route_sort_gather.default", "moe_sort_gather")}  # fmt: skip
 ROUTE_OPS = ("fusion_passes.moe_route.default", "fusion_passes.moe_route_grouped.default")
 SORT_OP, FUSED_OP = "fusion_passes.moe_sort_by_expert.default", "fusion_passes.moe_route_sort.default"
 
@@ -30,19 +34,23 @@ def _run(fn, x, fusions):
         return compiled(x), report
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["sort", "sort_gather"])
 @pytest.mark.parametrize("model", list(ROUTES))
 @pytest.mark.parametrize("tokens", [1, 6, ROUTE_SORT_MAX_TOKENS + 4])
-def test_route_and_dispatch_fold_bit_equal_to_the_two_ops(model, tokens):
+def test_route_and_dispatch_fold_bit_equal_to_the_two_ops(model, tokens, gather):
     block = moe_block(model)
     x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16)
     route, fold = ROUTES[model]
-    two_ops, _ = _run(block, x, [route, "moe_sort_by_expert"])
+    family, fused_op, sort = FOLDS[gather]
+    fold = fold.replace("moe_route_sort", family)
+    two_ops, _ = _run(block, x, [route, sort])
     out, report = _run(block, x, [fold])
-    assert report.final()[fold] == 1 and report.final()[route] == 0 and report.final()["moe_sort_by_expert"] == 0
+    assert report.final()[fold] == 1 and report.final()[route] == 0 and report.final()[sort] == 0
     before, after = report.ops_before(), report.ops_after()
     assert (before["aten.histc.default"], after["aten.histc.default"]) == (1, 0)
     assert before["aten.topk.default"] >= 1 and after["aten.topk.default"] == 0
-    assert sum(after[op] for op in ROUTE_OPS) == 0 and after[SORT_OP] == 0 and after[FUSED_OP] == 1
+    assert sum(after[op] for op in ROUTE_OPS) == 0 and after[SORT_OP] == 0 and after[fused_op] == 1
+    assert after["fusion_passes.moe_sort_gather.default"] == 0
     assert torch.equal(out, two_ops)
     with torch.no_grad():
         eager = block(x)

@@ -10,6 +10,8 @@ group), so no program waits on another:
     rank[i]            = #{j : e[j] < e[i]} + #{j < i : e[j] == e[i]}    over the flat pairs
     sorted_ids[rank[i]] = e[i];  perm[rank[i]] = i;  inv_perm[i] = rank[i]
     offsets[x]         = #{j : e[j] <= x}
+    gathered[rank[i]]  = hidden_states[i // k]       (moe_route_sort_gather: copy programs, each
+                                                      ranking its 4 pairs again, moving 512 columns)
 Every program repeats the route: O(programs x T x E) work, a few microseconds' worth at up to
 ROUTE_SORT_MAX_TOKENS tokens. More tokens take the two kernels.
 
@@ -27,8 +29,8 @@ import triton
 import triton.language as tl
 
 from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
-from fusion_passes.lowering.moe_route_sort.reference import check_moe_route_sort_args
-from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton
+from fusion_passes.lowering.moe_route_sort.reference import check_moe_route_sort_args, check_moe_route_sort_gather_args
+from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton, moe_sort_gather_triton
 
 # The most tokens one launch routes in every program: 16 x 256 experts is 4096 fp32 scores (32 a
 # thread at 4 warps), twice (scores and choice scores). Not timed on a GPU.
@@ -96,6 +98,16 @@ def _route_tokens(
 
 
 @triton.jit
+def _rank(ids_f, pair_f, valid_f, i):
+    """(e[i], rank[i]) of the pairs i among the flat pairs (ids_f, pair_f, valid_f): the stable
+    order by expert, rank[i] = #{j : e[j] < e[i]} + #{j < i : e[j] == e[i]}."""
+    mine = (pair_f[None, :] == i[:, None]) & valid_f[None, :]
+    ei = tl.sum(tl.where(mine, ids_f[None, :], 0), axis=1)
+    before = (ids_f[None, :] < ei[:, None]) | ((ids_f[None, :] == ei[:, None]) & (pair_f[None, :] < i[:, None]))
+    return ei, tl.sum((before & valid_f[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _route_sort_kernel(
     logits_ptr,  # *logits.dtype [T, E] (row stride stride_t; E contiguous)
     bias_ptr,  # *bias.dtype [E] (read when HAS_BIAS)
@@ -105,10 +117,15 @@ def _route_sort_kernel(
     perm_ptr,  # *int64 [S]
     inv_perm_ptr,  # *int64 [S]
     offsets_ptr,  # *int32 [NUM_EXPERTS]
+    x_ptr,  # *[T, H] hidden states (row stride stride_x, H contiguous; read when GATHER)
+    out_ptr,  # *x.dtype [S, H] contiguous: the rows in sorted order (when GATHER)
     stride_t,
     T,  # tokens
     num_experts,  # the offsets' length
-    rank_programs,  # cdiv(T * TOP_K, BLOCK_I): the programs that rank pairs; the rest count offsets
+    rank_programs,  # cdiv(T * TOP_K, BLOCK_I): the programs that rank pairs
+    count_programs,  # cdiv(num_experts, BLOCK_X): then the programs that count offsets; then copies
+    H, stride_x,
+    h_blocks,  # cdiv(H, BLOCK_H)
     scale,  # the grouped route's routed_scaling_factor
     G: tl.constexpr,  # groups (1: the ungrouped route)
     EG: tl.constexpr,  # experts per group
@@ -117,6 +134,9 @@ def _route_sort_kernel(
     BLOCK_I: tl.constexpr,  # pairs a rank program ranks
     BLOCK_X: tl.constexpr,  # experts a count program counts
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
+    GATHER: tl.constexpr,  # copy programs after the counting ones (moe_route_sort_gather)
+    BLOCK_P: tl.constexpr,  # pairs a copy program moves
+    BLOCK_H: tl.constexpr,  # columns a copy program moves
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     pid = tl.program_id(0)
@@ -144,27 +164,39 @@ def _route_sort_kernel(
     valid_f = tl.reshape(valid.to(tl.int32), (BLOCK_T * BLOCK_K,)) != 0
     if pid < rank_programs:
         i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-        mine = (pair_f[None, :] == i[:, None]) & valid_f[None, :]
-        ei = tl.sum(tl.where(mine, ids_f[None, :], 0), axis=1)
-        before = (ids_f[None, :] < ei[:, None]) | ((ids_f[None, :] == ei[:, None]) & (pair_f[None, :] < i[:, None]))
-        rank = tl.sum((before & valid_f[None, :]).to(tl.int32), axis=1)
+        ei, rank = _rank(ids_f, pair_f, valid_f, i)
         mi = i < T * TOP_K
         tl.store(sorted_ptr + rank, ei.to(tl.int64), mask=mi)
         tl.store(perm_ptr + rank, i.to(tl.int64), mask=mi)
         tl.store(inv_perm_ptr + i, rank.to(tl.int64), mask=mi)
-    else:
+    elif pid < rank_programs + count_programs:
         xs = (pid - rank_programs) * BLOCK_X + tl.arange(0, BLOCK_X)
         counted = (ids_f[None, :] <= xs[:, None]) & valid_f[None, :]
         tl.store(offsets_ptr + xs, tl.sum(counted.to(tl.int32), axis=1), mask=xs < num_experts)
+    elif GATHER:  # a copy program: its pairs' rows of hidden states to their sorted places
+        c = pid - rank_programs - count_programs
+        i = (c // h_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+        h = (c % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        _, rank = _rank(ids_f, pair_f, valid_f, i)
+        m2 = (i < T * TOP_K)[:, None] & (h < H)[None, :]
+        rows = tl.load(x_ptr + (i // TOP_K).to(tl.int64)[:, None] * stride_x + h[None, :], mask=m2)
+        tl.store(out_ptr + rank.to(tl.int64)[:, None] * H + h[None, :], rows, mask=m2)
 
 
 def moe_route_sort_triton(
     logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool, renormalize: bool, n_group: int,
-    topk_group: int, scale: float, num_experts: int, *, wrap: Callable | None = None,
+    topk_group: int, scale: float, num_experts: int, hidden_states: torch.Tensor | None = None, *,
+    wrap: Callable | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """(weights, ids, sorted_ids, perm, offsets, inv_perm) as ``moe_route_sort_reference``: one
-    launch up to ROUTE_SORT_MAX_TOKENS tokens, else the route's kernel and the sort's."""
-    check_moe_route_sort_args(logits, bias, top_k, softmax, n_group, topk_group, scale, num_experts)
+    """(weights, ids, sorted_ids, perm, offsets, inv_perm) as ``moe_route_sort_reference``, and
+    with ``hidden_states`` the gathered rows as ``moe_route_sort_gather_reference``: one launch up
+    to ROUTE_SORT_MAX_TOKENS tokens, else the route's kernel and the sort's."""
+    gather = hidden_states is not None
+    if gather:
+        check_moe_route_sort_gather_args(logits, bias, top_k, softmax, n_group, topk_group, scale, num_experts,
+                                         hidden_states)  # fmt: skip
+    else:
+        check_moe_route_sort_args(logits, bias, top_k, softmax, n_group, topk_group, scale, num_experts)
     tokens, experts = logits.shape
     if not (isinstance(tokens, int) and 0 < tokens <= ROUTE_SORT_MAX_TOKENS):
         if n_group:
@@ -172,6 +204,8 @@ def moe_route_sort_triton(
                                                     wrap=wrap)  # fmt: skip
         else:
             weights, ids = moe_route_triton(logits, bias, top_k, softmax, renormalize, wrap=wrap)
+        if gather:
+            return (weights, ids, *moe_sort_gather_triton(ids.view(-1), num_experts, hidden_states, top_k, wrap=wrap))
         return (weights, ids, *moe_sort_by_expert_triton(ids.view(-1), num_experts, wrap=wrap))
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -181,18 +215,29 @@ def moe_route_sort_triton(
     sorted_ids, perm, inv_perm = (torch.empty(pairs, dtype=torch.int64, device=device) for _ in range(3))
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
     groups = n_group or 1
-    block_i, block_x = 16, 64
-    rank_programs = triton.cdiv(pairs, block_i)
+    # the sort's tiles as moe_sort_by_expert_triton's; the copies as moe_sort_gather_triton's (4 pairs x 512
+    # columns a program)
+    block_i, block_x, block_p, block_h = 16, 64, 4, 512
+    rank_programs, count_programs = triton.cdiv(pairs, block_i), triton.cdiv(num_experts, block_x)
+    x, gathered, hidden, h_blocks, copy_programs = None, None, 0, 1, 0
+    if gather:
+        x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+        hidden = x.shape[1]
+        gathered = torch.empty((pairs, hidden), dtype=x.dtype, device=device)
+        h_blocks = triton.cdiv(hidden, block_h)
+        copy_programs = triton.cdiv(pairs, block_p) * h_blocks
     block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)
     kernel = wrap(_route_sort_kernel) if wrap is not None else _route_sort_kernel
-    kernel[(rank_programs + triton.cdiv(num_experts, block_x),)](
-        logits, bias, weights, ids, sorted_ids, perm, inv_perm, offsets, logits.stride(0), tokens, num_experts,
-        rank_programs, scale,
+    kernel[(rank_programs + count_programs + copy_programs,)](
+        logits, bias, weights, ids, sorted_ids, perm, inv_perm, offsets, x, gathered, logits.stride(0), tokens,
+        num_experts, rank_programs, count_programs, hidden, x.stride(0) if gather else 0, h_blocks, scale,
         G=groups, EG=experts // groups, TOP_K=top_k, TOPK_GROUP=topk_group or 1, BLOCK_T=block_t,
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_EG=triton.next_power_of_2(experts // groups),
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_I=block_i, BLOCK_X=block_x, SOFTMAX=softmax,
-        HAS_BIAS=bias is not None, GROUPED=n_group > 0, RENORMALIZE=renormalize,
+        HAS_BIAS=bias is not None, GROUPED=n_group > 0, RENORMALIZE=renormalize, GATHER=gather, BLOCK_P=block_p,
+        BLOCK_H=block_h,
         # the scores' tile a thread's 32: 1 warp for a token of 256 experts, 4 for 16 tokens
         num_warps=max(1, min(8, triton.next_power_of_2(block_t * block_e // 1024))),
     )  # fmt: skip
-    return weights, ids, sorted_ids, perm, offsets, inv_perm
+    outputs = (weights, ids, sorted_ids, perm, offsets, inv_perm)
+    return (*outputs, gathered) if gather else outputs
