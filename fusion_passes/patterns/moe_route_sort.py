@@ -18,12 +18,16 @@ The gather form (moe_route_sort_gather, with moe_sort_gather's op): the same and
 in the sorted pairs' order for the first grouped GEMM, copied by programs that rank their pairs
 again (3 launches -> 1).
 
+With dynamic shapes the inverse permutation's length is read off the flat ids: that size is read
+off the router's logits instead (tokens x top_k, the same value) before the patterns run.
+
 Not a site: route ids read by anything else than the sort (the pattern's ids are its own), a
 sort the launch table left to Inductor (a prefill's: no moe_sort_by_expert op).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -40,6 +44,8 @@ KEPT_GROUPS_SENTINEL = 6
 _SCALARS = {"top_k": TOP_K_SENTINEL, "num_experts": NUM_EXPERTS_SENTINEL}
 _GROUPED_SCALARS = {**_SCALARS, "n_group": GROUPS_SENTINEL, "topk_group": KEPT_GROUPS_SENTINEL,
                     "routed_scaling_factor": DEFAULT_SCALAR_SENTINEL}  # fmt: skip
+_MOE_ROUTE, _MOE_ROUTE_GROUPED = torch.ops.fusion_passes.moe_route.default, torch.ops.fusion_passes.moe_route_grouped.default
+_SORT_OPS = (torch.ops.fusion_passes.moe_sort_by_expert.default, torch.ops.fusion_passes.moe_sort_gather.default)
 # The route op's call per form: (bias given, softmax, renormalize); "grouped" is moe_route_grouped.
 _ROUTES = {"softmax": (False, True, True), "softmax_unnormalized": (False, True, False), "sigmoid_bias": (True, False, True)}
 
@@ -196,6 +202,33 @@ def _sorts_route_ids(sort_op, route_op, biased: bool | None):
     return candidate
 
 
+def pair_count_from_the_logits(graph: torch.fx.Graph) -> int:
+    """With dynamic shapes transformers' inverse permutation takes its length from the flat ids
+    (``arange(perm.size(0))`` traces as ``sym_size(ids.reshape(-1), 0)``): a second reader of the
+    ids, which keeps the route's op and the sort's apart. That size is tokens x top_k, read here
+    off the router's logits instead (the same value). Returns the sizes moved."""
+    moved = 0
+    for sort in [n for op in _SORT_OPS for n in graph.find_nodes(op="call_function", target=op)]:
+        flat = sort.args[0]
+        if getattr(flat, "target", None) not in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
+            continue
+        ids = flat.args[0]
+        route = ids.args[0] if getattr(ids, "target", None) is operator.getitem and ids.args[1] == 1 else None
+        if getattr(route, "target", None) not in (_MOE_ROUTE, _MOE_ROUTE_GROUPED):
+            continue
+        logits, top_k = route.args[0], route.args[2]
+        for size in [u for u in flat.users if u.target is torch.ops.aten.sym_size.int and u.args[1] == 0]:
+            with graph.inserting_before(size):
+                tokens = graph.call_function(torch.ops.aten.sym_size.int, (logits, 0))
+                tokens.meta["val"] = logits.meta["val"].shape[0]
+                pairs = graph.call_function(operator.mul, (tokens, top_k))
+                pairs.meta["val"] = size.meta["val"]  # tokens x top_k: the flat ids' length
+            size.replace_all_uses_with(pairs)
+            graph.erase_node(size)
+            moved += 1
+    return moved
+
+
 def _examples(route: str, gather: bool):
     """Meta tensors (the patterns call only canonical ops, which carry the shapes): 2 tokens of 42
     router logits in 7 groups of 6, and the scalars' sentinels, in the patterns' argument order (no
@@ -237,12 +270,12 @@ def _fusion(name: str, routes: tuple[str, ...], route_op, requires: tuple[str, .
         requires=requires + ("moe_sort_gather" if gather else "moe_sort_by_expert",),
         candidate_ops=("fusion_passes.moe_sort_gather.default" if gather else "fusion_passes.moe_sort_by_expert.default",),
         candidate=_sorts_route_ids(sort_op, route_op, None if grouped else _ROUTES[routes[0]][0]),
+        canonicalize=pair_count_from_the_logits,
         opt_in=_OPT_IN,
         builtin=True,
     )
 
 
-_MOE_ROUTE, _MOE_ROUTE_GROUPED = torch.ops.fusion_passes.moe_route.default, torch.ops.fusion_passes.moe_route_grouped.default
 _SOFTMAX_ROUTES = ("moe_route_softmax", "moe_route_softmax_unnormalized")
 FUSIONS = (
     _fusion("moe_route_sort_sigmoid_bias", ("sigmoid_bias",), _MOE_ROUTE, ("moe_route_sigmoid_bias",),

@@ -91,3 +91,24 @@ def test_the_gather_form_keeps_its_own_op():
     assert report.final()["moe_sort_gather"] == 1 and report.final()["moe_route_sort"] == 0
     after = report.ops_after()
     assert after["fusion_passes.moe_sort_gather.default"] == 1 and after[FUSED_OP] == 0
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["sort", "sort_gather"])
+def test_dynamic_token_counts_fold(gather):
+    """With dynamic shapes the inverse permutation's length is read off the flat ids (a second
+    reader of them): the fold reads it off the router's logits instead, and folds; every token
+    count then takes the one graph, bit-equal to the two ops'."""
+    block = moe_block("minimax-m2")  # (DeepSeek V3's grouped route itself is not fused with dynamic shapes)
+    family, fused_op, sort = FOLDS[gather]
+    outs = {}
+    for fusions in (["moe_route_sigmoid_bias", sort], [f"{family}_sigmoid_bias"]):
+        report = fusion_passes.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=fusion_passes.backend(fusions, report=report), fullgraph=True,
+                                 dynamic=True)  # fmt: skip
+        inputs = [torch.randn(1, t, HIDDEN, generator=torch.Generator().manual_seed(t)).bfloat16() for t in (3, 5, 9)]
+        with torch.no_grad():
+            outs[len(fusions)] = [compiled(x) for x in inputs]
+    assert report.final()[f"{family}_sigmoid_bias"] == 1 and report.ops_after()[fused_op] == 1
+    assert report.ops_after()["aten.sym_size.int"] >= 1  # the graph is dynamic
+    assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[2], strict=True))
