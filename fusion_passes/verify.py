@@ -94,20 +94,24 @@ def verify_match(
         tensor_inputs = [x for x, v in zip(inputs, values) if isinstance(v, torch.Tensor)]
         expected = _as_tuple(original(*tensor_inputs))
         actual = _as_tuple(replacement(*inputs))
-        reason = _compare_outputs(actual, expected)
-        if outputs_agree is not None and (reason is None or "differ" in reason):
-            reason = outputs_agree(actual, expected)
+        reason = _compare_outputs(actual, expected, outputs_agree)
     return None if reason is None else f"{reason} (seed {seed})"
 
 
-def _compare_outputs(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> str | None:
-    """Floating outputs within their dtype's tolerance; integer and boolean ones (expert ids, a
-    mask) equal."""
+def _compare_outputs(
+    actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], outputs_agree: OutputCheck | None = None
+) -> str | None:
+    """The same number of outputs, each of the same dtype and shape; then their values by
+    ``outputs_agree`` where given, else floating outputs within their dtype's tolerance and integer
+    and boolean ones (expert ids, a mask) equal."""
     if len(expected) != len(actual):
         return f"replacement returns {len(actual)} outputs, the original {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected)):
         if a.dtype != e.dtype or a.shape != e.shape:
             return f"output {i}: {a.dtype}{tuple(a.shape)} != original {e.dtype}{tuple(e.shape)}"
+    if outputs_agree is not None:
+        return outputs_agree(actual, expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
         if not e.dtype.is_floating_point:
             if not torch.equal(a, e):
                 return f"output {i}'s values differ from the original's at {int((a != e).sum())} of {e.numel()}"
