@@ -11,7 +11,7 @@ group), so no program waits on another:
     sorted_ids[rank[i]] = e[i];  perm[rank[i]] = i;  inv_perm[i] = rank[i]
     offsets[x]         = #{j : e[j] <= x}
     gathered[rank[i]]  = hidden_states[i // k]       (moe_route_sort_gather: copy programs, each
-                                                      ranking its 4 pairs again, moving 512 columns)
+                                                      ranking its pairs again, as moe_sort_gather's)
 Every program repeats the route: O(programs x T x E) work, a few microseconds' worth at up to
 ROUTE_SORT_MAX_TOKENS tokens. More tokens take the two kernels.
 
@@ -30,7 +30,13 @@ import triton.language as tl
 
 from fusion_passes.lowering.moe_route.triton import moe_route_grouped_triton, moe_route_triton
 from fusion_passes.lowering.moe_route_sort.reference import check_moe_route_sort_args, check_moe_route_sort_gather_args
-from fusion_passes.lowering.moe_sort_by_expert.triton import moe_sort_by_expert_triton, moe_sort_gather_triton
+from fusion_passes.lowering.moe_sort_by_expert.triton import (
+    COPY_COLUMNS,
+    COPY_PAIRS,
+    moe_sort_by_expert_triton,
+    moe_sort_gather_triton,
+    sort_tiles,
+)
 
 # The most tokens one launch routes in every program: 16 x 256 experts is 4096 fp32 scores (32 a
 # thread at 4 warps), twice (scores and choice scores). Not timed on a GPU.
@@ -215,9 +221,10 @@ def moe_route_sort_triton(
     sorted_ids, perm, inv_perm = (torch.empty(pairs, dtype=torch.int64, device=device) for _ in range(3))
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
     groups = n_group or 1
-    # the sort's tiles as moe_sort_by_expert_triton's; the copies as moe_sort_gather_triton's (4 pairs x 512
-    # columns a program)
-    block_i, block_x, block_p, block_h = 16, 64, 4, 512
+    # the sort's tiles and the copies as moe_sort_by_expert_triton's and moe_sort_gather_triton's (every
+    # program holds all the pairs: no tile over them)
+    block_i, _, block_x = sort_tiles(pairs, num_experts)
+    block_p, block_h = COPY_PAIRS, COPY_COLUMNS
     rank_programs, count_programs = triton.cdiv(pairs, block_i), triton.cdiv(num_experts, block_x)
     x, gathered, hidden, h_blocks, copy_programs = None, None, 0, 1, 0
     if gather:

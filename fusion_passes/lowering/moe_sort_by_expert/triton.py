@@ -109,7 +109,12 @@ def _sort_outputs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     return sorted_ids, perm, torch.empty(num_experts, dtype=torch.int32, device=device), inv_perm
 
 
-def _sort_tiles(s, num_experts: int) -> tuple[int, int, int]:
+# The gather's copy programs: 4 pairs x 512 columns each (DeepSeek V3's 7168: 14 programs per 4
+# pairs, each moving 4 KiB of bf16).
+COPY_PAIRS, COPY_COLUMNS = 4, 512
+
+
+def sort_tiles(s, num_experts: int) -> tuple[int, int, int]:
     """(BLOCK_I, BLOCK_J, BLOCK_E) of the sort's programs. 16 pairs ranked per program: batch 64 x
     top-8 (512 pairs) is 32 programs beside the offsets' 4; tiles of 16 x 128 compares (16 per
     thread at 4 warps). A symbolic pair count (dynamic shapes) takes the widest tile: no guard on
@@ -126,7 +131,7 @@ def moe_sort_by_expert_triton(
     ids = expert_ids.contiguous()
     s = ids.numel()
     sorted_ids, perm, offsets, inv_perm = _sort_outputs(ids, num_experts)
-    block_i, block_j, block_e = _sort_tiles(s, num_experts)
+    block_i, block_j, block_e = sort_tiles(s, num_experts)
     rank_programs = triton.cdiv(s, block_i)
     kernel = wrap(_sort_pairs_by_expert_kernel) if wrap is not None else _sort_pairs_by_expert_kernel
     kernel[(rank_programs + triton.cdiv(num_experts, block_e),)](
@@ -187,10 +192,9 @@ def moe_sort_gather_triton(
     s, hidden = ids.numel(), x.shape[1]
     sorted_ids, perm, offsets, inv_perm = _sort_outputs(ids, num_experts)
     gathered = torch.empty((s, hidden), dtype=x.dtype, device=ids.device)
-    # the sort's tiles as moe_sort_by_expert_triton's; the copies 4 pairs x 512 columns a program
-    # (DeepSeek V3's 7168: 14 programs per 4 pairs, each moving 4 KiB of bf16)
-    block_i, block_j, block_e = _sort_tiles(s, num_experts)
-    block_p, block_h = 4, 512
+    # the sort's tiles as moe_sort_by_expert_triton's, then the copies
+    block_i, block_j, block_e = sort_tiles(s, num_experts)
+    block_p, block_h = COPY_PAIRS, COPY_COLUMNS
     rank_programs, count_programs = triton.cdiv(s, block_i), triton.cdiv(num_experts, block_e)
     h_blocks = triton.cdiv(hidden, block_h)
     copy_programs = triton.cdiv(s, block_p) * h_blocks
