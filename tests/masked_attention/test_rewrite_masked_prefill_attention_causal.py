@@ -59,7 +59,8 @@ def test_every_layer_reading_the_one_mask():
     args = _inputs(1, 4, 2, 12, 13, 16, torch.bfloat16, 0)
     out, report = compile_with(FUSIONS, two_layers, args)
     assert report.final()["masked_prefill_attention_causal"] == 2 and report.ops_after()[MASKED_OP] == 0
-    assert report.ops_after()["aten.le.Tensor"] == 0
+    changes = op_changes(report)  # the one mask both layers read is gone
+    assert changes[CAUSAL_OP] == (0, 2) and changes["aten.le.Tensor"] == (1, 0)
     masked, _ = compile_with(FUSIONS[:2], two_layers, args)
     assert torch.equal(out, masked)
 
@@ -91,6 +92,8 @@ def test_other_masks_stay_read(fn):
     args = _inputs(2, 4, 2, 6, 10, 16, torch.bfloat16, 2)
     out, report = compile_with(FUSIONS, fn, args)
     assert report.final()["masked_prefill_attention_causal"] == 0 and report.ops_after()[MASKED_OP] == 1
+    changes = op_changes(report)  # the mask still built: its comparison as it was, no causal op
+    assert CAUSAL_OP not in changes and "aten.le.Tensor" not in changes, changes
     masked, _ = compile_with(FUSIONS[:2], fn, args)
     assert torch.equal(out, masked)
 
@@ -109,6 +112,6 @@ def test_minimax_m2_prefill():
     defaults, _ = prefill(step, "all")
     ours, report = prefill(step, ["all", "masked_prefill_attention_causal"])
     assert report.final()["masked_prefill_attention_causal"] == 2 and not report.errors
-    assert report.ops_after()[MASKED_OP] == 0
+    assert report.ops_after()[MASKED_OP] == 0 and op_changes(report)[CAUSAL_OP] == (0, 2)
     for a, b in zip(ours, defaults, strict=True):
         assert torch.equal(a, b)

@@ -76,6 +76,7 @@ def test_not_sites(prefill_sized):
         out, report = compile_with([NARROW], fn, args)
         assert report.final()[NARROW] == 0, fn.__name__
         assert "aten.sort.stable" not in report.ops_after(), fn.__name__
+        assert "aten.sort.default" not in op_changes(report), fn.__name__  # the sort as it was
 
 
 def test_a_decode_steps_sort_is_moe_sort_by_experts():
@@ -83,3 +84,5 @@ def test_a_decode_steps_sort_is_moe_sort_by_experts():
     x = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     _, report = compile_with(["all", NARROW], block, (x,))
     assert report.final()[NARROW] == 0 and report.final()["moe_sort_by_expert"] == 1
+    changes = op_changes(report)  # the sort is moe_sort_by_expert's op, none narrowed
+    assert changes["aten.sort.default"] == (1, 0) and "aten.sort.stable" not in changes

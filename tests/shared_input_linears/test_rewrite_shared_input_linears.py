@@ -110,7 +110,7 @@ def test_attention_projections_and_a_biased_one_left_out():
     x = _tokens(2, 1, 64)
     out, report = compile_with(FUSION, module, (x,))
     assert report.final()["shared_input_linears"] == 1
-    assert op_changes(report)[MM] == (3, 0)
+    assert op_changes(report)[MM] == (3, 0) and op_changes(report)[OP] == (0, 1)
     with torch.no_grad():
         _assert_equal(out, module(x))
     # q with a bias (Qwen2's): an addmm, not a site; k and v still one launch
@@ -118,6 +118,7 @@ def test_attention_projections_and_a_biased_one_left_out():
     out, report = compile_with(FUSION, module, (x,))
     changes = op_changes(report)
     assert report.final()["shared_input_linears"] == 1 and changes[MM] == (2, 0) and "aten.addmm.default" not in changes
+    assert changes[OP] == (0, 1)
     with torch.no_grad():
         _assert_equal(out, module(x))
 
@@ -143,7 +144,7 @@ def test_other_spellings(fn, rows):
     ws = _weights(*rows)
     out, report = compile_with(FUSION, fn, (x, *ws))
     assert report.final()["shared_input_linears"] == 1
-    assert op_changes(report)[MM] == (len(rows), 0)
+    assert op_changes(report)[MM] == (len(rows), 0) and op_changes(report)[OP] == (0, 1)
     _assert_equal(out, fn(x, *ws))
 
 
@@ -182,6 +183,8 @@ def test_not_sites():
     for fn, args in cases:
         out, report = compile_with(FUSION, fn, args)
         assert report.final()["shared_input_linears"] == 0 and OP not in report.ops_after()
+        changes = op_changes(report)  # every GEMM (mm, or addmm with the bias) as it was
+        assert MM not in changes and "aten.addmm.default" not in changes, changes
         _assert_equal(out, fn(*args))
 
 
@@ -192,10 +195,12 @@ def test_a_large_weight_is_left_to_cublas_and_its_small_siblings_grouped():
     out, report = compile_with(FUSION, vllm_style, (x, big, b, a))
     # with the large weight in, all three would be one launch and no GEMM left
     assert report.final()["shared_input_linears"] == 1 and op_changes(report)[MM] == (3, 1)
+    assert op_changes(report)[OP] == (0, 1)
     _assert_equal(out, vllm_style(x, big, b, a))
     # the form without the limit (for measuring the kernel on large weights) takes all three
     out, report = compile_with(["shared_input_linears_any_size"], vllm_style, (x, big, b, a))
     assert report.final()["shared_input_linears_any_size"] == 1 and op_changes(report)[MM] == (3, 0)
+    assert op_changes(report)[OP] == (0, 1)
     _assert_equal(out, vllm_style(x, big, b, a))
 
 
